@@ -1,0 +1,199 @@
+"""The run configuration a user writes (TOML), validated with errors that name the field.
+
+Presets are starting points: ``demo`` is the calibrated tiny DiPaCo that finishes in about ten
+minutes on two CPU cores (see docs/results.md); ``tiny`` is for tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+import tomllib
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dipaco.errors import ConfigError
+from dipaco.model.topology import Topology
+from dipaco.model.transformer import ModelConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    vocab_size: int = Field(4096, ge=256, le=1 << 20)
+    dim: int = Field(128, gt=0)
+    n_layers: int = Field(4, gt=0)
+    n_heads: int = Field(4, gt=0)
+    ffn_hidden: int = Field(0, ge=0)
+    max_seq_len: int = Field(128, gt=0)
+
+
+class TopologySection(_Section):
+    levels: str = "2x2"
+    shared: list[Literal["embed", "head"]] = ["embed", "head"]
+    private_blocks_before: int = Field(0, ge=0)
+    private_blocks_after: int = Field(0, ge=0)
+    blocks_per_level: list[int] | None = None
+
+
+class DataSection(_Section):
+    source: str = "builtin"
+    text_field: str = "text"
+    max_docs: int | None = Field(None, gt=0)
+    val_fraction: float = Field(0.03, gt=0, lt=0.5)
+    heldout_fraction: float = Field(0.05, ge=0, lt=0.5)
+    tokenizer_sample_chars: int = Field(3_000_000, gt=10_000)
+    min_doc_tokens: int = Field(64, ge=33)
+
+
+class RoutingSection(_Section):
+    method: Literal["kmeans", "product"] = "kmeans"
+    balance: float = Field(0.5, ge=0, le=1)
+    prefix_tokens: int = Field(32, gt=0)
+
+
+class TrainSection(_Section):
+    seed: int = 0
+    batch_size: int = Field(16, gt=0)
+    seq_len: int = Field(128, gt=1)
+    lr: float = Field(2e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    pretrain_steps: int = Field(60, ge=0)
+    inner_steps: int = Field(25, gt=0)
+    rounds: int = Field(8, gt=0)
+
+
+class OuterSection(_Section):
+    lr: float = Field(0.7, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    sqrt_rescale: bool = True
+    weight_by_tokens: bool = True
+
+
+class SchedulerSection(_Section):
+    lease_seconds: float = Field(300.0, gt=0)
+    heartbeat_seconds: float = Field(5.0, gt=0)
+
+
+class EvalSection(_Section):
+    max_docs: int | None = Field(None, gt=0)
+    every_round: bool = True
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    model: ModelSection = ModelSection()
+    topology: TopologySection = TopologySection()
+    data: DataSection = DataSection()
+    routing: RoutingSection = RoutingSection()
+    train: TrainSection = TrainSection()
+    outer: OuterSection = OuterSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    eval: EvalSection = EvalSection()
+    baseline: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"train.seq_len ({self.train.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})"
+            )
+        if self.routing.prefix_tokens >= self.train.seq_len:
+            raise ValueError("routing.prefix_tokens must be shorter than train.seq_len")
+        self.build_model_config()
+        self.build_topology()
+        return self
+
+    def build_model_config(self) -> ModelConfig:
+        return ModelConfig(**self.model.model_dump())
+
+    def build_topology(self) -> Topology:
+        t = self.topology
+        return Topology.parse(
+            t.levels,
+            self.model.n_layers,
+            shared=tuple(t.shared),
+            private_blocks_before=t.private_blocks_before,
+            private_blocks_after=t.private_blocks_after,
+            blocks_per_level=t.blocks_per_level,
+        )
+
+    @property
+    def total_steps(self) -> int:
+        """Inner steps of one path over the run, pretraining included (the LR schedule's length)."""
+        return self.train.pretrain_steps + self.train.inner_steps * self.train.rounds
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def content_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    def replace(self, **sections: dict) -> RunConfig:
+        """A copy with some sections' fields overridden, validated again."""
+        data = self.to_dict()
+        for section, values in sections.items():
+            if isinstance(values, dict):
+                data[section] = {**data[section], **values}
+            else:
+                data[section] = values
+        return load_config_dict(data)
+
+
+def load_config_dict(data: dict, origin: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"{origin}: {problems}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{origin}: {exc}") from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    preset = data.pop("preset", None)
+    if preset is not None:
+        base = preset_config(preset).to_dict()
+        for key, value in data.items():
+            base[key] = {**base[key], **value} if isinstance(value, dict) and key in base else value
+        data = base
+    return load_config_dict(data, origin=str(path))
+
+
+PRESETS: dict[str, dict] = {
+    # Calibrated on 2 CPU cores (shared/reference/calibration.md): width 128, 4 layers, seq 128,
+    # batch 16, 60 pretraining steps then 8 rounds of H = 25: about ten minutes in all.
+    "demo": {"name": "demo"},
+    "tiny": {
+        "name": "tiny",
+        "model": {"vocab_size": 512, "dim": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 64},
+        "data": {"max_docs": 400, "tokenizer_sample_chars": 300_000},
+        "train": {"batch_size": 8, "seq_len": 64, "lr": 3e-3, "warmup_steps": 4,
+                  "pretrain_steps": 20, "inner_steps": 8, "rounds": 3},
+        "scheduler": {"lease_seconds": 60.0, "heartbeat_seconds": 1.0},
+        "eval": {"max_docs": 40},
+    },
+}
+
+
+def preset_config(name: str) -> RunConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return load_config_dict(PRESETS[name], origin=f"preset {name}")

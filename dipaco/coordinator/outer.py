@@ -1,0 +1,63 @@
+"""The outer step of one module: DiPaCo Algorithm 1, lines 12-14, with section 2.7's two tweaks.
+
+For module (l, e) with paths i through it, each reporting delta_i = theta_{t-1} - theta_i^t:
+
+    g = s * sum_i alpha_i * delta_i          (the outer gradient)
+    alpha_i = tokens_i / sum_j tokens_j      (loss reweighing by shard size, eq. 2-3; 1/n if off)
+    s = sqrt(n)                              (outer-gradient rescale by the paths through the module)
+
+then Nesterov momentum SGD (DiLoCo: lr 0.7, momentum 0.9), with PyTorch's convention:
+
+    b <- mu * b + g ;   theta <- theta - lr * (g + mu * b)     (b starts at zero)
+
+Pure functions over named tensors: the golden tests in tests/unit/test_outer.py check them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class OuterSettings:
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    sqrt_rescale: bool = True
+    weight_by_tokens: bool = True
+
+
+def outer_gradient(deltas: list[tuple[Tensors, int]], s: OuterSettings) -> Tensors:
+    """Weighted average of the paths' deltas, rescaled by sqrt(number of paths)."""
+    if not deltas:
+        raise ValueError("an outer step needs at least one delta")
+    n = len(deltas)
+    total = sum(tokens for _, tokens in deltas)
+    weights = [
+        tokens / total if s.weight_by_tokens and total > 0 else 1.0 / n for _, tokens in deltas
+    ]
+    scale = math.sqrt(n) if s.sqrt_rescale else 1.0
+    names = deltas[0][0].keys()
+    return {
+        name: scale * sum(w * d[name].double() for w, (d, _) in zip(weights, deltas, strict=True)).float()
+        for name in names
+    }
+
+
+def nesterov_step(
+    params: Tensors, momentum: Tensors | None, grad: Tensors, s: OuterSettings
+) -> tuple[Tensors, Tensors]:
+    """New parameters and momentum buffers; inputs are left untouched."""
+    new_params, new_momentum = {}, {}
+    for name, theta in params.items():
+        g = grad[name].to(theta.dtype)
+        b = s.momentum * momentum[name] + g if momentum is not None else g.clone()
+        update = g + s.momentum * b if s.nesterov else b
+        new_params[name] = theta - s.lr * update
+        new_momentum[name] = b
+    return new_params, new_momentum

@@ -1,0 +1,160 @@
+"""The module store: every module's parameters, versioned, with its outer momentum, on disk.
+
+Layout under the store folder, per module id ``mid``::
+
+    modules/<mid>/head.json          {"version": v, "hash": ...}   the commit point
+    modules/<mid>/v<v>.dpt           parameters at version v
+    modules/<mid>/m<v>.dpt           outer momentum after producing version v (absent for v0)
+    deltas/<mid>/v<v>/P<p>.dpt       a path's delta against version v, durable before it is acked
+
+An outer step writes v+1 and m(v+1) (temp, fsync, rename), then rewrites head.json: a crash
+before the head moves leaves version v and its deltas in place, so the step is redone on start;
+a crash after it leaves stale deltas of version v, which are discarded. Files are checksummed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dipaco.coordinator.outer import OuterSettings, nesterov_step, outer_gradient
+from dipaco.errors import CorruptFileError
+from dipaco.fileio import write_json_atomic
+from dipaco.protocols.wire import (
+    Frame,
+    read_tensor_file,
+    tensors_sha256,
+    write_tensor_file,
+)
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+KEEP_VERSIONS = 2
+
+
+@dataclass
+class PendingDelta:
+    path: int
+    tokens: int
+    task_id: str
+    peer_id: str
+    file: Path
+
+
+@dataclass
+class ModuleRecord:
+    version: int
+    hash: str
+    params: Tensors
+    momentum: Tensors | None
+    pending: dict[int, PendingDelta] = field(default_factory=dict)
+
+
+class ModuleStore:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.modules: dict[str, ModuleRecord] = {}
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def initialize(self, modules: dict[str, Tensors]) -> None:
+        """Write version 0 of every module not already in the store, then load them all."""
+        for mid, tensors in modules.items():
+            folder = self.root / "modules" / mid
+            if (folder / "head.json").exists():
+                continue
+            tensors = {k: v.detach().float().contiguous() for k, v in tensors.items()}
+            write_tensor_file(folder / "v0.dpt", Frame("ModuleRelease", {"module": mid, "version": 0}, tensors))
+            write_json_atomic(folder / "head.json", {"version": 0, "hash": tensors_sha256(tensors)})
+        self.load(list(modules))
+
+    def load(self, module_ids: list[str]) -> None:
+        for mid in module_ids:
+            folder = self.root / "modules" / mid
+            head = self._read_head(folder / "head.json")
+            v = head["version"]
+            params = read_tensor_file(folder / f"v{v}.dpt").tensors
+            if tensors_sha256(params) != head["hash"]:
+                raise CorruptFileError(f"{folder / f'v{v}.dpt'}: content hash differs from head.json")
+            momentum = read_tensor_file(folder / f"m{v}.dpt").tensors if v > 0 else None
+            record = ModuleRecord(v, head["hash"], params, momentum)
+            self._discard_uncommitted(mid, folder, v)
+            record.pending = self._load_pending(mid, v)
+            self.modules[mid] = record
+
+    @staticmethod
+    def _read_head(path: Path) -> dict:
+        try:
+            head = json.loads(path.read_text())
+            if not isinstance(head.get("version"), int) or not isinstance(head.get("hash"), str):
+                raise ValueError("missing version or hash")
+            return head
+        except FileNotFoundError:
+            raise CorruptFileError(f"{path}: missing (module was never initialised?)") from None
+        except (ValueError, AttributeError) as exc:
+            raise CorruptFileError(f"{path}: unreadable module head: {exc}") from None
+
+    def _discard_uncommitted(self, mid: str, folder: Path, version: int) -> None:
+        """Files of a half-done outer step (newer than the head) and old deltas go away."""
+        for f in folder.glob("*.dpt"):
+            if int(f.stem[1:]) > version:
+                log.warning("module %s: rolling back uncommitted %s", mid, f.name)
+                f.unlink()
+        for d in (self.root / "deltas" / mid).glob("v*"):
+            if int(d.name[1:]) < version:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _load_pending(self, mid: str, version: int) -> dict[int, PendingDelta]:
+        pending = {}
+        for f in sorted((self.root / "deltas" / mid / f"v{version}").glob("P*.dpt")):
+            fields = read_tensor_file(f).fields
+            pending[fields["path"]] = PendingDelta(
+                fields["path"], fields["tokens"], fields["task_id"], fields["peer_id"], f
+            )
+        return pending
+
+    # ---- reads --------------------------------------------------------------------------------
+    def version(self, mid: str) -> int:
+        return self.modules[mid].version
+
+    def params(self, mid: str) -> Tensors:
+        return self.modules[mid].params
+
+    # ---- writes -------------------------------------------------------------------------------
+    def add_delta(self, mid: str, path: int, tokens: int, task_id: str, peer_id: str, delta: Tensors) -> None:
+        """Durably record a path's delta against the module's current version (then it may be acked)."""
+        record = self.modules[mid]
+        file = self.root / "deltas" / mid / f"v{record.version}" / f"P{path}.dpt"
+        meta = {"path": path, "tokens": tokens, "task_id": task_id, "peer_id": peer_id,
+                "base_version": record.version}
+        write_tensor_file(file, Frame("Delta", meta, delta))
+        record.pending[path] = PendingDelta(path, tokens, task_id, peer_id, file)
+
+    def outer_step(self, mid: str, settings: OuterSettings) -> dict:
+        """Average the pending deltas (in path order, for determinism), step, commit version v+1."""
+        record = self.modules[mid]
+        folder = self.root / "modules" / mid
+        deltas = [
+            (read_tensor_file(p.file).tensors, p.tokens)
+            for _, p in sorted(record.pending.items())
+        ]
+        grad = outer_gradient(deltas, settings)
+        params, momentum = nesterov_step(record.params, record.momentum, grad, settings)
+        v = record.version + 1
+        write_tensor_file(folder / f"v{v}.dpt", Frame("ModuleRelease", {"module": mid, "version": v}, params))
+        write_tensor_file(folder / f"m{v}.dpt", Frame("OuterMomentum", {"module": mid, "version": v}, momentum))
+        digest = tensors_sha256(params)
+        write_json_atomic(folder / "head.json", {"version": v, "hash": digest})
+        old_deltas = self.root / "deltas" / mid / f"v{record.version}"
+        paths = sorted(record.pending)
+        self.modules[mid] = ModuleRecord(v, digest, params, momentum)
+        shutil.rmtree(old_deltas, ignore_errors=True)
+        for stale in (f"v{v - KEEP_VERSIONS}.dpt", f"m{v - KEEP_VERSIONS}.dpt"):
+            (folder / stale).unlink(missing_ok=True)
+        grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grad.values())))
+        return {"module": mid, "version": v, "paths": paths, "outer_grad_norm": grad_norm}

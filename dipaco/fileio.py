@@ -1,0 +1,67 @@
+"""Atomic file writes: data goes to a temporary name, is fsynced, then renamed into place.
+
+A reader therefore sees either the old file or the complete new one, never a partial write,
+even if the writer crashes or the machine loses power.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from types import TracebackType
+
+
+class AtomicFile:
+    """A binary file that appears at ``path`` only on ``commit`` (or a clean ``with`` exit)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide shared artifacts from other users
+        self._tmp = Path(tmp)
+        self._file = os.fdopen(fd, "wb")
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._file.write(data)
+
+    def commit(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+        # The rename itself is only durable once the directory entry is on disk.
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def abort(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> AtomicFile:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    with AtomicFile(path) as f:
+        f.write(data)
+
+
+def write_json_atomic(path: str | Path, obj: object) -> None:
+    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())

@@ -1,0 +1,110 @@
+"""The inner optimizer: AdamW with linear warmup and cosine decay, gradient clipping.
+
+DiLoCo / DiPaCo inner loop (DiPaCo Algorithm 1, lines 5-9): each path trains alone for H steps.
+The learning-rate schedule is global over a path's whole run (``step_offset`` places a task's H
+steps on it), so a task's steps are a pure function of its inputs: the same task trained twice
+gives the same parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class InnerSettings:
+    lr: float
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.95)
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        floor = self.lr * self.min_lr_ratio
+        return floor + (self.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: nn.Module, s: InnerSettings) -> torch.optim.AdamW:
+    """AdamW; no weight decay on norms (1-D tensors), as usual for Llama-style models."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=s.lr,
+        betas=s.betas,
+        foreach=True,
+    )
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over a batch of windows (B, T+1)."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def train_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[torch.Tensor],
+    settings: InnerSettings,
+    *,
+    steps: int,
+    step_offset: int,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Run ``steps`` optimizer steps; returns the training loss of each."""
+    model.train()
+    losses = []
+    for i in range(steps):
+        lr = settings.lr_at(step_offset + i)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = lm_loss(model, next(batches))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step_offset + i, losses[-1])
+    return losses
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
+    """AdamW state as named tensors (``exp_avg/<param>``, ...), for a pickle-free file."""
+    out: dict[str, torch.Tensor] = {}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for name, p in zip(names, params, strict=True):
+        for key, value in optimizer.state.get(p, {}).items():
+            out[f"{key}/{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return out
+
+
+def load_optimizer_state_tensors(
+    optimizer: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor]
+) -> None:
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for name, p in zip(names, params, strict=True):
+        state = {key.split("/", 1)[0]: t for key, t in tensors.items() if key.split("/", 1)[1] == name}
+        if state:
+            optimizer.state[p] = {k: v.clone() for k, v in state.items()}
+
+
+def param_names_in_optimizer_order(model: nn.Module) -> list[str]:
+    named = dict(model.named_parameters())
+    by_id = {id(p): n for n, p in named.items()}
+    decay = [by_id[id(p)] for p in model.parameters() if p.dim() >= 2]
+    no_decay = [by_id[id(p)] for p in model.parameters() if p.dim() < 2]
+    return decay + no_decay

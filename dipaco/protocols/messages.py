@@ -1,0 +1,213 @@
+"""Typed records exchanged between peers and coordinators, and their wire form.
+
+Every message is a dataclass registered under its class name. Scalar fields travel in the JSON
+header; a message's ``tensors`` field (named ``"<module id>/<parameter>"``) travels as raw bytes.
+Decoding checks each field's type against the annotation, so a frame with a missing, unknown or
+mistyped field is a :class:`~dipaco.errors.WireError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dipaco.errors import WireError
+from dipaco.protocols.wire import DEFAULT_LIMITS, Frame, Limits, decode, encode
+
+REGISTRY: dict[str, type] = {}
+
+
+def message(cls: type) -> type:
+    cls = dataclass(cls)
+    REGISTRY[cls.__name__] = cls
+    return cls
+
+
+# ---- peer -> coordinator ----------------------------------------------------------------------
+
+
+@message
+class Hello:
+    peer_id: str
+    device: str = "cpu"
+    capabilities: dict[str, Any] = field(default_factory=dict)
+
+
+@message
+class ClaimTask:
+    peer_id: str
+    prefer_path: int | None = None
+
+
+@message
+class FetchModules:
+    peer_id: str
+    task_id: str
+    have: dict[str, int] = field(default_factory=dict)  # module id -> version the peer has cached
+
+
+@message
+class Heartbeat:
+    peer_id: str
+    task_id: str | None = None
+    step: int = 0
+
+
+@message
+class SubmitDelta:
+    peer_id: str
+    task_id: str
+    path: int
+    base_versions: dict[str, int]
+    tokens: int
+    losses: list[float]  # the training loss of each inner step
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@message
+class ReleaseTask:
+    peer_id: str
+    task_id: str
+
+
+@message
+class GetStatus:
+    pass
+
+
+# ---- coordinator -> peer ----------------------------------------------------------------------
+
+
+@message
+class Welcome:
+    run_id: str
+    config: dict[str, Any]
+
+
+@message
+class TaskOffer:
+    task_id: str
+    path: int
+    round: int
+    module_versions: dict[str, int]
+    inner_steps: int
+    step_offset: int
+    total_steps: int
+    lease_seconds: float
+    seed: int
+
+
+@message
+class NoTask:
+    reason: str
+    retry_after: float
+    finished: bool
+
+
+@message
+class Modules:
+    versions: dict[str, int]
+    hashes: dict[str, str]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@message
+class HeartbeatAck:
+    lease_ok: bool
+    deadline_in: float
+
+
+@message
+class DeltaAck:
+    accepted: list[str]
+    closed: list[str]  # modules whose round this delta completed
+
+
+@message
+class Ok:
+    pass
+
+
+@message
+class Status:
+    state: dict[str, Any]
+
+
+@message
+class Error:
+    reason: str
+    message: str
+
+
+Message = Any  # any of the registered dataclasses
+
+
+def to_frame(msg: Message) -> Frame:
+    name = type(msg).__name__
+    if REGISTRY.get(name) is not type(msg):
+        raise WireError(f"{name} is not a registered message")
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg) if f.name != "tensors"}
+    return Frame(name, fields, getattr(msg, "tensors", {}))
+
+
+def from_frame(frame: Frame) -> Message:
+    cls = REGISTRY.get(frame.type)
+    if cls is None:
+        raise WireError(f"unknown message type {frame.type!r}")
+    hints = typing.get_type_hints(cls)
+    declared = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(frame.fields) - set(declared) | ({"tensors"} & set(frame.fields))
+    if unknown:
+        raise WireError(f"{frame.type}: unknown fields {sorted(unknown)}")
+    if frame.tensors and "tensors" not in declared:
+        raise WireError(f"{frame.type} carries no tensors, got {len(frame.tensors)}")
+    kwargs: dict[str, Any] = {}
+    for name, f in declared.items():
+        if name == "tensors":
+            kwargs[name] = frame.tensors
+            continue
+        if name not in frame.fields:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise WireError(f"{frame.type}: missing field {name!r}")
+            continue
+        value = frame.fields[name]
+        if not _conforms(value, hints[name]):
+            raise WireError(f"{frame.type}.{name}: {value!r:.80} is not a {hints[name]}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _conforms(value: Any, tp: Any) -> bool:
+    if tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is dict:
+        kt, vt = typing.get_args(tp)
+        return isinstance(value, dict) and all(
+            _conforms(k, kt) and _conforms(v, vt) for k, v in value.items()
+        )
+    if origin is list:
+        (it,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_conforms(v, it) for v in value)
+    return isinstance(value, tp)
+
+
+def encode_message(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    return encode(to_frame(msg), limits)
+
+
+def decode_message(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:
+    return from_frame(decode(data, limits))

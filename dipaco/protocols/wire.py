@@ -1,0 +1,184 @@
+"""Wire encoding: a JSON header plus raw tensor bytes. Nothing is ever unpickled.
+
+Frame layout (all integers little-endian)::
+
+    b"DPCO" | u8 version | u32 header_len | header (UTF-8 JSON) | tensor bytes
+
+The header is ``{"type": str, "fields": {...}, "tensors": [[name, dtype, shape], ...]}``; tensor
+payloads follow in header order, each exactly ``prod(shape) * itemsize`` bytes. Decoding checks
+every length before it reads, allows only the dtypes in :data:`DTYPES`, and enforces size limits,
+so a malformed, truncated or oversized frame is a :class:`~dipaco.errors.WireError`, never a crash.
+The same frames are used on disk (:func:`write_tensor_file`) with a trailing SHA-256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dipaco.errors import CorruptFileError, WireError
+from dipaco.fileio import write_atomic
+
+MAGIC = b"DPCO"
+VERSION = 1
+_PREFIX = struct.Struct("<4sBI")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_header_bytes: int = 4 << 20
+    max_total_bytes: int = 4 << 30
+    max_tensors: int = 100_000
+    max_ndim: int = 8
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass
+class Frame:
+    type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    specs, payloads = [], []
+    for name, tensor in frame.tensors.items():
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise WireError(f"tensor {name!r} has dtype {tensor.dtype}, not one of {sorted(DTYPES)}")
+        t = tensor.detach().to("cpu").contiguous()
+        specs.append([name, _DTYPE_NAMES[t.dtype], list(t.shape)])
+        payloads.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    try:
+        header = json.dumps(
+            {"type": frame.type, "fields": frame.fields, "tensors": specs},
+            separators=(",", ":"),
+            allow_nan=False,
+        ).encode()
+    except (TypeError, ValueError) as exc:
+        raise WireError(f"fields of {frame.type} are not plain JSON values: {exc}") from None
+    if len(header) > limits.max_header_bytes:
+        raise WireError(f"header of {len(header)} bytes exceeds the limit {limits.max_header_bytes}")
+    body = b"".join(payloads)
+    total = _PREFIX.size + len(header) + len(body)
+    if total > limits.max_total_bytes:
+        raise WireError(f"message of {total} bytes exceeds the limit {limits.max_total_bytes}")
+    return _PREFIX.pack(MAGIC, VERSION, len(header)) + header + body
+
+
+def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Frame:
+    view = memoryview(data)
+    if len(view) > limits.max_total_bytes:
+        raise WireError(f"message of {len(view)} bytes exceeds the limit {limits.max_total_bytes}")
+    if len(view) < _PREFIX.size:
+        raise WireError(f"truncated message: {len(view)} bytes, shorter than the {_PREFIX.size}-byte prefix")
+    magic, version, header_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise WireError(f"not a dipaco message (magic {bytes(magic)!r})")
+    if version != VERSION:
+        raise WireError(f"unsupported wire version {version} (this build speaks {VERSION})")
+    if header_len > limits.max_header_bytes:
+        raise WireError(f"header of {header_len} bytes exceeds the limit {limits.max_header_bytes}")
+    end = _PREFIX.size + header_len
+    if len(view) < end:
+        raise WireError(f"truncated message: header needs {header_len} bytes, {len(view) - _PREFIX.size} present")
+    try:
+        header = json.loads(bytes(view[_PREFIX.size : end]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+        raise WireError("header must be an object with a string 'type'")
+    fields, specs = header.get("fields", {}), header.get("tensors", [])
+    if not isinstance(fields, dict) or not isinstance(specs, list):
+        raise WireError("header 'fields' must be an object and 'tensors' a list")
+    if len(specs) > limits.max_tensors:
+        raise WireError(f"{len(specs)} tensors exceed the limit {limits.max_tensors}")
+    tensors: dict[str, torch.Tensor] = {}
+    offset = end
+    for spec in specs:
+        name, dtype, shape = _check_spec(spec, limits)
+        if name in tensors:
+            raise WireError(f"tensor {name!r} appears twice")
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        if offset + nbytes > len(view):
+            raise WireError(
+                f"truncated message: tensor {name!r} needs {nbytes} bytes, {len(view) - offset} remain"
+            )
+        raw = bytearray(view[offset : offset + nbytes])  # a private, writable copy
+        flat = torch.frombuffer(raw, dtype=DTYPES[dtype]) if nbytes else torch.empty(0, dtype=DTYPES[dtype])
+        tensors[name] = flat.reshape(shape)
+        offset += nbytes
+    if offset != len(view):
+        raise WireError(f"{len(view) - offset} unexpected trailing bytes after the last tensor")
+    return Frame(header["type"], fields, tensors)
+
+
+def _check_spec(spec: Any, limits: Limits) -> tuple[str, str, list[int]]:
+    if not (isinstance(spec, list) and len(spec) == 3):
+        raise WireError(f"tensor spec {spec!r} is not [name, dtype, shape]")
+    name, dtype, shape = spec
+    if not isinstance(name, str):
+        raise WireError(f"tensor name {name!r} is not a string")
+    if dtype not in DTYPES:
+        raise WireError(f"tensor {name!r} has unknown or forbidden dtype {dtype!r}; allowed: {sorted(DTYPES)}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > limits.max_ndim
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise WireError(f"tensor {name!r} has an invalid shape {shape!r}")
+    if math.prod(shape) * DTYPES[dtype].itemsize > limits.max_total_bytes:
+        raise WireError(f"tensor {name!r} of shape {shape} exceeds the size limit")
+    return name, dtype, shape
+
+
+# ---- crash-safe files in the same format ------------------------------------------------------
+
+
+def write_tensor_file(path: str | Path, frame: Frame) -> None:
+    data = encode(frame)
+    write_atomic(path, data + hashlib.sha256(data).digest())
+
+
+def read_tensor_file(path: str | Path) -> Frame:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CorruptFileError(f"{path}: file is missing") from None
+    if len(raw) < 32 or hashlib.sha256(raw[:-32]).digest() != raw[-32:]:
+        raise CorruptFileError(f"{path}: checksum mismatch (truncated or corrupt file)")
+    try:
+        return decode(memoryview(raw)[:-32])
+    except WireError as exc:
+        raise CorruptFileError(f"{path}: {exc}") from None
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """Content hash of named tensors (order-independent)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{_DTYPE_NAMES.get(t.dtype, str(t.dtype))}|{list(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
