@@ -68,7 +68,7 @@ def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
             raise WireError(f"tensor {name!r} has dtype {tensor.dtype}, not one of {sorted(DTYPES)}")
         t = tensor.detach().to("cpu").contiguous()
         specs.append([name, _DTYPE_NAMES[t.dtype], list(t.shape)])
-        payloads.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        payloads.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     try:
         header = json.dumps(
             {"type": frame.type, "fields": frame.fields, "tensors": specs},
@@ -180,5 +180,5 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         h.update(f"{name}|{_DTYPE_NAMES.get(t.dtype, str(t.dtype))}|{list(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()

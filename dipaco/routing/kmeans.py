@@ -335,12 +335,13 @@ def _nearest(z: np.ndarray, centroids: np.ndarray, offsets: np.ndarray) -> np.nd
 def _balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarray:
     """Offsets o (K,) so that argmin_k (scores + o) puts every cluster's count in [lo, hi].
 
-    Two monotone passes, in the manner of an auction: first every over-full cluster raises its
-    offset by exactly enough to shed its surplus (its members with the smallest margin over
-    their second choice move there), until no cluster holds more than ``hi``; then every
-    under-full cluster lowers its offset by exactly enough to pull in its deficit (the
-    outsiders with the smallest gap), which never pushes any cluster above ``hi``. Offsets only
-    rise in the first pass and only fall in the second, so neither pass cycles.
+    A deterministic auction on the clusters' offsets ("prices"), first for the upper bound,
+    then for the lower one. Cheap greedy steps move the bulk: an over-full cluster raises its
+    offset by exactly enough to shed its surplus to their second choices (an under-full one
+    lowers it to pull in its deficit). Greedy steps alone end in a long price war once every
+    cluster is nearly full, so the remainder is moved by successive shortest paths: each step
+    reprices a whole chain of clusters so that one document moves from a cluster with surplus
+    to the nearest one with room (minimum-cost-flow augmentation on the K-node cluster graph).
     """
     n, k = scores.shape
     if balance == 0.0 or k == 1:
@@ -349,28 +350,35 @@ def _balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarra
     lo = math.floor(n * balance / k + 1e-9)
     hi = math.ceil(n * (2.0 - balance) / k - 1e-9)
     market = _Market(scores)
-    max_steps = 100 * k + 1000
-    steps = 0
-    while steps < max_steps:
+    greedy_steps = 4 * k
+    max_augment = n
+    for _ in range(greedy_steps):
         j = int(np.argmax(market.counts))
         if market.counts[j] <= hi:
             break
         market.shed(j, int(market.counts[j]) - hi)
-        steps += 1
-    while steps < max_steps:
+    for _ in range(max_augment):
+        if market.counts.max() <= hi:
+            break
+        if not market.augment(market.counts > hi, market.counts < hi):
+            break
+    for _ in range(greedy_steps):
         j = int(np.argmin(market.counts))
         if market.counts[j] >= lo:
             break
         market.pull(j, lo - int(market.counts[j]))
-        steps += 1
+    for _ in range(max_augment):
+        if market.counts.min() >= lo:
+            break
+        if not market.augment(market.counts > lo, market.counts < lo):
+            break
 
     final = np.bincount(np.argmin(scores + market.offsets, axis=1), minlength=k)
     if final.min() < lo or final.max() > hi:
         logger.warning(
-            "k-means balance for %s not met after %d steps: cluster sizes %d..%d, wanted "
-            "%d..%d of %d documents; keeping the offsets found",
+            "k-means balance for %s not met: cluster sizes %d..%d, wanted %d..%d of %d "
+            "documents (exact ties cannot be split); keeping the offsets found",
             what,
-            steps,
             final.min(),
             final.max(),
             lo,
@@ -381,16 +389,22 @@ def _balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarra
 
 
 class _Market:
-    """Documents choosing argmin_k (scores + offsets), updated incrementally as offsets move."""
+    """Documents choosing argmin_k (scores + offsets), kept current as the offsets move."""
 
     def __init__(self, scores: np.ndarray) -> None:
-        n, k = scores.shape
-        self.k = k
+        self.k = scores.shape[1]
         self.cost = scores.copy()
-        self.offsets = np.zeros(k)
+        self.offsets = np.zeros(self.k)
+        self._refresh()
+
+    def _refresh(self) -> None:
         self.choice = np.argmin(self.cost, axis=1)
-        self.best = self.cost[np.arange(n), self.choice]
-        self.counts = np.bincount(self.choice, minlength=k)
+        self.best = self.cost[np.arange(self.cost.shape[0]), self.choice]
+        self.counts = np.bincount(self.choice, minlength=self.k)
+
+    def _move_offsets(self, delta: np.ndarray) -> None:
+        self.offsets += delta
+        self.cost += delta
 
     def shed(self, j: int, surplus: int) -> None:
         """Raise offset j so that its ``surplus`` weakest members move to their second choice."""
@@ -424,6 +438,72 @@ class _Market:
         self.counts[j] += moved.size
         self.choice[moved] = j
         self.best[moved] = self.cost[moved, j]
+
+    def augment(self, sources: np.ndarray, sinks: np.ndarray) -> bool:
+        """Move one document from a source cluster to the cheapest-to-reach sink cluster.
+
+        Dijkstra from the sources over edge weights W[a, b] = the cheapest extra cost of moving
+        one member of a to b. Raising every settled cluster's offset by (d_t - d_a) makes the
+        shortest-path tree tight without changing any choice; a perturbation far below every
+        other margin (falling along the path, rising away from it) then tips exactly one
+        document across each edge of the path to t and keeps every other tie where it is.
+        Returns False when no sink is reachable.
+        """
+        k = self.k
+        reduced = self.cost - self.best[:, None]
+        weight = np.full((k, k), np.inf)
+        via = np.zeros((k, k), dtype=np.int64)
+        for a in range(k):
+            members = np.flatnonzero(self.choice == a)
+            if members.size:
+                rows = reduced[members]
+                pick = np.argmin(rows, axis=0)
+                weight[a] = rows[pick, np.arange(k)]
+                via[a] = members[pick]
+            weight[a, a] = np.inf
+
+        dist = np.where(sources, 0.0, np.inf)
+        parent = np.full(k, -1)
+        settled = np.zeros(k, dtype=bool)
+        target = -1
+        for _ in range(k):
+            u = int(np.argmin(np.where(settled, np.inf, dist)))
+            if settled[u] or not math.isfinite(dist[u]):
+                break
+            settled[u] = True
+            if sinks[u]:
+                target = u
+                break
+            better = ~settled & (dist[u] + weight[u] < dist)
+            dist[better] = dist[u] + weight[u, better]
+            parent[better] = u
+        if target < 0:
+            return False
+
+        raise_by = np.where(settled, dist[target] - dist, 0.0)
+        path = [target]
+        while parent[path[-1]] >= 0:
+            path.append(int(parent[path[-1]]))
+        path.reverse()
+        depth = np.zeros(k, dtype=np.int64)
+        for c in np.argsort(dist, kind="stable"):
+            if settled[c] and parent[c] >= 0:
+                depth[c] = depth[parent[c]] + 1
+        m = len(path) - 1
+        extra = np.where(settled, m + 1 + depth, 0).astype(np.float64)
+        for j, c in enumerate(path):
+            extra[c] = m - j
+
+        # Margins left after the exact repricing, except the tight tree edges themselves.
+        after = reduced - raise_by[self.choice][:, None] + raise_by[None, :]
+        after[np.arange(after.shape[0]), self.choice] = np.inf
+        tree = np.flatnonzero(settled & (parent >= 0))
+        after[via[parent[tree], tree], tree] = np.inf
+        slack = float(after.min())
+        delta = slack / (4.0 * (k + 1)) if math.isfinite(slack) and slack > 0 else 0.0
+        self._move_offsets(raise_by + extra * delta)
+        self._refresh()
+        return True
 
 
 def _step_past(values: np.ndarray, count: int) -> float:

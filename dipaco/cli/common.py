@@ -1,0 +1,46 @@
+"""Helpers shared by the commands: logging, config selection, errors shown without tracebacks."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.logging import RichHandler
+
+from dipaco.config import RunConfig, load_config, preset_config
+from dipaco.errors import DipacoError
+
+console = Console()
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=Console(stderr=True), show_path=False)],
+    )
+
+
+def choose_config(config: str | None, preset: str | None) -> RunConfig:
+    if config:
+        return load_config(Path(config))
+    return preset_config(preset or "demo")
+
+
+def run_command(fn: Callable[[], int | None]) -> int:
+    """Run a command body; a DipacoError is a clear one-line message and exit code 2."""
+    try:
+        return fn() or 0
+    except DipacoError as exc:
+        console.print(f"[bold red]error[/] ({exc.reason}): {exc}")
+        return 2
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; the run folder keeps everything, run the same command to resume[/]")
+        return 130
+
+
+def exit_with(code: int) -> None:
+    sys.exit(code)

@@ -1,0 +1,183 @@
+"""``dipaco``: the demo, preparation and evaluation of runs on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from dipaco.cli.common import choose_config, console, exit_with, run_command, setup_logging
+from dipaco.coordinator.prepare import PreparedRun, prepare
+from dipaco.coordinator.report import plot_run, results_markdown, results_table
+from dipaco.coordinator.run import (
+    MetricsLog,
+    build_coordinator,
+    evaluate_modules,
+    run_local_peers,
+    train_dense_baseline,
+)
+from dipaco.errors import DipacoError
+from dipaco.fileio import write_json_atomic
+from dipaco.model.topology import Topology
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                    console=console)
+
+
+def run_demo(run_dir: Path, config, n_peers: int) -> int:
+    t0 = time.time()
+    c = config
+    topology = c.build_topology()
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    console.rule(f"[bold]dipaco demo[/]: DiPaCo {topology.spec} ({topology.num_paths} paths) vs dense, "
+                 f"run folder {run_dir}")
+    with _progress() as progress:
+        pre = progress.add_task("dense pretraining", total=c.train.pretrain_steps, info="")
+
+        def on_pretrain(step: int, loss: float) -> None:
+            metrics({"event": "pretrain", "step": step, "loss": loss})
+            progress.update(pre, advance=1, info=f"loss {loss:.3f}")
+
+        prep = prepare(run_dir, c, stage=lambda s: console.log(s), on_step=on_pretrain)
+        progress.update(pre, completed=c.train.pretrain_steps)
+    routing = (run_dir / "shards" / "stats.json").read_text()
+    console.log(f"routing (documents and tokens per path): {routing.strip()}")
+    _log_initial_eval(prep, metrics)
+
+    coordinator = build_coordinator(prep, metrics)
+    stop = threading.Event()
+    total = topology.num_paths * c.train.rounds * c.train.inner_steps
+    with _progress() as progress:
+        bar = progress.add_task(f"DiPaCo, {n_peers} local peers", total=total, info="")
+        resumed = sum(coordinator.path_round(p) for p in range(topology.num_paths)) * c.train.inner_steps
+        progress.update(bar, completed=resumed)
+
+        def on_event(e: dict) -> None:
+            if e["event"] == "delta":
+                progress.update(bar, advance=c.train.inner_steps,
+                                info=f"round {e['round'] + 1}/{c.train.rounds}, P{e['path']} loss {e['train_losses'][-1]:.3f}")
+            elif e["event"] == "eval" and e["model"] == "dipaco":
+                progress.console.log(f"round {e['round']}: routed validation ppl {e['ppl']:.1f}")
+
+        metrics.listeners.append(on_event)
+        threads = run_local_peers(coordinator, prep, n_peers, stop=stop)
+        try:
+            while not coordinator.finished_event.wait(0.5):
+                if not any(t.is_alive() for t in threads):
+                    raise DipacoError("every local peer stopped before the run finished (see the log above)")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+            metrics.listeners.clear()
+
+    baseline = None
+    if c.baseline:
+        steps = c.train.rounds * c.train.inner_steps
+        with _progress() as progress:
+            bar = progress.add_task("dense baseline", total=steps, info="")
+
+            def on_base(step: int, loss: float) -> None:
+                progress.update(bar, completed=step - c.train.pretrain_steps + 1, info=f"loss {loss:.3f}")
+
+            baseline = train_dense_baseline(prep, metrics, on_step=on_base)
+
+    rows = _results(prep, coordinator, baseline)
+    write_json_atomic(run_dir / "results.json", {"rows": rows, "seconds": time.time() - t0})
+    plot = plot_run(metrics.read(), run_dir / "loss_curves.png",
+                    title=f"dipaco demo: DiPaCo {topology.spec} vs dense ({c.name} preset)")
+    console.print(results_table(rows))
+    (run_dir / "results.md").write_text(results_markdown(rows) + "\n")
+    console.print(f"run folder: {run_dir}  (metrics.jsonl, results.md, loss curves: {plot})")
+    console.print(f"finished in {time.time() - t0:.0f} s")
+    return 0
+
+
+def _log_initial_eval(prep: PreparedRun, metrics: MetricsLog) -> None:
+    if any(e["event"] == "eval" and e["round"] == 0 for e in metrics.read()):
+        return
+    initial = prep.config.build_topology().init_modules(prep.initial_state())
+    result = evaluate_modules(prep, initial.__getitem__)
+    for model in ("dipaco", "dense"):
+        metrics({"event": "eval", "model": model, "round": 0, "steps_per_path": prep.config.train.pretrain_steps,
+                 "ppl": result["ppl"], "loss": result["loss"]})
+
+
+def _results(prep: PreparedRun, coordinator, baseline: dict | None) -> list[dict]:
+    c = prep.config
+    topology = c.build_topology()
+    dense_counts = Topology.parse("1", c.model.n_layers).parameter_counts(c.build_model_config())
+    counts = topology.parameter_counts(c.build_model_config())
+    per_step = c.train.batch_size * c.train.seq_len
+    steps = c.total_steps
+    final = evaluate_modules(prep, coordinator.store.params)
+    rows = [{
+        "model": f"DiPaCo {topology.spec}", "params_per_path": counts["per_path"], "total_params": counts["total"],
+        "steps_per_path": steps,
+        "tokens_seen": per_step * (c.train.pretrain_steps + topology.num_paths * c.train.rounds * c.train.inner_steps),
+        "ppl": final["ppl"],
+    }]
+    if baseline is not None:
+        rows.append({"model": "dense (same size as one path)", "params_per_path": dense_counts["per_path"],
+                     "total_params": dense_counts["total"], "steps_per_path": steps,
+                     "tokens_seen": per_step * steps, "ppl": baseline["ppl"]})
+    return rows
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    config = choose_config(args.config, args.preset)
+    run_dir = Path(args.run_dir)
+    if args.fresh and run_dir.exists():
+        shutil.rmtree(run_dir)
+    return run_demo(run_dir, config, args.peers)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from dipaco.config import load_config_dict
+    from dipaco.coordinator.store import ModuleStore
+
+    run_dir = Path(args.run_dir)
+    config = load_config_dict(json.loads((run_dir / "config.json").read_text()), origin=str(run_dir / "config.json"))
+    prep = prepare(run_dir, config)
+    store = ModuleStore(run_dir / "coordinator")
+    store.load(config.build_topology().module_ids())
+    result = evaluate_modules(prep, store.params)
+    console.print({"ppl": round(result["ppl"], 2), "tokens": result["tokens"],
+                   "per_path": {f"P{p}": round(v["ppl"], 2) for p, v in result["per_path"].items()},
+                   "module_versions": {mid: r.version for mid, r in store.modules.items()}})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dipaco", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="prepare, train DiPaCo with local peers and a dense baseline, compare")
+    demo.add_argument("--run-dir", default="runs/demo")
+    demo.add_argument("--preset", default="demo", help="demo (about 10 minutes on 2 cores) or tiny")
+    demo.add_argument("--config", help="a run config (TOML) instead of a preset")
+    demo.add_argument("--peers", type=int, default=4, help="local peers (threads)")
+    demo.add_argument("--fresh", action="store_true", help="delete the run folder first instead of resuming")
+    demo.set_defaults(fn=cmd_demo)
+    ev = sub.add_parser("eval", help="routed validation perplexity of a run folder's current modules")
+    ev.add_argument("--run-dir", required=True)
+    ev.set_defaults(fn=cmd_eval)
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    exit_with(run_command(lambda: args.fn(args)))

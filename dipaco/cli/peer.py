@@ -1,0 +1,55 @@
+"""``dipaco-peer``: join a run and train its paths until the run finishes.
+
+    dipaco-peer join 127.0.0.1:PORT --authkey-file runs/r1/coordinator/authkey
+
+Ctrl-C stops after releasing the current task, so the coordinator re-issues it at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+from dipaco.cli.common import console, exit_with, run_command, setup_logging
+from dipaco.peer.peer import Peer
+from dipaco.protocols.transport import LoopbackTransport
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    key = bytes.fromhex(Path(args.authkey_file).read_text().strip())
+    peer_id = args.peer_id or f"{socket.gethostname()}-{os.getpid()}"
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    transport = LoopbackTransport(args.address, key)
+    state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / peer_id)
+    peer = Peer(transport, peer_id, state_dir, max_tasks=args.max_tasks, stop=stop,
+                on_progress=lambda info: None)
+    console.print(f"peer {peer_id} joined {args.address}")
+    try:
+        done = peer.run()
+    finally:
+        transport.close()
+    console.print(f"peer {peer_id} left after {done} tasks")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dipaco-peer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    join = sub.add_parser("join", help="join a run at ADDRESS")
+    join.add_argument("address", help="host:port printed by dipaco-coordinator start")
+    join.add_argument("--authkey-file", required=True, help="the run's key file")
+    join.add_argument("--peer-id")
+    join.add_argument("--state-dir", help="where inner optimizer state is kept (default ~/.cache/dipaco/<id>)")
+    join.add_argument("--max-tasks", type=int)
+    join.set_defaults(fn=cmd_join)
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    exit_with(run_command(lambda: args.fn(args)))

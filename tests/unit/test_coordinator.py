@@ -1,0 +1,171 @@
+"""The coordinator core driven through its wire handler, as every transport drives it."""
+
+import pytest
+import torch
+
+from dipaco.coordinator.core import Coordinator
+from dipaco.coordinator.outer import OuterSettings
+from dipaco.errors import RejectedError
+from dipaco.model.topology import Topology
+from dipaco.model.transformer import ModelConfig, new_dense_model
+from dipaco.protocols import messages as m
+from dipaco.protocols.transport import LocalTransport
+
+CFG = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=16)
+TOPO = Topology.parse("2x2", 2)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def make(root, clock=None, rounds=2):
+    co = Coordinator(root, TOPO, rounds=rounds, inner_steps=5, step_offset=10, total_steps=30, seed=0,
+                     outer=OuterSettings(), lease_seconds=10.0, run_id="test", peer_config={},
+                     clock=clock or Clock())
+    co.start(TOPO.init_modules(new_dense_model(CFG, 0).state_dict()))
+    return co
+
+
+def claim(tr, peer, prefer=None):
+    return tr.request(m.ClaimTask(peer_id=peer, prefer_path=prefer))
+
+
+def delta_for(co, task, scale=0.01, peer="a", **override):
+    tensors = {f"{mid}/{k}": torch.full_like(v, scale) for mid in TOPO.path_modules(task.path)
+               for k, v in co.store.params(mid).items()}
+    msg = m.SubmitDelta(peer_id=peer, task_id=task.task_id, path=task.path,
+                        base_versions=task.module_versions, tokens=100, losses=[1.0], tensors=tensors)
+    for k, v in override.items():
+        setattr(msg, k, v)
+    return msg
+
+
+def test_a_round_steps_every_module_once_all_paths_report(tmp_path):
+    co = make(tmp_path)
+    tr = LocalTransport(co.handle)
+    tasks = [claim(tr, f"peer{i}") for i in range(4)]
+    assert sorted(t.path for t in tasks) == [0, 1, 2, 3]
+    assert isinstance(claim(tr, "peer9"), m.NoTask)  # every open path is leased
+    closed = []
+    for i, task in enumerate(tasks):
+        ack = tr.request(delta_for(co, task, peer=f"peer{i}"))
+        closed += ack.closed
+    assert sorted(closed) == sorted(TOPO.module_ids())
+    assert {co.store.version(mid) for mid in TOPO.module_ids()} == {1}
+    # Level modules had 2 paths through them, shared parts 4: the step differs by sqrt(2).
+    init = TOPO.init_modules(new_dense_model(CFG, 0).state_dict())
+    moved = init["L0.M0"]["layers.0.mlp.up_proj.weight"] - co.store.params("L0.M0")["layers.0.mlp.up_proj.weight"]
+    assert torch.allclose(moved, torch.full_like(moved, 0.01 * 2**0.5 * 0.7 * 1.9))
+    moved = init["S.embed"]["embed_tokens.weight"] - co.store.params("S.embed")["embed_tokens.weight"]
+    assert torch.allclose(moved, torch.full_like(moved, 0.01 * 2 * 0.7 * 1.9))
+
+
+def test_bad_deltas_are_rejected_with_reasons_and_counted(tmp_path):
+    co = make(tmp_path)
+    tr = LocalTransport(co.handle)
+    task = claim(tr, "a")
+    good = delta_for(co, task)
+    first = next(iter(good.tensors))
+    cases = {
+        "stale": {"base_versions": {mid: 7 for mid in task.module_versions}},
+        "wrong-shape": {"tensors": {**good.tensors, first: torch.zeros(3)}},
+        "non-finite": {"tensors": {**good.tensors, first: good.tensors[first] * float("nan")}},
+        "wrong-tensors": {"tensors": dict(list(good.tensors.items())[1:])},
+        "unknown-module": {"tensors": {**good.tensors, "L9.M9/w": torch.zeros(1)}},
+        "wrong-path": {"path": (task.path + 1) % 4},
+        "unknown-task": {"task_id": "P0-r0-forged"},
+        "bad-tokens": {"tokens": 0},
+    }
+    for reason, override in cases.items():
+        with pytest.raises(RejectedError) as err:
+            tr.request(delta_for(co, task, **override))
+        assert err.value.reason == reason, reason
+    with pytest.raises(RejectedError) as err:
+        tr.request(delta_for(co, task, peer="mallory"))
+    assert err.value.reason == "not-your-task"
+    status = tr.request(m.GetStatus()).state
+    assert status["rejections"] == {reason: 1 for reason in [*cases, "not-your-task"]}
+    assert status["rejections_by_peer"]["mallory"] == {"not-your-task": 1}
+    assert all(not r["pending"] for r in status["modules"].values())  # nothing bad was stored
+    tr.request(good)
+    with pytest.raises(RejectedError) as err:
+        tr.request(good)
+    assert err.value.reason == "duplicate"
+
+
+def test_garbage_bytes_get_an_error_reply_not_a_crash(tmp_path):
+    co = make(tmp_path)
+    reply = m.decode_message(co.handle(b"\x80\x04garbage"))
+    assert isinstance(reply, m.Error) and reply.reason == "bad-message"
+    reply = m.decode_message(co.handle(m.encode_message(m.Welcome(run_id="x", config={}))))
+    assert isinstance(reply, m.Error) and "not a request" in reply.message
+    assert co.status().state["rejections"]["bad-message"] == 2
+
+
+def test_expired_lease_is_reissued_and_heartbeats_keep_it(tmp_path):
+    clock = Clock()
+    co = make(tmp_path, clock)
+    tr = LocalTransport(co.handle)
+    tasks = {claim(tr, f"p{i}").path: f"p{i}" for i in range(4)}
+    assert len(tasks) == 4
+    t0 = co.status().state["leases"]
+    held = next(t for t, lease in t0.items() if lease["peer"] == "p0")
+    clock.now = 8.0
+    for i in range(1, 4):  # every peer but p0 keeps heartbeating
+        task_id = next(t for t, lease in t0.items() if lease["peer"] == f"p{i}")
+        assert tr.request(m.Heartbeat(peer_id=f"p{i}", task_id=task_id, step=3)).lease_ok
+    clock.now = 12.0
+    again = claim(tr, "p4")
+    assert isinstance(again, m.TaskOffer) and again.path == t0[held]["path"] and again.task_id != held
+    assert co.status().state["expired_leases"] == 1
+    assert not tr.request(m.Heartbeat(peer_id="p0", task_id=held)).lease_ok
+
+
+def test_affinity_gives_a_peer_its_previous_path(tmp_path):
+    co = make(tmp_path)
+    tr = LocalTransport(co.handle)
+    assert claim(tr, "a", prefer=3).path == 3
+    assert claim(tr, "b", prefer=3).path == 0  # taken: the lowest free path instead
+
+
+def test_release_reopens_the_path_at_once(tmp_path):
+    co = make(tmp_path)
+    tr = LocalTransport(co.handle)
+    task = claim(tr, "a", prefer=2)
+    tr.request(m.ReleaseTask(peer_id="a", task_id=task.task_id))
+    assert claim(tr, "b", prefer=2).path == 2
+
+
+def test_restart_keeps_acknowledged_deltas_and_rolls_back_a_half_step(tmp_path):
+    def run_round(co, paths):
+        tr = LocalTransport(co.handle)
+        for p in paths:
+            task = claim(tr, f"p{p}", prefer=p)
+            assert task.path == p
+            tr.request(delta_for(co, task, peer=f"p{p}", scale=0.01 * (p + 1)))
+
+    co = make(tmp_path / "crashed")
+    run_round(co, [0, 1, 2])
+    assert co.store.version("L0.M0") == 1  # paths 0 and 1 are all of L0.M0's paths
+    # A crash inside L0.M1's outer step: its new version file written, its head not yet moved.
+    half = tmp_path / "crashed" / "modules" / "L0.M1" / "v1.dpt"
+    half.write_bytes(b"half-written")
+    again = make(tmp_path / "crashed")
+    assert not half.exists()
+    assert again.epoch == 1
+    assert again.store.version("L0.M0") == 1 and again.store.version("L0.M1") == 0
+    assert sorted(again.store.modules["S.embed"].pending) == [0, 1, 2]  # acked deltas survived
+    assert again.open_paths() == {3: 0}  # only the path that never reported is trained again
+    run_round(again, [3])
+    assert {again.store.version(mid) for mid in TOPO.module_ids()} == {1}
+
+    reference = make(tmp_path / "reference")
+    run_round(reference, [0, 1, 2, 3])
+    for mid in TOPO.module_ids():
+        for k, v in reference.store.params(mid).items():
+            assert torch.equal(v, again.store.params(mid)[k]), (mid, k)

@@ -1,0 +1,53 @@
+"""Golden numbers for the outer step, computed by hand (see the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from dipaco.coordinator.outer import OuterSettings, nesterov_step, outer_gradient
+
+
+def t(*xs):
+    return torch.tensor(xs, dtype=torch.float32)
+
+
+def test_weighted_average_and_square_root_rescale():
+    # Two paths: deltas [1, 2] with 1,000 tokens and [3, -1] with 3,000 tokens.
+    # weights 0.25 / 0.75 -> [2.5, -0.25]; times sqrt(2) -> [3.5355339, -0.3535534]
+    deltas = [({"w": t(1, 2)}, 1000), ({"w": t(3, -1)}, 3000)]
+    g = outer_gradient(deltas, OuterSettings())
+    assert g["w"].tolist() == pytest.approx([2.5 * math.sqrt(2), -0.25 * math.sqrt(2)], abs=1e-6)
+    plain = outer_gradient(deltas, OuterSettings(sqrt_rescale=False, weight_by_tokens=False))
+    assert plain["w"].tolist() == pytest.approx([2.0, 0.5], abs=1e-7)  # the plain mean
+    one = outer_gradient([({"w": t(4, 5)}, 7)], OuterSettings())
+    assert one["w"].tolist() == pytest.approx([4.0, 5.0])  # sqrt(1) = 1, weight 1
+
+
+def test_nesterov_golden_two_steps():
+    s = OuterSettings(lr=0.7, momentum=0.9)
+    theta = {"w": t(1.0, 1.0)}
+    # step 1: b = g = [1, -2]; update = g + 0.9 b = [1.9, -3.8]; theta = 1 - 0.7 * update
+    p1, b1 = nesterov_step(theta, None, {"w": t(1.0, -2.0)}, s)
+    assert b1["w"].tolist() == pytest.approx([1.0, -2.0])
+    assert p1["w"].tolist() == pytest.approx([1 - 1.33, 1 + 2.66])
+    # step 2: g = [0.5, 0.5]; b = 0.9 * [1, -2] + g = [1.4, -1.3]
+    # update = g + 0.9 b = [1.76, -0.67]; theta = [-0.33, 3.66] - 0.7 * update = [-1.562, 4.129]
+    p2, b2 = nesterov_step(p1, b1, {"w": t(0.5, 0.5)}, s)
+    assert b2["w"].tolist() == pytest.approx([1.4, -1.3])
+    assert p2["w"].tolist() == pytest.approx([-1.562, 4.129], abs=1e-5)
+    assert theta["w"].tolist() == [1.0, 1.0]  # inputs untouched
+
+
+def test_nesterov_agrees_with_torch_sgd():
+    torch.manual_seed(0)
+    s = OuterSettings(lr=0.7, momentum=0.9)
+    w = torch.nn.Parameter(torch.randn(5))
+    sgd = torch.optim.SGD([w], lr=0.7, momentum=0.9, nesterov=True)
+    params, momentum = {"w": w.detach().clone()}, None
+    for _ in range(4):
+        g = torch.randn(5)
+        w.grad = g.clone()
+        sgd.step()
+        params, momentum = nesterov_step(params, momentum, {"w": g}, s)
+        assert torch.allclose(params["w"], w.detach(), atol=1e-6)

@@ -1,0 +1,96 @@
+import pytest
+import torch
+
+from dipaco.errors import ConfigError
+from dipaco.model.topology import Topology
+from dipaco.model.transformer import ModelConfig, PathModel, new_dense_model
+
+CFG = ModelConfig(vocab_size=97, dim=32, n_layers=4, n_heads=2, max_seq_len=32)
+
+
+def test_2x2_has_four_paths_through_six_modules():
+    t = Topology.parse("2x2", 4)
+    assert t.num_paths == 4
+    assert t.module_ids() == ["S.embed", "S.head", "L0.M0", "L0.M1", "L1.M0", "L1.M1"]
+    assert t.path_modules(2) == ["S.embed", "L0.M1", "L1.M0", "S.head"]
+    assert t.paths_through("L1.M0") == [0, 2]
+    assert t.paths_through("S.embed") == [0, 1, 2, 3]
+    assert [t.choices(p) for p in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(t.path_of(t.choices(p)) == p for p in range(4))
+
+
+@pytest.mark.parametrize(("spec", "paths", "modules"), [("1", 1, 3), ("4x4", 16, 10), ("16x16", 256, 34)])
+def test_topology_sizes(spec, paths, modules):
+    t = Topology.parse(spec, 4)
+    assert t.num_paths == paths
+    assert len(t.module_ids()) == modules
+
+
+def test_flat_moe_shares_nothing():
+    t = Topology.parse("4", 4, shared=())
+    assert t.num_paths == 4
+    for mid in t.module_ids():
+        assert len(t.paths_through(mid)) == 1
+
+
+def test_private_blocks_are_path_modules():
+    t = Topology.parse("2x2", 6, private_blocks_before=1, private_blocks_after=1)
+    assert t.path_modules(3) == ["S.embed", "P3.pre", "L0.M1", "L1.M1", "P3.post", "S.head"]
+    assert t.paths_through("P3.pre") == [3]
+
+
+def test_uneven_levels_are_a_clear_error():
+    with pytest.raises(ConfigError, match="do not split evenly"):
+        Topology.parse("2x2x2", 4)
+    with pytest.raises(ConfigError, match="not module counts"):
+        Topology.parse("2by2", 4)
+
+
+def test_path_from_modules_matches_the_same_weights_as_one_model():
+    torch.manual_seed(0)
+    t = Topology.parse("2x2", 4)
+    # Four different paths' weights, stored only as modules.
+    modules = {}
+    for p in range(4):
+        dense = new_dense_model(CFG, seed=p).state_dict()
+        for mid, tensors in t.split_path_state(p, dense).items():
+            modules.setdefault(mid, tensors)
+    tokens = torch.randint(0, CFG.vocab_size, (3, 20))
+    for p in range(4):
+        assembled = t.build_path(CFG, p, modules)
+        reference = PathModel(CFG)
+        reference.load_state_dict(t.join_modules(p, modules))
+        assert torch.equal(assembled(tokens), reference(tokens))
+    # P1 shares level 0 with P0 but not level 1: its layers 2-3 come from L1.M1.
+    p1 = t.join_modules(1, modules)
+    assert torch.equal(p1["layers.2.mlp.up_proj.weight"], modules["L1.M1"]["layers.0.mlp.up_proj.weight"])
+
+
+def test_module_state_dicts_round_trip_exactly():
+    t = Topology.parse("2x2", 4)
+    state = new_dense_model(CFG, seed=3).state_dict()
+    for p in range(4):
+        split = t.split_path_state(p, state)
+        assert set(split) == set(t.path_modules(p))
+        joined = t.join_modules(p, split)
+        assert joined.keys() == state.keys()
+        assert all(torch.equal(joined[k], state[k]) for k in state)
+
+
+def test_parameter_counts():
+    t = Topology.parse("2x2", 4)
+    counts = t.parameter_counts(CFG)
+    dense = sum(p.numel() for p in PathModel(CFG).parameters())
+    assert counts["per_path"] == dense
+    level = counts["modules"]["L0.M0"]
+    assert counts["total"] == dense + 2 * level  # two extra level modules beyond one path
+    assert Topology.parse("1", 4).parameter_counts(CFG)["total"] == dense
+
+
+def test_init_modules_start_every_module_from_the_dense_weights():
+    t = Topology.parse("2x2", 4)
+    state = new_dense_model(CFG, seed=1).state_dict()
+    modules = t.init_modules(state)
+    for p in range(4):
+        joined = t.join_modules(p, modules)
+        assert all(torch.equal(joined[k], state[k]) for k in state)
