@@ -13,6 +13,7 @@ import argparse
 import os
 import secrets
 import threading
+import time
 from pathlib import Path
 
 from dipaco.cli.common import choose_config, console, exit_with, run_command, setup_logging
@@ -50,6 +51,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         while not coordinator.finished_event.wait(1.0):
             pass
         console.print(f"run finished: every module at version {coordinator.round}")
+        # Stay a moment so that peers asking for work hear "finished" rather than a closed socket.
+        time.sleep(args.linger)
     finally:
         stop.set()
         for t in threads:
@@ -69,8 +72,14 @@ def main(argv: list[str] | None = None) -> None:
     start.add_argument("--run-dir", required=True)
     start.add_argument("--listen", default="127.0.0.1:0", help="host:port (port 0 picks a free one)")
     start.add_argument("--local-peers", type=int, default=0, help="also run this many peers in-process")
+    start.add_argument("--linger", type=float, default=3.0,
+                       help="seconds to keep answering peers after the run finished")
     start.add_argument("--no-eval", action="store_true", help="skip the validation after each round")
     start.set_defaults(fn=cmd_start)
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     exit_with(run_command(lambda: args.fn(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -53,3 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     exit_with(run_command(lambda: args.fn(args)))
+
+
+if __name__ == "__main__":
+    main()

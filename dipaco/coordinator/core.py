@@ -127,8 +127,6 @@ class Coordinator:
         self._seen(req.peer_id)
         if self.finished:
             return m.NoTask(reason="run finished", retry_after=0.0, finished=True)
-        for lease in self.scheduler.expire():
-            self._expired(lease)
         lease = self.scheduler.claim(req.peer_id, self.open_paths(), req.prefer_path)
         if lease is None:
             return m.NoTask(reason="every open path is leased or waiting for its modules",
@@ -247,6 +245,8 @@ class Coordinator:
             if op is None:
                 raise RejectedError(f"{type(req).__name__} is not a request", reason="bad-message")
             with self.lock:
+                for lease in self.scheduler.expire():
+                    self._expired(lease)
                 reply = getattr(self, op)(req)
         except DipacoError as exc:
             if not isinstance(exc, RejectedError) or exc.reason == "bad-message":

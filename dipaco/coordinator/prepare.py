@@ -34,6 +34,8 @@ from dipaco.routing.sharding import write_path_shards
 log = logging.getLogger(__name__)
 
 Stage = Callable[[str], None]
+# Sections that may change when a run resumes: they do not change what is trained.
+OPERATIONAL = {"name", "scheduler", "eval", "baseline"}
 
 
 @dataclass
@@ -87,13 +89,15 @@ def prepare(root: str | Path, config: RunConfig, stage: Stage = lambda s: None,
     data_dir = root / "data"
     config_file = root / "config.json"
     if config_file.exists():
-        if json.loads(config_file.read_text()) != config.to_dict():
+        saved = json.loads(config_file.read_text())
+        changed = sorted(k for k in set(saved) | set(config.to_dict())
+                         if k not in OPERATIONAL and saved.get(k) != config.to_dict().get(k))
+        if changed:
             raise ConfigError(
-                f"{root} holds a run with a different configuration; resume it with the same "
-                f"config, or start a new run folder (or pass --fresh)"
+                f"{root} holds a run whose {', '.join(changed)} settings differ from this config; "
+                f"resume it with the same settings, or start a new run folder (or pass --fresh)"
             )
-    else:
-        write_json_atomic(config_file, config.to_dict())
+    write_json_atomic(config_file, config.to_dict())
 
     tok_path = root / "tokenizer.model"
     if not (TokenShard.exists(data_dir / "train") and TokenShard.exists(data_dir / "val")):

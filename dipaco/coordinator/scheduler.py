@@ -47,7 +47,6 @@ class Scheduler:
 
     def claim(self, peer_id: str, open_paths: dict[int, int], prefer: int | None) -> Lease | None:
         """Lease one open path (path -> round) to ``peer_id``; None if all are taken."""
-        self.expire()
         free = sorted(set(open_paths) - self.leased_paths())
         if not free:
             return None

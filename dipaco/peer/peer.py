@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dipaco.data.shards import TokenShard, sample_windows
-from dipaco.errors import CorruptFileError, RejectedError
+from dipaco.errors import CorruptFileError, DipacoError, RejectedError
 from dipaco.model.optim import (
     InnerSettings,
     load_optimizer_state_tensors,
@@ -110,24 +110,24 @@ class Peer:
         self._load_inner_state(task.path, optimizer, names)
         shard = TokenShard(Path(self.config["shards_dir"]) / f"P{task.path}" / "train")
         batches = task_batches(shard, task.seed, task.path, task.round, tc["batch_size"], tc["seq_len"])
-        heartbeat_every = self.config["heartbeat_seconds"]
-        last_beat = time.monotonic()
         start = time.monotonic()
+        progress = {"step": 0}
+        lease_lost = threading.Event()
 
         def on_step(step: int, loss: float) -> None:
-            nonlocal last_beat
             if self.stop.is_set():
                 raise TaskAborted("peer is stopping")
-            done = step - task.step_offset + 1
-            self.on_progress({"task": task.task_id, "path": task.path, "step": done,
+            if lease_lost.is_set():
+                raise TaskAborted("lease lost")
+            progress["step"] = step - task.step_offset + 1
+            self.on_progress({"task": task.task_id, "path": task.path, "step": progress["step"],
                               "steps": task.inner_steps, "loss": loss,
                               "elapsed": time.monotonic() - start})
-            if time.monotonic() - last_beat >= heartbeat_every:
-                last_beat = time.monotonic()
-                ack = self.transport.request(m.Heartbeat(peer_id=self.peer_id, task_id=task.task_id, step=done))
-                if not ack.lease_ok:
-                    raise TaskAborted("lease lost")
 
+        beats_done = threading.Event()
+        beats = threading.Thread(target=self._heartbeats, args=(task, progress, lease_lost, beats_done),
+                                 name=f"{self.peer_id}-heartbeat", daemon=True)
+        beats.start()
         try:
             losses = train_steps(model, optimizer, batches, settings, steps=task.inner_steps,
                                  step_offset=task.step_offset, on_step=on_step)
@@ -135,6 +135,9 @@ class Peer:
             if self.stop.is_set():
                 self.transport.request(m.ReleaseTask(peer_id=self.peer_id, task_id=task.task_id))
             raise
+        finally:
+            beats_done.set()
+            beats.join()
         trained = self.topology.split_path_state(task.path, {k: v.detach().cpu() for k, v in model.state_dict().items()})
         tensors = {
             f"{mid}/{name}": (modules[mid][name] - trained[mid][name]).contiguous()
@@ -149,6 +152,19 @@ class Peer:
         self.tasks_done += 1
         self.last_path = task.path
         log.info("peer %s: %s done, loss %.3f -> %.3f", self.peer_id, task.task_id, losses[0], losses[-1])
+
+    def _heartbeats(self, task: m.TaskOffer, progress: dict, lost: threading.Event, done: threading.Event) -> None:
+        """Keep the lease alive from a thread of its own, however long a training step takes."""
+        while not done.wait(self.config["heartbeat_seconds"]):
+            try:
+                ack = self.transport.request(
+                    m.Heartbeat(peer_id=self.peer_id, task_id=task.task_id, step=progress["step"]))
+            except DipacoError as exc:
+                log.warning("peer %s: heartbeat failed: %s", self.peer_id, exc)
+                continue
+            if not ack.lease_ok:
+                lost.set()
+                return
 
     # ---- modules ------------------------------------------------------------------------------
     def fetch(self, task: m.TaskOffer) -> dict[str, dict[str, torch.Tensor]]:

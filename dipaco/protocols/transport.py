@@ -12,6 +12,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 
 from dipaco.errors import RejectedError, TransportError
@@ -55,7 +56,10 @@ class LoopbackTransport(Transport):
         self._timeout = timeout
         try:
             self._conn: Connection = Client((host, int(port)), authkey=authkey)
-        except (OSError, ValueError) as exc:
+        except AuthenticationError:
+            raise TransportError(f"coordinator at {address} refused our key (wrong --authkey-file?)",
+                                 reason="auth") from None
+        except (OSError, ValueError, EOFError) as exc:
             raise TransportError(f"cannot connect to coordinator at {address}: {exc}") from None
 
     def _roundtrip(self, data: bytes) -> bytes:
@@ -81,6 +85,8 @@ class LoopbackServer:
         self._max = max_message_bytes
         self._listener = Listener((host, port), authkey=authkey)
         self._closed = threading.Event()
+        self._idle = threading.Condition()
+        self._inflight = 0
         self._thread = threading.Thread(target=self._accept_loop, name="dipaco-accept", daemon=True)
         self._thread.start()
 
@@ -106,8 +112,22 @@ class LoopbackServer:
                     data = conn.recv_bytes(self._max)
                 except (EOFError, OSError):
                     return
-                conn.send_bytes(self._handler(data))
+                with self._idle:
+                    self._inflight += 1
+                try:
+                    reply = self._handler(data)
+                finally:
+                    with self._idle:
+                        self._inflight -= 1
+                        self._idle.notify_all()
+                try:
+                    conn.send_bytes(reply)
+                except OSError:
+                    return
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop accepting, and wait for requests being handled to finish."""
         self._closed.set()
         self._listener.close()
+        with self._idle:
+            self._idle.wait_for(lambda: self._inflight == 0, timeout)

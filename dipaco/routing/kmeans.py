@@ -335,13 +335,13 @@ def _nearest(z: np.ndarray, centroids: np.ndarray, offsets: np.ndarray) -> np.nd
 def _balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarray:
     """Offsets o (K,) so that argmin_k (scores + o) puts every cluster's count in [lo, hi].
 
-    A deterministic auction on the clusters' offsets ("prices"), first for the upper bound,
-    then for the lower one. Cheap greedy steps move the bulk: an over-full cluster raises its
-    offset by exactly enough to shed its surplus to their second choices (an under-full one
-    lowers it to pull in its deficit). Greedy steps alone end in a long price war once every
-    cluster is nearly full, so the remainder is moved by successive shortest paths: each step
-    reprices a whole chain of clusters so that one document moves from a cluster with surplus
-    to the nearest one with room (minimum-cost-flow augmentation on the K-node cluster graph).
+    A deterministic auction on the clusters' offsets ("prices"). Cheap greedy steps move the
+    bulk: the cluster furthest outside the band moves its offset by exactly enough to bring
+    its count halfway into the band (raising it sheds the members with the smallest margin to
+    their second choice, lowering it pulls in the closest outsiders). Greedy steps alone can
+    end in a price war, so whatever is left is moved by successive shortest paths, one
+    document at a time, first until no cluster is above ``hi``, then until none is below
+    ``lo``; each such step keeps every document at its argmin, so it never undoes the other.
     """
     n, k = scores.shape
     if balance == 0.0 or k == 1:
@@ -349,28 +349,36 @@ def _balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarra
     # The small slack absorbs float fuzz such as 5000 * 0.8 / 4 = 1000.0000000000001.
     lo = math.floor(n * balance / k + 1e-9)
     hi = math.ceil(n * (2.0 - balance) / k - 1e-9)
+    ideal = n / k
+    target_lo = min(math.ceil((lo + ideal) / 2), hi)
+    target_hi = max(math.floor((hi + ideal) / 2), lo)
+
+    def violation(counts: np.ndarray) -> np.ndarray:
+        return np.maximum(counts - hi, 0) + np.maximum(lo - counts, 0)
+
     market = _Market(scores)
-    greedy_steps = 4 * k
-    max_augment = n
-    for _ in range(greedy_steps):
-        j = int(np.argmax(market.counts))
-        if market.counts[j] <= hi:
+    best_total, best_offsets, since_best = math.inf, market.offsets.copy(), 0
+    while since_best < 2 * k + 10:
+        per_cluster = violation(market.counts)
+        total = int(per_cluster.sum())
+        if total < best_total:
+            best_total, best_offsets, since_best = total, market.offsets.copy(), 0
+        else:
+            since_best += 1
+        if total == 0:
             break
-        market.shed(j, int(market.counts[j]) - hi)
-    for _ in range(max_augment):
-        if market.counts.max() <= hi:
+        j = int(np.argmax(per_cluster))
+        if market.counts[j] > hi:
+            market.shed(j, int(market.counts[j]) - target_hi)
+        else:
+            market.pull(j, target_lo - int(market.counts[j]))
+
+    market = _Market(scores, best_offsets)
+    for _ in range(n):
+        if market.counts.max() <= hi or not market.augment(market.counts > hi, market.counts < hi):
             break
-        if not market.augment(market.counts > hi, market.counts < hi):
-            break
-    for _ in range(greedy_steps):
-        j = int(np.argmin(market.counts))
-        if market.counts[j] >= lo:
-            break
-        market.pull(j, lo - int(market.counts[j]))
-    for _ in range(max_augment):
-        if market.counts.min() >= lo:
-            break
-        if not market.augment(market.counts > lo, market.counts < lo):
+    for _ in range(n):
+        if market.counts.min() >= lo or not market.augment(market.counts > lo, market.counts < lo):
             break
 
     final = np.bincount(np.argmin(scores + market.offsets, axis=1), minlength=k)
@@ -391,10 +399,10 @@ def _balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarra
 class _Market:
     """Documents choosing argmin_k (scores + offsets), kept current as the offsets move."""
 
-    def __init__(self, scores: np.ndarray) -> None:
+    def __init__(self, scores: np.ndarray, offsets: np.ndarray | None = None) -> None:
         self.k = scores.shape[1]
-        self.cost = scores.copy()
-        self.offsets = np.zeros(self.k)
+        self.offsets = np.zeros(self.k) if offsets is None else offsets.copy()
+        self.cost = scores + self.offsets
         self._refresh()
 
     def _refresh(self) -> None:

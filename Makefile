@@ -1,0 +1,36 @@
+# The two newcomer commands: `make demo` and `make test`. Both create or update .venv first.
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+# The CPU build of torch, pinned: an unpinned torch would pull a multi-GB CUDA build.
+# On a GPU machine: make TORCH=torch demo
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint format bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dipaco demo $(ARGS)
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dipaco tests bench
+	$(VENV)/bin/ruff format --check dipaco tests bench
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix dipaco tests bench
+	$(VENV)/bin/ruff format dipaco tests bench
+
+bench: $(STAMP)
+	$(PY) bench/outer_step.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

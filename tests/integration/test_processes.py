@@ -1,0 +1,81 @@
+"""Real processes on 127.0.0.1: a coordinator, three peers, and one of them killed mid-task."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dipaco.errors import TransportError
+from dipaco.protocols import messages as m
+from dipaco.protocols.transport import LoopbackTransport
+
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.slow
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_peer_killed_mid_task_costs_only_its_task(run_copy, tmp_path):
+    root = run_copy()
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'preset = "tiny"\n[train]\ninner_steps = 30\nrounds = 2\n'
+        "[scheduler]\nlease_seconds = 5.0\nheartbeat_seconds = 0.5\n"
+    )
+    procs = []
+    try:
+        coordinator = subprocess.Popen(
+            [BIN / "dipaco-coordinator", "start", "--config", config, "--run-dir", root, "--no-eval"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(coordinator)
+        address_file = root / "coordinator" / "address"
+        address = wait_for(lambda: address_file.exists() and address_file.read_text().strip(), 120, "the address")
+        key_file = root / "coordinator" / "authkey"
+        key = bytes.fromhex(key_file.read_text())
+        with pytest.raises(TransportError, match="refused our key"):
+            LoopbackTransport(address, b"wrong key")
+        for i in range(3):
+            procs.append(subprocess.Popen(
+                [BIN / "dipaco-peer", "join", address, "--authkey-file", key_file, "--peer-id", f"peer{i}",
+                 "--state-dir", tmp_path / f"peer{i}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        status = LoopbackTransport(address, key)
+
+        def victim_task():
+            leases = status.request(m.GetStatus()).state["leases"]
+            return next((t for t, lease in leases.items() if lease["peer"] == "peer0"), None)
+
+        task = wait_for(victim_task, 120, "peer0 to hold a task")
+        os.kill(procs[1].pid, signal.SIGKILL)
+        assert task in status.request(m.GetStatus()).state["leases"], "peer0 finished before the kill"
+        out, _ = coordinator.communicate(timeout=300)
+        assert coordinator.returncode == 0, out
+        assert "run finished" in out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    heads = [json.loads(h.read_text()) for h in (root / "coordinator" / "modules").glob("*/head.json")]
+    assert len(heads) == 6 and {h["version"] for h in heads} == {2}
+    events = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    expired = [e for e in events if e["event"] == "lease_expired"]
+    assert task in [e["task"] for e in expired]
+    deltas = [(e["path"], e["round"]) for e in events if e["event"] == "delta"]
+    assert sorted(deltas) == [(p, r) for p in range(4) for r in range(2)]  # each task applied once
+    same_task = task.split("-e")[0] + "-"  # "P<path>-r<round>-": the task, whatever its attempt
+    redone = [e for e in events if e["event"] == "delta" and e["task"].startswith(same_task)]
+    assert len(redone) == 1 and redone[0]["peer"] != "peer0"
