@@ -30,7 +30,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format dipaco tests bench
 
 bench: $(STAMP)
-	$(PY) bench/outer_step.py
+	$(PY) bench/wire.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -205,7 +205,7 @@ def _conforms(value: Any, tp: Any) -> bool:
     return isinstance(value, tp)
 
 
-def encode_message(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
+def encode_message(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytearray:
     return encode(to_frame(msg), limits)
 
 

@@ -61,14 +61,14 @@ class Frame:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
-    specs, payloads = [], []
+def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytearray:
+    specs, arrays = [], []
     for name, tensor in frame.tensors.items():
         if tensor.dtype not in _DTYPE_NAMES:
             raise WireError(f"tensor {name!r} has dtype {tensor.dtype}, not one of {sorted(DTYPES)}")
         t = tensor.detach().to("cpu").contiguous()
         specs.append([name, _DTYPE_NAMES[t.dtype], list(t.shape)])
-        payloads.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        arrays.append(t.reshape(-1).view(torch.uint8).numpy())
     try:
         header = json.dumps(
             {"type": frame.type, "fields": frame.fields, "tensors": specs},
@@ -79,11 +79,17 @@ def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytes:
         raise WireError(f"fields of {frame.type} are not plain JSON values: {exc}") from None
     if len(header) > limits.max_header_bytes:
         raise WireError(f"header of {len(header)} bytes exceeds the limit {limits.max_header_bytes}")
-    body = b"".join(payloads)
-    total = _PREFIX.size + len(header) + len(body)
+    total = _PREFIX.size + len(header) + sum(a.nbytes for a in arrays)
     if total > limits.max_total_bytes:
         raise WireError(f"message of {total} bytes exceeds the limit {limits.max_total_bytes}")
-    return _PREFIX.pack(MAGIC, VERSION, len(header)) + header + body
+    out = bytearray(total)  # one copy of the tensor bytes, straight into place
+    _PREFIX.pack_into(out, 0, MAGIC, VERSION, len(header))
+    offset = _PREFIX.size + len(header)
+    out[_PREFIX.size : offset] = header
+    for a in arrays:
+        out[offset : offset + a.nbytes] = a.data
+        offset += a.nbytes
+    return out
 
 
 def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Frame:

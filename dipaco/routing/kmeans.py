@@ -335,13 +335,17 @@ def _nearest(z: np.ndarray, centroids: np.ndarray, offsets: np.ndarray) -> np.nd
 def _balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarray:
     """Offsets o (K,) so that argmin_k (scores + o) puts every cluster's count in [lo, hi].
 
-    A deterministic auction on the clusters' offsets ("prices"). Cheap greedy steps move the
-    bulk: the cluster furthest outside the band moves its offset by exactly enough to bring
-    its count halfway into the band (raising it sheds the members with the smallest margin to
-    their second choice, lowering it pulls in the closest outsiders). Greedy steps alone can
-    end in a price war, so whatever is left is moved by successive shortest paths, one
-    document at a time, first until no cluster is above ``hi``, then until none is below
-    ``lo``; each such step keeps every document at its argmin, so it never undoes the other.
+    This is the dual of the capacity-constrained assignment (min total distance subject to
+    lo <= count_k <= hi), solved in three deterministic stages:
+
+    1. greedy repricing moves the bulk: the cluster furthest outside the band moves its
+       offset by exactly enough to bring its count halfway into the band. This is often
+       enough on its own; when it is not it ends in a price war, so
+    2. successive shortest paths move the rest one document at a time along the cheapest
+       chain of clusters (min-cost flow on the K-node cluster graph), which keeps the
+       assignment optimal for its counts; and
+    3. offsets that reproduce that assignment with a strict margin are read off the same
+       cluster graph (difference constraints, margin half its minimum mean cycle).
     """
     n, k = scores.shape
     if balance == 0.0 or k == 1:
@@ -349,17 +353,43 @@ def _balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarra
     # The small slack absorbs float fuzz such as 5000 * 0.8 / 4 = 1000.0000000000001.
     lo = math.floor(n * balance / k + 1e-9)
     hi = math.ceil(n * (2.0 - balance) / k - 1e-9)
+
+    offsets = _greedy_offsets(scores, lo, hi)
+    choice = np.argmin(scores + offsets, axis=1)
+    counts = np.bincount(choice, minlength=k)
+    if counts.min() >= lo and counts.max() <= hi:
+        return offsets
+    choice = _shortest_path_moves(scores, offsets, choice, lo, hi)
+    separated = _separating_offsets(scores, choice)
+    if separated is not None:
+        offsets = separated
+
+    final = np.bincount(np.argmin(scores + offsets, axis=1), minlength=k)
+    if final.min() < lo or final.max() > hi:
+        logger.warning(
+            "k-means balance for %s not met: cluster sizes %d..%d, wanted %d..%d of %d "
+            "documents (documents with identical features cannot be split); keeping the "
+            "offsets found",
+            what,
+            final.min(),
+            final.max(),
+            lo,
+            hi,
+            n,
+        )
+    return offsets
+
+
+def _greedy_offsets(scores: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Stage 1: exact single-cluster repricing steps; returns the best offsets seen."""
+    n, k = scores.shape
     ideal = n / k
     target_lo = min(math.ceil((lo + ideal) / 2), hi)
     target_hi = max(math.floor((hi + ideal) / 2), lo)
-
-    def violation(counts: np.ndarray) -> np.ndarray:
-        return np.maximum(counts - hi, 0) + np.maximum(lo - counts, 0)
-
     market = _Market(scores)
     best_total, best_offsets, since_best = math.inf, market.offsets.copy(), 0
     while since_best < 2 * k + 10:
-        per_cluster = violation(market.counts)
+        per_cluster = np.maximum(market.counts - hi, 0) + np.maximum(lo - market.counts, 0)
         total = int(per_cluster.sum())
         if total < best_total:
             best_total, best_offsets, since_best = total, market.offsets.copy(), 0
@@ -372,47 +402,19 @@ def _balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarra
             market.shed(j, int(market.counts[j]) - target_hi)
         else:
             market.pull(j, target_lo - int(market.counts[j]))
-
-    market = _Market(scores, best_offsets)
-    for _ in range(n):
-        if market.counts.max() <= hi or not market.augment(market.counts > hi, market.counts < hi):
-            break
-    for _ in range(n):
-        if market.counts.min() >= lo or not market.augment(market.counts > lo, market.counts < lo):
-            break
-
-    final = np.bincount(np.argmin(scores + market.offsets, axis=1), minlength=k)
-    if final.min() < lo or final.max() > hi:
-        logger.warning(
-            "k-means balance for %s not met: cluster sizes %d..%d, wanted %d..%d of %d "
-            "documents (exact ties cannot be split); keeping the offsets found",
-            what,
-            final.min(),
-            final.max(),
-            lo,
-            hi,
-            n,
-        )
-    return market.offsets
+    return best_offsets
 
 
 class _Market:
-    """Documents choosing argmin_k (scores + offsets), kept current as the offsets move."""
+    """Documents choosing argmin_k (scores + offsets), kept current as one offset moves."""
 
-    def __init__(self, scores: np.ndarray, offsets: np.ndarray | None = None) -> None:
+    def __init__(self, scores: np.ndarray) -> None:
         self.k = scores.shape[1]
-        self.offsets = np.zeros(self.k) if offsets is None else offsets.copy()
-        self.cost = scores + self.offsets
-        self._refresh()
-
-    def _refresh(self) -> None:
+        self.cost = scores.copy()
+        self.offsets = np.zeros(self.k)
         self.choice = np.argmin(self.cost, axis=1)
         self.best = self.cost[np.arange(self.cost.shape[0]), self.choice]
         self.counts = np.bincount(self.choice, minlength=self.k)
-
-    def _move_offsets(self, delta: np.ndarray) -> None:
-        self.offsets += delta
-        self.cost += delta
 
     def shed(self, j: int, surplus: int) -> None:
         """Raise offset j so that its ``surplus`` weakest members move to their second choice."""
@@ -447,75 +449,9 @@ class _Market:
         self.choice[moved] = j
         self.best[moved] = self.cost[moved, j]
 
-    def augment(self, sources: np.ndarray, sinks: np.ndarray) -> bool:
-        """Move one document from a source cluster to the cheapest-to-reach sink cluster.
-
-        Dijkstra from the sources over edge weights W[a, b] = the cheapest extra cost of moving
-        one member of a to b. Raising every settled cluster's offset by (d_t - d_a) makes the
-        shortest-path tree tight without changing any choice; a perturbation far below every
-        other margin (falling along the path, rising away from it) then tips exactly one
-        document across each edge of the path to t and keeps every other tie where it is.
-        Returns False when no sink is reachable.
-        """
-        k = self.k
-        reduced = self.cost - self.best[:, None]
-        weight = np.full((k, k), np.inf)
-        via = np.zeros((k, k), dtype=np.int64)
-        for a in range(k):
-            members = np.flatnonzero(self.choice == a)
-            if members.size:
-                rows = reduced[members]
-                pick = np.argmin(rows, axis=0)
-                weight[a] = rows[pick, np.arange(k)]
-                via[a] = members[pick]
-            weight[a, a] = np.inf
-
-        dist = np.where(sources, 0.0, np.inf)
-        parent = np.full(k, -1)
-        settled = np.zeros(k, dtype=bool)
-        target = -1
-        for _ in range(k):
-            u = int(np.argmin(np.where(settled, np.inf, dist)))
-            if settled[u] or not math.isfinite(dist[u]):
-                break
-            settled[u] = True
-            if sinks[u]:
-                target = u
-                break
-            better = ~settled & (dist[u] + weight[u] < dist)
-            dist[better] = dist[u] + weight[u, better]
-            parent[better] = u
-        if target < 0:
-            return False
-
-        raise_by = np.where(settled, dist[target] - dist, 0.0)
-        path = [target]
-        while parent[path[-1]] >= 0:
-            path.append(int(parent[path[-1]]))
-        path.reverse()
-        depth = np.zeros(k, dtype=np.int64)
-        for c in np.argsort(dist, kind="stable"):
-            if settled[c] and parent[c] >= 0:
-                depth[c] = depth[parent[c]] + 1
-        m = len(path) - 1
-        extra = np.where(settled, m + 1 + depth, 0).astype(np.float64)
-        for j, c in enumerate(path):
-            extra[c] = m - j
-
-        # Margins left after the exact repricing, except the tight tree edges themselves.
-        after = reduced - raise_by[self.choice][:, None] + raise_by[None, :]
-        after[np.arange(after.shape[0]), self.choice] = np.inf
-        tree = np.flatnonzero(settled & (parent >= 0))
-        after[via[parent[tree], tree], tree] = np.inf
-        slack = float(after.min())
-        delta = slack / (4.0 * (k + 1)) if math.isfinite(slack) and slack > 0 else 0.0
-        self._move_offsets(raise_by + extra * delta)
-        self._refresh()
-        return True
-
 
 def _step_past(values: np.ndarray, count: int) -> float:
-    """Smallest convenient step s with exactly ``count`` of ``values`` (>= 0) below it."""
+    """A step with exactly ``count`` of ``values`` (>= 0) below it, halfway to the next one."""
     count = max(1, min(count, values.size))
     if count < values.size:
         part = np.partition(values, [count - 1, count])
@@ -526,6 +462,121 @@ def _step_past(values: np.ndarray, count: int) -> float:
         return (a + b) / 2.0
     # Exact ties cannot be split; move the whole tie.
     return a + 1e-9 * (1.0 + abs(a))
+
+
+def _shortest_path_moves(
+    scores: np.ndarray, offsets: np.ndarray, choice: np.ndarray, lo: int, hi: int
+) -> np.ndarray:
+    """Stage 2: move documents one at a time until every count is in [lo, hi].
+
+    ``choice`` must be optimal for ``offsets`` (every document at its argmin); the offsets
+    are then Johnson potentials: reduced costs stay >= 0, Dijkstra applies, and after each
+    repricing the moved documents sit on ties, so the assignment is tracked explicitly.
+    First no cluster may end above ``hi`` (surplus flows to any cluster below it), then none
+    below ``lo`` (taken from clusters above it); neither phase breaks the other's bound.
+    """
+    n, k = scores.shape
+    offsets = offsets.copy()
+    choice = choice.copy()
+    counts = np.bincount(choice, minlength=k)
+    rows = np.arange(n)
+    for phase in ("upper", "lower"):
+        for _ in range(n):
+            if phase == "upper":
+                sources, sinks = counts > hi, counts < hi
+                if not sources.any():
+                    break
+            else:
+                sources, sinks = counts > lo, counts < lo
+                if not sinks.any():
+                    break
+            cost = scores + offsets
+            reduced = np.maximum(cost - cost[rows, choice][:, None], 0.0)
+            weight = np.full((k, k), np.inf)
+            via = np.zeros((k, k), dtype=np.int64)
+            for a in range(k):
+                members = np.flatnonzero(choice == a)
+                if members.size:
+                    pick = np.argmin(reduced[members], axis=0)
+                    weight[a] = reduced[members[pick], np.arange(k)]
+                    via[a] = members[pick]
+                weight[a, a] = np.inf
+            dist, parent, target = _dijkstra(weight, sources, sinks)
+            if target < 0:
+                break
+            offsets += np.maximum(dist[target] - dist, 0.0)
+            node = target
+            while parent[node] >= 0:
+                doc = via[parent[node], node]
+                choice[doc] = node
+                node = int(parent[node])
+            counts[node] -= 1
+            counts[target] += 1
+    return choice
+
+
+def _dijkstra(
+    weight: np.ndarray, sources: np.ndarray, sinks: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Dense multi-source Dijkstra, stopped at the first sink settled (-1 if none is reachable)."""
+    k = weight.shape[0]
+    dist = np.where(sources, 0.0, np.inf)
+    parent = np.full(k, -1)
+    settled = np.zeros(k, dtype=bool)
+    for _ in range(k):
+        u = int(np.argmin(np.where(settled, np.inf, dist)))
+        if settled[u] or not math.isfinite(dist[u]):
+            break
+        settled[u] = True
+        if sinks[u]:
+            return dist, parent, u
+        better = ~settled & (dist[u] + weight[u] < dist)
+        dist[better] = dist[u] + weight[u, better]
+        parent[better] = u
+    return dist, parent, -1
+
+
+def _separating_offsets(scores: np.ndarray, choice: np.ndarray) -> np.ndarray | None:
+    """Stage 3: offsets o with argmin_k (scores + o) == choice, each by a strict margin.
+
+    A member i of cluster a stays there iff o_a - o_b < s_ib - s_ia for every b, so
+    o_a - o_b <= W[a, b] - eps with W[a, b] = min over members of (s_ib - s_ia). Such o exist
+    iff every cycle of W has mean weight > eps; eps is half the minimum cycle mean (Karp),
+    and o are shortest-path potentials under W - eps. None when no strict margin exists.
+    """
+    n, k = scores.shape
+    rows = np.arange(n)
+    gain = scores - scores[rows, choice][:, None]
+    w = np.full((k, k), np.inf)
+    for a in range(k):
+        members = np.flatnonzero(choice == a)
+        if members.size:
+            w[a] = gain[members].min(axis=0)
+        w[a, a] = np.inf
+    # Karp: best[m, v] = lightest walk of exactly m edges ending at v, from anywhere.
+    walks = np.empty((k + 1, k))
+    walks[0] = 0.0
+    for m in range(1, k + 1):
+        walks[m] = np.min(walks[m - 1][:, None] + w, axis=0)
+    with np.errstate(invalid="ignore"):
+        ratios = (walks[k][None, :] - walks[:k]) / (k - np.arange(k))[:, None]
+    ratios = np.where(np.isnan(ratios), -np.inf, ratios)
+    per_node = ratios.max(axis=0)
+    finite = np.isfinite(walks[k])
+    if not finite.any():
+        # No cycle at all: any margin works; use the largest finite gap as a scale.
+        eps = 1.0
+    else:
+        min_mean = float(per_node[finite].min())
+        if not min_mean > 0.0:
+            return None
+        eps = min_mean / 2.0
+    # o_a <= o_b + (W[a, b] - eps): an edge b -> a; Floyd-Warshall from a virtual root.
+    dist = np.where(np.isfinite(w.T), w.T - eps, np.inf)
+    np.fill_diagonal(dist, 0.0)
+    for m in range(k):
+        dist = np.minimum(dist, dist[:, m : m + 1] + dist[m : m + 1, :])
+    return np.minimum(dist.min(axis=0), 0.0)
 
 
 def _check_features(features: np.ndarray) -> np.ndarray:

@@ -1,0 +1,45 @@
+"""Preparing a run: deterministic routing for a seed, and shards that cover the training data."""
+
+import json
+
+import numpy as np
+
+from dipaco.coordinator.prepare import prepare
+from dipaco.data.shards import TokenShard
+from dipaco.routing.features import prefix_features
+
+
+def test_routing_is_deterministic_for_a_seed(prepared_tiny, tiny_config, tmp_path):
+    again = prepare(tmp_path / "again", tiny_config)
+    first = json.loads((prepared_tiny / "routing.json").read_text())
+    second = json.loads((again.root / "routing.json").read_text())
+    assert first == second
+    assert (prepared_tiny / "router.json").read_bytes() == (again.root / "router.json").read_bytes()
+    for p in range(4):
+        a, b = TokenShard(prepared_tiny / "shards" / f"P{p}" / "train"), TokenShard(again.root / "shards" / f"P{p}" / "train")
+        assert a.doc_ids == b.doc_ids and np.array_equal(a.tokens, b.tokens)
+
+
+def test_every_training_document_lands_in_exactly_one_shard(prepared_tiny):
+    train = TokenShard(prepared_tiny / "data" / "train")
+    seen = []
+    for p in range(4):
+        for part in ("train", "heldout"):
+            seen += TokenShard(prepared_tiny / "shards" / f"P{p}" / part).doc_ids
+    assert sorted(seen) == sorted(train.doc_ids)
+    stats = json.loads((prepared_tiny / "shards" / "stats.json").read_text())
+    assert all(n > 0 for n in stats["train"]["docs"])  # the balance control starves no path
+    assert sum(stats["heldout"]["docs"]) > 0
+
+
+def test_prefix_features_only_read_the_first_32_tokens(prepared_tiny, tiny_config):
+    prep = prepare(prepared_tiny, tiny_config)
+    model = prep.initial_model()
+    train = TokenShard(prepared_tiny / "data" / "train")
+    doc = train[0]
+    changed = doc.copy()
+    changed[32:] = (changed[32:] + 1) % tiny_config.model.vocab_size
+    a, b = prefix_features(model, [doc, changed])
+    assert np.allclose(a, b, atol=1e-6)
+    routed = prep.router.assign(prefix_features(model, [doc, changed]))
+    assert routed[0] == routed[1]
