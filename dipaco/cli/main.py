@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import threading
 import time
@@ -54,8 +55,10 @@ def run_demo(run_dir: Path, config, n_peers: int) -> int:
 
         prep = prepare(run_dir, c, stage=lambda s: console.log(s), on_step=on_pretrain)
         progress.update(pre, completed=c.train.pretrain_steps)
-    routing = (run_dir / "shards" / "stats.json").read_text()
-    console.log(f"routing (documents and tokens per path): {routing.strip()}")
+    stats = json.loads((run_dir / "shards" / "stats.json").read_text())
+    console.log("routing: " + ", ".join(
+        f"P{p} {docs} docs / {tokens / 1e6:.2f} M tokens"
+        for p, (docs, tokens) in enumerate(zip(stats["train"]["docs"], stats["train"]["tokens"], strict=True))))
     _log_initial_eval(prep, metrics)
 
     coordinator = build_coordinator(prep, metrics)
@@ -147,8 +150,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import json
-
     from dipaco.config import load_config_dict
     from dipaco.coordinator.store import ModuleStore
 

@@ -11,9 +11,9 @@ p = ((c_0 * K_1) + c_1) * K_2 + ...
 Plain k-means gives imbalanced shards, and the smallest shard's path ends up the weakest, so
 every cluster also carries an additive offset: the choice is argmin_k (||z - c_k||^2 + o_k).
 The offsets play the role of the bias the paper trains to "match the target document-to-path
-distribution" (§7.2.1); here they are tuned on the training features by coordinate ascent on
-the dual of the capacity-constrained assignment, until every cluster's share lies within
-[balance / K, (2 - balance) / K].
+distribution" (§7.2.1). Here they are the dual variables of the capacity-constrained
+assignment of the training documents, solved so that every cluster's share lies within
+[balance / K, (2 - balance) / K] (see ``_balance_offsets``); balance = 0 is plain k-means.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from scipy.sparse.csgraph import csgraph_from_dense, dijkstra
 from sklearn.cluster import KMeans
+from threadpoolctl import threadpool_limits
 
 from dipaco.errors import ConfigError, CorruptFileError, DataError
 
@@ -253,9 +255,13 @@ def fit_router(
     centroids, offsets = [], []
     for g, (k, (start, stop)) in enumerate(zip(groups, slices, strict=True)):
         zg = np.ascontiguousarray(z[:, start:stop])
-        km = KMeans(n_clusters=k, n_init=N_INIT, random_state=seed).fit(zg)
+        # One thread: sklearn's Lloyd step adds per-thread partial sums under a lock, in
+        # arrival order, so threaded runs differ in the last bits from run to run.
+        with threadpool_limits(limits=1):
+            km = KMeans(n_clusters=k, n_init=N_INIT, random_state=seed).fit(zg)
         cents = np.asarray(km.cluster_centers_, dtype=np.float64)
-        offs = _balance_offsets(_scores(zg, cents), balance, what=f"group {g} ({k} clusters)")
+        what = f"level {g} ({k} modules)" if method == "product" else f"{k} paths"
+        offs = _balance_offsets(_scores(zg, cents), balance, what=what)
         centroids.append(cents)
         offsets.append(offs)
     return KMeansRouter(
@@ -350,26 +356,27 @@ def _balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarra
     n, k = scores.shape
     if balance == 0.0 or k == 1:
         return np.zeros(k)
-    # The small slack absorbs float fuzz such as 5000 * 0.8 / 4 = 1000.0000000000001.
-    lo = math.floor(n * balance / k + 1e-9)
-    hi = math.ceil(n * (2.0 - balance) / k - 1e-9)
+    lo, hi = _count_band(n, k, balance)
 
-    offsets = _greedy_offsets(scores, lo, hi)
-    choice = np.argmin(scores + offsets, axis=1)
-    counts = np.bincount(choice, minlength=k)
-    if counts.min() >= lo and counts.max() <= hi:
-        return offsets
-    choice = _shortest_path_moves(scores, offsets, choice, lo, hi)
-    separated = _separating_offsets(scores, choice)
-    if separated is not None:
-        offsets = separated
+    def violation(offsets: np.ndarray) -> int:
+        counts = np.bincount(np.argmin(scores + offsets, axis=1), minlength=k)
+        return int(np.maximum(counts - hi, 0).sum() + np.maximum(lo - counts, 0).sum())
 
-    final = np.bincount(np.argmin(scores + offsets, axis=1), minlength=k)
-    if final.min() < lo or final.max() > hi:
+    greedy = _greedy_offsets(scores, lo, hi)
+    if violation(greedy) == 0:
+        return greedy
+    choice, potentials = _shortest_path_moves(scores, greedy, lo, hi)
+    # Documents with identical features cannot be separated, so stage 3 can fall short;
+    # then keep whichever offsets came closest.
+    candidates = [_separating_offsets(scores, choice), potentials, greedy]
+    misses = [violation(o) for o in candidates]
+    best = candidates[int(np.argmin(misses))]
+    if min(misses) > 0:
+        final = np.bincount(np.argmin(scores + best, axis=1), minlength=k)
         logger.warning(
             "k-means balance for %s not met: cluster sizes %d..%d, wanted %d..%d of %d "
             "documents (documents with identical features cannot be split); keeping the "
-            "offsets found",
+            "closest offsets found",
             what,
             final.min(),
             final.max(),
@@ -377,7 +384,15 @@ def _balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarra
             hi,
             n,
         )
-    return offsets
+    return best
+
+
+def _count_band(n: int, k: int, balance: float) -> tuple[int, int]:
+    """Document counts per cluster allowed by the share band, widened to N/K when too narrow."""
+    # The small slack absorbs float fuzz such as 5000 * 0.8 / 4 = 1000.0000000000001.
+    lo = math.ceil(n * balance / k - 1e-9)
+    hi = math.floor(n * (2.0 - balance) / k + 1e-9)
+    return min(lo, n // k), max(hi, -(-n // k))
 
 
 def _greedy_offsets(scores: np.ndarray, lo: int, hi: int) -> np.ndarray:
@@ -465,23 +480,26 @@ def _step_past(values: np.ndarray, count: int) -> float:
 
 
 def _shortest_path_moves(
-    scores: np.ndarray, offsets: np.ndarray, choice: np.ndarray, lo: int, hi: int
-) -> np.ndarray:
+    scores: np.ndarray, offsets: np.ndarray, lo: int, hi: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Stage 2: move documents one at a time until every count is in [lo, hi].
 
-    ``choice`` must be optimal for ``offsets`` (every document at its argmin); the offsets
-    are then Johnson potentials: reduced costs stay >= 0, Dijkstra applies, and after each
-    repricing the moved documents sit on ties, so the assignment is tracked explicitly.
-    First no cluster may end above ``hi`` (surplus flows to any cluster below it), then none
-    below ``lo`` (taken from clusters above it); neither phase breaks the other's bound.
+    Starts from every document at its argmin under ``offsets``, which then act as Johnson
+    potentials: reduced costs stay >= 0 and Dijkstra applies. Edge weight
+    W[a, b] is the cheapest reduced cost of moving one member of a to b; repricing by the
+    distances shifts W by (shift_b - shift_a), so only the rows of the clusters on the path
+    (whose members changed) are recomputed. Moved documents end on exact ties, so the
+    assignment is tracked explicitly. First no cluster may end above ``hi`` (surplus flows to
+    any cluster below it), then none below ``lo`` (taken from clusters above it); neither
+    phase breaks the other's bound.
     """
     n, k = scores.shape
     offsets = offsets.copy()
-    choice = choice.copy()
+    choice = np.argmin(scores + offsets, axis=1)
     counts = np.bincount(choice, minlength=k)
-    rows = np.arange(n)
+    weight = np.stack([_edge_row(scores, offsets, choice, a) for a in range(k)])
     for phase in ("upper", "lower"):
-        for _ in range(n):
+        for step in range(n):
             if phase == "upper":
                 sources, sinks = counts > hi, counts < hi
                 if not sources.any():
@@ -490,59 +508,55 @@ def _shortest_path_moves(
                 sources, sinks = counts > lo, counts < lo
                 if not sinks.any():
                     break
-            cost = scores + offsets
-            reduced = np.maximum(cost - cost[rows, choice][:, None], 0.0)
-            weight = np.full((k, k), np.inf)
-            via = np.zeros((k, k), dtype=np.int64)
-            for a in range(k):
-                members = np.flatnonzero(choice == a)
-                if members.size:
-                    pick = np.argmin(reduced[members], axis=0)
-                    weight[a] = reduced[members[pick], np.arange(k)]
-                    via[a] = members[pick]
-                weight[a, a] = np.inf
-            dist, parent, target = _dijkstra(weight, sources, sinks)
-            if target < 0:
+            if step % 64 == 63:  # bound the drift of the incremental updates
+                weight = np.stack([_edge_row(scores, offsets, choice, a) for a in range(k)])
+            graph = csgraph_from_dense(np.maximum(weight, 0.0), null_value=np.inf)
+            dist, parent, _ = dijkstra(
+                graph,
+                directed=True,
+                indices=np.flatnonzero(sources),
+                min_only=True,
+                return_predecessors=True,
+            )
+            target = int(np.argmin(np.where(sinks, dist, np.inf)))
+            if not (sinks[target] and math.isfinite(dist[target])):
                 break
-            offsets += np.maximum(dist[target] - dist, 0.0)
+            shift = np.where(dist < dist[target], dist[target] - dist, 0.0)
+            offsets += shift
+            weight += shift[None, :] - shift[:, None]
             node = target
             while parent[node] >= 0:
-                doc = via[parent[node], node]
-                choice[doc] = node
-                node = int(parent[node])
+                a = int(parent[node])
+                members = np.flatnonzero(choice == a)
+                gap = scores[members, node] + offsets[node] - scores[members, a] - offsets[a]
+                choice[members[np.argmin(gap)]] = node
+                weight[node] = _edge_row(scores, offsets, choice, node)
+                node = a
+            weight[node] = _edge_row(scores, offsets, choice, node)
             counts[node] -= 1
             counts[target] += 1
-    return choice
+    return choice, offsets
 
 
-def _dijkstra(
-    weight: np.ndarray, sources: np.ndarray, sinks: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """Dense multi-source Dijkstra, stopped at the first sink settled (-1 if none is reachable)."""
-    k = weight.shape[0]
-    dist = np.where(sources, 0.0, np.inf)
-    parent = np.full(k, -1)
-    settled = np.zeros(k, dtype=bool)
-    for _ in range(k):
-        u = int(np.argmin(np.where(settled, np.inf, dist)))
-        if settled[u] or not math.isfinite(dist[u]):
-            break
-        settled[u] = True
-        if sinks[u]:
-            return dist, parent, u
-        better = ~settled & (dist[u] + weight[u] < dist)
-        dist[better] = dist[u] + weight[u, better]
-        parent[better] = u
-    return dist, parent, -1
+def _edge_row(scores: np.ndarray, offsets: np.ndarray, choice: np.ndarray, a: int) -> np.ndarray:
+    """W[a, :]: the cheapest extra cost of moving one member of cluster a to each cluster."""
+    members = np.flatnonzero(choice == a)
+    row = np.full(scores.shape[1], np.inf)
+    if members.size:
+        cost = scores[members] + offsets
+        row = (cost - cost[:, a : a + 1]).min(axis=0)
+    row[a] = np.inf
+    return row
 
 
-def _separating_offsets(scores: np.ndarray, choice: np.ndarray) -> np.ndarray | None:
+def _separating_offsets(scores: np.ndarray, choice: np.ndarray) -> np.ndarray:
     """Stage 3: offsets o with argmin_k (scores + o) == choice, each by a strict margin.
 
     A member i of cluster a stays there iff o_a - o_b < s_ib - s_ia for every b, so
     o_a - o_b <= W[a, b] - eps with W[a, b] = min over members of (s_ib - s_ia). Such o exist
     iff every cycle of W has mean weight > eps; eps is half the minimum cycle mean (Karp),
-    and o are shortest-path potentials under W - eps. None when no strict margin exists.
+    and o are shortest-path potentials under W - eps. When a cycle has weight zero
+    (identical documents split between clusters) eps is 0 and ties remain.
     """
     n, k = scores.shape
     rows = np.arange(n)
@@ -553,24 +567,21 @@ def _separating_offsets(scores: np.ndarray, choice: np.ndarray) -> np.ndarray | 
         if members.size:
             w[a] = gain[members].min(axis=0)
         w[a, a] = np.inf
-    # Karp: best[m, v] = lightest walk of exactly m edges ending at v, from anywhere.
+    # Karp: walks[m, v] = lightest walk of exactly m edges ending at v, starting anywhere.
     walks = np.empty((k + 1, k))
     walks[0] = 0.0
     for m in range(1, k + 1):
         walks[m] = np.min(walks[m - 1][:, None] + w, axis=0)
-    with np.errstate(invalid="ignore"):
-        ratios = (walks[k][None, :] - walks[:k]) / (k - np.arange(k))[:, None]
-    ratios = np.where(np.isnan(ratios), -np.inf, ratios)
-    per_node = ratios.max(axis=0)
-    finite = np.isfinite(walks[k])
-    if not finite.any():
-        # No cycle at all: any margin works; use the largest finite gap as a scale.
-        eps = 1.0
+    cyclic = np.isfinite(walks[k])
+    if cyclic.any():
+        with np.errstate(invalid="ignore"):
+            ratios = (walks[k][None, :] - walks[:k]) / (k - np.arange(k))[:, None]
+        per_node = np.where(np.isnan(ratios), -np.inf, ratios).max(axis=0)
+        eps = max(float(per_node[cyclic].min()) / 2.0, 0.0)
     else:
-        min_mean = float(per_node[finite].min())
-        if not min_mean > 0.0:
-            return None
-        eps = min_mean / 2.0
+        # No cycle at all: any margin is feasible; take half the smallest positive move.
+        positive = w[np.isfinite(w) & (w > 0)]
+        eps = float(positive.min()) / 2.0 if positive.size else 0.0
     # o_a <= o_b + (W[a, b] - eps): an edge b -> a; Floyd-Warshall from a virtual root.
     dist = np.where(np.isfinite(w.T), w.T - eps, np.inf)
     np.fill_diagonal(dist, 0.0)
