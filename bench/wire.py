@@ -34,12 +34,21 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
-    cfg = ModelConfig(vocab_size=4096, dim=args.dim, n_layers=args.layers, n_heads=8, max_seq_len=128)
+    cfg = ModelConfig(
+        vocab_size=4096, dim=args.dim, n_layers=args.layers, n_heads=8, max_seq_len=128
+    )
     topo = Topology.parse("2x2", cfg.n_layers)
     modules = topo.split_path_state(0, new_dense_model(cfg, 0).state_dict())
     tensors = {f"{mid}/{k}": v for mid, ts in modules.items() for k, v in ts.items()}
-    msg = m.SubmitDelta(peer_id="p", task_id="t", path=0, base_versions={mid: 0 for mid in modules},
-                        tokens=1, losses=[1.0], tensors=tensors)
+    msg = m.SubmitDelta(
+        peer_id="p",
+        task_id="t",
+        path=0,
+        base_versions={mid: 0 for mid in modules},
+        tokens=1,
+        losses=[1.0],
+        tensors=tensors,
+    )
     mb = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
 
     def ours():
@@ -52,8 +61,10 @@ def main() -> None:
         torch.load(buf, weights_only=True)
 
     t_ours, t_base = best_of(ours, args.repeat), best_of(baseline, args.repeat)
-    print(f"payload {mb:.1f} MiB: dipaco frames {t_ours * 1e3:.1f} ms ({mb / t_ours:.0f} MiB/s), "
-          f"torch.save+load {t_base * 1e3:.1f} ms ({mb / t_base:.0f} MiB/s)")
+    print(
+        f"payload {mb:.1f} MiB: dipaco frames {t_ours * 1e3:.1f} ms ({mb / t_ours:.0f} MiB/s), "
+        f"torch.save+load {t_base * 1e3:.1f} ms ({mb / t_base:.0f} MiB/s)"
+    )
     print(f"ratio dipaco / torch.save: {t_ours / t_base:.2f}")
 
 

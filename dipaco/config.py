@@ -153,7 +153,8 @@ def load_config_dict(data: dict, origin: str = "config") -> RunConfig:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()
+            f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}"
+            for err in exc.errors()
         )
         raise ConfigError(f"{origin}: {problems}") from None
     except ConfigError as exc:
@@ -185,8 +186,15 @@ PRESETS: dict[str, dict] = {
         "name": "tiny",
         "model": {"vocab_size": 512, "dim": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 64},
         "data": {"max_docs": 400, "tokenizer_sample_chars": 300_000},
-        "train": {"batch_size": 8, "seq_len": 64, "lr": 3e-3, "warmup_steps": 4,
-                  "pretrain_steps": 20, "inner_steps": 8, "rounds": 3},
+        "train": {
+            "batch_size": 8,
+            "seq_len": 64,
+            "lr": 3e-3,
+            "warmup_steps": 4,
+            "pretrain_steps": 20,
+            "inner_steps": 8,
+            "rounds": 3,
+        },
         "scheduler": {"lease_seconds": 60.0, "heartbeat_seconds": 1.0},
         "eval": {"max_docs": 40},
     },

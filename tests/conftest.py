@@ -27,8 +27,10 @@ def prepared_tiny(tmp_path_factory, tiny_config):
 @pytest.fixture
 def run_copy(prepared_tiny, tmp_path):
     """A private copy of the prepared run, with no training state yet."""
+
     def make(name: str = "run") -> Path:
         dest = tmp_path / name
         shutil.copytree(prepared_tiny, dest)
         return dest
+
     return make

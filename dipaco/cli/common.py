@@ -38,7 +38,9 @@ def run_command(fn: Callable[[], int | None]) -> int:
         console.print(f"[bold red]error[/] ({exc.reason}): {exc}")
         return 2
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted; the run folder keeps everything, run the same command to resume[/]")
+        console.print(
+            "[yellow]interrupted; the run folder keeps everything, run the same command to resume[/]"
+        )
         return 130
 
 

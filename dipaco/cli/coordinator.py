@@ -43,10 +43,15 @@ def cmd_start(args: argparse.Namespace) -> int:
     host, _, port = args.listen.rpartition(":")
     server = LoopbackServer(coordinator.handle, key, host=host, port=int(port))
     console.print(f"coordinator for run {prep.run_id} listening on [bold]{server.address}[/]")
-    console.print(f"peers join with: dipaco-peer join {server.address} --authkey-file {key_path}", soft_wrap=True)
+    console.print(
+        f"peers join with: dipaco-peer join {server.address} --authkey-file {key_path}",
+        soft_wrap=True,
+    )
     (run_dir / "coordinator" / "address").write_text(server.address + "\n")
     stop = threading.Event()
-    threads = run_local_peers(coordinator, prep, args.local_peers, stop=stop) if args.local_peers else []
+    threads = (
+        run_local_peers(coordinator, prep, args.local_peers, stop=stop) if args.local_peers else []
+    )
     try:
         while not coordinator.finished_event.wait(1.0):
             pass
@@ -62,19 +67,32 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="dipaco-coordinator", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="dipaco-coordinator",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="prepare (if needed) and serve a run")
     start.add_argument("--config", help="run config (TOML)")
     start.add_argument("--preset", help="a preset instead of a config file (demo, tiny)")
     start.add_argument("--run-dir", required=True)
-    start.add_argument("--listen", default="127.0.0.1:0", help="host:port (port 0 picks a free one)")
-    start.add_argument("--local-peers", type=int, default=0, help="also run this many peers in-process")
-    start.add_argument("--linger", type=float, default=3.0,
-                       help="seconds to keep answering peers after the run finished")
-    start.add_argument("--no-eval", action="store_true", help="skip the validation after each round")
+    start.add_argument(
+        "--listen", default="127.0.0.1:0", help="host:port (port 0 picks a free one)"
+    )
+    start.add_argument(
+        "--local-peers", type=int, default=0, help="also run this many peers in-process"
+    )
+    start.add_argument(
+        "--linger",
+        type=float,
+        default=3.0,
+        help="seconds to keep answering peers after the run finished",
+    )
+    start.add_argument(
+        "--no-eval", action="store_true", help="skip the validation after each round"
+    )
     start.set_defaults(fn=cmd_start)
     args = parser.parse_args(argv)
     setup_logging(args.verbose)

@@ -34,9 +34,15 @@ from dipaco.model.topology import Topology
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                    console=console)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
 
 
 def run_demo(run_dir: Path, config, n_peers: int) -> int:
@@ -44,8 +50,10 @@ def run_demo(run_dir: Path, config, n_peers: int) -> int:
     c = config
     topology = c.build_topology()
     metrics = MetricsLog(run_dir / "metrics.jsonl")
-    console.rule(f"[bold]dipaco demo[/]: DiPaCo {topology.spec} ({topology.num_paths} paths) vs dense, "
-                 f"run folder {run_dir}")
+    console.rule(
+        f"[bold]dipaco demo[/]: DiPaCo {topology.spec} ({topology.num_paths} paths) vs dense, "
+        f"run folder {run_dir}"
+    )
     with _progress() as progress:
         pre = progress.add_task("dense pretraining", total=c.train.pretrain_steps, info="")
 
@@ -56,9 +64,15 @@ def run_demo(run_dir: Path, config, n_peers: int) -> int:
         prep = prepare(run_dir, c, stage=lambda s: console.log(s), on_step=on_pretrain)
         progress.update(pre, completed=c.train.pretrain_steps)
     stats = json.loads((run_dir / "shards" / "stats.json").read_text())
-    console.log("routing: " + ", ".join(
-        f"P{p} {docs} docs / {tokens / 1e6:.2f} M tokens"
-        for p, (docs, tokens) in enumerate(zip(stats["train"]["docs"], stats["train"]["tokens"], strict=True))))
+    console.log(
+        "routing: "
+        + ", ".join(
+            f"P{p} {docs} docs / {tokens / 1e6:.2f} M tokens"
+            for p, (docs, tokens) in enumerate(
+                zip(stats["train"]["docs"], stats["train"]["tokens"], strict=True)
+            )
+        )
+    )
     _log_initial_eval(prep, metrics)
 
     coordinator = build_coordinator(prep, metrics)
@@ -66,13 +80,18 @@ def run_demo(run_dir: Path, config, n_peers: int) -> int:
     total = topology.num_paths * c.train.rounds * c.train.inner_steps
     with _progress() as progress:
         bar = progress.add_task(f"DiPaCo, {n_peers} local peers", total=total, info="")
-        resumed = sum(coordinator.path_round(p) for p in range(topology.num_paths)) * c.train.inner_steps
+        resumed = (
+            sum(coordinator.path_round(p) for p in range(topology.num_paths)) * c.train.inner_steps
+        )
         progress.update(bar, completed=resumed)
 
         def on_event(e: dict) -> None:
             if e["event"] == "delta":
-                progress.update(bar, advance=c.train.inner_steps,
-                                info=f"round {e['round'] + 1}/{c.train.rounds}, P{e['path']} loss {e['train_losses'][-1]:.3f}")
+                progress.update(
+                    bar,
+                    advance=c.train.inner_steps,
+                    info=f"round {e['round'] + 1}/{c.train.rounds}, P{e['path']} loss {e['train_losses'][-1]:.3f}",
+                )
             elif e["event"] == "eval" and e["model"] == "dipaco":
                 progress.console.log(f"round {e['round']}: routed validation ppl {e['ppl']:.1f}")
 
@@ -81,7 +100,9 @@ def run_demo(run_dir: Path, config, n_peers: int) -> int:
         try:
             while not coordinator.finished_event.wait(0.5):
                 if not any(t.is_alive() for t in threads):
-                    raise DipacoError("every local peer stopped before the run finished (see the log above)")
+                    raise DipacoError(
+                        "every local peer stopped before the run finished (see the log above)"
+                    )
         finally:
             stop.set()
             for t in threads:
@@ -95,14 +116,19 @@ def run_demo(run_dir: Path, config, n_peers: int) -> int:
             bar = progress.add_task("dense baseline", total=steps, info="")
 
             def on_base(step: int, loss: float) -> None:
-                progress.update(bar, completed=step - c.train.pretrain_steps + 1, info=f"loss {loss:.3f}")
+                progress.update(
+                    bar, completed=step - c.train.pretrain_steps + 1, info=f"loss {loss:.3f}"
+                )
 
             baseline = train_dense_baseline(prep, metrics, on_step=on_base)
 
     rows = _results(prep, coordinator, baseline)
     write_json_atomic(run_dir / "results.json", {"rows": rows, "seconds": time.time() - t0})
-    plot = plot_run(metrics.read(), run_dir / "loss_curves.png",
-                    title=f"dipaco demo: DiPaCo {topology.spec} vs dense ({c.name} preset)")
+    plot = plot_run(
+        metrics.read(),
+        run_dir / "loss_curves.png",
+        title=f"dipaco demo: DiPaCo {topology.spec} vs dense ({c.name} preset)",
+    )
     console.print(results_table(rows))
     (run_dir / "results.md").write_text(results_markdown(rows) + "\n")
     console.print(f"run folder: {run_dir}  (metrics.jsonl, results.md, loss curves: {plot})")
@@ -116,8 +142,16 @@ def _log_initial_eval(prep: PreparedRun, metrics: MetricsLog) -> None:
     initial = prep.config.build_topology().init_modules(prep.initial_state())
     result = evaluate_modules(prep, initial.__getitem__)
     for model in ("dipaco", "dense"):
-        metrics({"event": "eval", "model": model, "round": 0, "steps_per_path": prep.config.train.pretrain_steps,
-                 "ppl": result["ppl"], "loss": result["loss"]})
+        metrics(
+            {
+                "event": "eval",
+                "model": model,
+                "round": 0,
+                "steps_per_path": prep.config.train.pretrain_steps,
+                "ppl": result["ppl"],
+                "loss": result["loss"],
+            }
+        )
 
 
 def _results(prep: PreparedRun, coordinator, baseline: dict | None) -> list[dict]:
@@ -128,16 +162,28 @@ def _results(prep: PreparedRun, coordinator, baseline: dict | None) -> list[dict
     per_step = c.train.batch_size * c.train.seq_len
     steps = c.total_steps
     final = evaluate_modules(prep, coordinator.store.params)
-    rows = [{
-        "model": f"DiPaCo {topology.spec}", "params_per_path": counts["per_path"], "total_params": counts["total"],
-        "steps_per_path": steps,
-        "tokens_seen": per_step * (c.train.pretrain_steps + topology.num_paths * c.train.rounds * c.train.inner_steps),
-        "ppl": final["ppl"],
-    }]
+    rows = [
+        {
+            "model": f"DiPaCo {topology.spec}",
+            "params_per_path": counts["per_path"],
+            "total_params": counts["total"],
+            "steps_per_path": steps,
+            "tokens_seen": per_step
+            * (c.train.pretrain_steps + topology.num_paths * c.train.rounds * c.train.inner_steps),
+            "ppl": final["ppl"],
+        }
+    ]
     if baseline is not None:
-        rows.append({"model": "dense (same size as one path)", "params_per_path": dense_counts["per_path"],
-                     "total_params": dense_counts["total"], "steps_per_path": steps,
-                     "tokens_seen": per_step * steps, "ppl": baseline["ppl"]})
+        rows.append(
+            {
+                "model": "dense (same size as one path)",
+                "params_per_path": dense_counts["per_path"],
+                "total_params": dense_counts["total"],
+                "steps_per_path": steps,
+                "tokens_seen": per_step * steps,
+                "ppl": baseline["ppl"],
+            }
+        )
     return rows
 
 
@@ -154,14 +200,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from dipaco.coordinator.store import ModuleStore
 
     run_dir = Path(args.run_dir)
-    config = load_config_dict(json.loads((run_dir / "config.json").read_text()), origin=str(run_dir / "config.json"))
+    config = load_config_dict(
+        json.loads((run_dir / "config.json").read_text()), origin=str(run_dir / "config.json")
+    )
     prep = prepare(run_dir, config)
     store = ModuleStore(run_dir / "coordinator")
     store.load(config.build_topology().module_ids())
     result = evaluate_modules(prep, store.params)
-    console.print({"ppl": round(result["ppl"], 2), "tokens": result["tokens"],
-                   "per_path": {f"P{p}": round(v["ppl"], 2) for p, v in result["per_path"].items()},
-                   "module_versions": {mid: r.version for mid, r in store.modules.items()}})
+    console.print(
+        {
+            "ppl": round(result["ppl"], 2),
+            "tokens": result["tokens"],
+            "per_path": {f"P{p}": round(v["ppl"], 2) for p, v in result["per_path"].items()},
+            "module_versions": {mid: r.version for mid, r in store.modules.items()},
+        }
+    )
     return 0
 
 
@@ -169,14 +222,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dipaco", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="prepare, train DiPaCo with local peers and a dense baseline, compare")
+    demo = sub.add_parser(
+        "demo", help="prepare, train DiPaCo with local peers and a dense baseline, compare"
+    )
     demo.add_argument("--run-dir", default="runs/demo")
     demo.add_argument("--preset", default="demo", help="demo (about 10 minutes on 2 cores) or tiny")
     demo.add_argument("--config", help="a run config (TOML) instead of a preset")
     demo.add_argument("--peers", type=int, default=4, help="local peers (threads)")
-    demo.add_argument("--fresh", action="store_true", help="delete the run folder first instead of resuming")
+    demo.add_argument(
+        "--fresh", action="store_true", help="delete the run folder first instead of resuming"
+    )
     demo.set_defaults(fn=cmd_demo)
-    ev = sub.add_parser("eval", help="routed validation perplexity of a run folder's current modules")
+    ev = sub.add_parser(
+        "eval", help="routed validation perplexity of a run folder's current modules"
+    )
     ev.add_argument("--run-dir", required=True)
     ev.set_defaults(fn=cmd_eval)
     args = parser.parse_args(argv)

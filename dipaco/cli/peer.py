@@ -27,8 +27,14 @@ def cmd_join(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     transport = LoopbackTransport(args.address, key)
     state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / peer_id)
-    peer = Peer(transport, peer_id, state_dir, max_tasks=args.max_tasks, stop=stop,
-                on_progress=lambda info: None)
+    peer = Peer(
+        transport,
+        peer_id,
+        state_dir,
+        max_tasks=args.max_tasks,
+        stop=stop,
+        on_progress=lambda info: None,
+    )
     console.print(f"peer {peer_id} joined {args.address}")
     try:
         done = peer.run()
@@ -39,15 +45,20 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="dipaco-peer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="dipaco-peer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     join = sub.add_parser("join", help="join a run at ADDRESS")
     join.add_argument("address", help="host:port printed by dipaco-coordinator start")
     join.add_argument("--authkey-file", required=True, help="the run's key file")
     join.add_argument("--peer-id")
-    join.add_argument("--state-dir", help="where inner optimizer state is kept (default ~/.cache/dipaco/<id>)")
+    join.add_argument(
+        "--state-dir", help="where inner optimizer state is kept (default ~/.cache/dipaco/<id>)"
+    )
     join.add_argument("--max-tasks", type=int)
     join.set_defaults(fn=cmd_join)
     args = parser.parse_args(argv)

@@ -129,16 +129,28 @@ class Coordinator:
             return m.NoTask(reason="run finished", retry_after=0.0, finished=True)
         lease = self.scheduler.claim(req.peer_id, self.open_paths(), req.prefer_path)
         if lease is None:
-            return m.NoTask(reason="every open path is leased or waiting for its modules",
-                            retry_after=0.5, finished=False)
+            return m.NoTask(
+                reason="every open path is leased or waiting for its modules",
+                retry_after=0.5,
+                finished=False,
+            )
         self.peers[req.peer_id]["task"] = lease.task_id
-        self.metrics({"event": "task_issued", "task": lease.task_id, "peer": req.peer_id,
-                      "path": lease.path, "round": lease.round})
+        self.metrics(
+            {
+                "event": "task_issued",
+                "task": lease.task_id,
+                "peer": req.peer_id,
+                "path": lease.path,
+                "round": lease.round,
+            }
+        )
         return m.TaskOffer(
             task_id=lease.task_id,
             path=lease.path,
             round=lease.round,
-            module_versions={mid: self.store.version(mid) for mid in self.topology.path_modules(lease.path)},
+            module_versions={
+                mid: self.store.version(mid) for mid in self.topology.path_modules(lease.path)
+            },
             inner_steps=self.inner_steps,
             step_offset=self.step_offset + lease.round * self.inner_steps,
             total_steps=self.total_steps,
@@ -176,20 +188,32 @@ class Coordinator:
         self._seen(req.peer_id)
         lease = self._issued_to(req.task_id, req.peer_id)
         if req.path != lease.path:
-            self._reject(req.peer_id, "wrong-path", f"task {req.task_id} is for path {lease.path}, not {req.path}")
+            self._reject(
+                req.peer_id,
+                "wrong-path",
+                f"task {req.task_id} is for path {lease.path}, not {req.path}",
+            )
         if req.tokens <= 0:
-            self._reject(req.peer_id, "bad-tokens", f"token count must be positive, got {req.tokens}")
+            self._reject(
+                req.peer_id, "bad-tokens", f"token count must be positive, got {req.tokens}"
+            )
         mids = self.topology.path_modules(lease.path)
         deltas = self._split_delta(req, mids)
         for mid in mids:
             current = self.store.version(mid)
             if req.base_versions.get(mid) != current:
-                self._reject(req.peer_id, "stale",
-                             f"delta for {mid} is against version {req.base_versions.get(mid)}, "
-                             f"module is at {current}")
+                self._reject(
+                    req.peer_id,
+                    "stale",
+                    f"delta for {mid} is against version {req.base_versions.get(mid)}, "
+                    f"module is at {current}",
+                )
             if lease.path in self.store.modules[mid].pending:
-                self._reject(req.peer_id, "duplicate",
-                             f"path {lease.path} already reported for {mid} version {current}")
+                self._reject(
+                    req.peer_id,
+                    "duplicate",
+                    f"path {lease.path} already reported for {mid} version {current}",
+                )
         for mid in mids:
             self.store.add_delta(mid, lease.path, req.tokens, req.task_id, req.peer_id, deltas[mid])
         self.scheduler.finish(req.task_id)
@@ -197,10 +221,18 @@ class Coordinator:
         peer["tasks_done"] = peer.get("tasks_done", 0) + 1
         peer["tokens"] = peer.get("tokens", 0) + req.tokens
         peer["task"] = None
-        self.metrics({"event": "delta", "task": req.task_id, "peer": req.peer_id, "path": lease.path,
-                      "round": lease.round, "tokens": req.tokens,
-                      "step_offset": self.step_offset + lease.round * self.inner_steps,
-                      "train_losses": req.losses})
+        self.metrics(
+            {
+                "event": "delta",
+                "task": req.task_id,
+                "peer": req.peer_id,
+                "path": lease.path,
+                "round": lease.round,
+                "tokens": req.tokens,
+                "step_offset": self.step_offset + lease.round * self.inner_steps,
+                "train_losses": req.losses,
+            }
+        )
         round_before = self.round
         closed = [mid for mid in mids if self._maybe_step(mid)]
         self._save_state()
@@ -214,27 +246,45 @@ class Coordinator:
 
     def status(self, req: m.GetStatus | None = None) -> m.Status:
         now = self.clock()
-        return m.Status(state={
-            "run_id": self.run_id,
-            "round": self.round,
-            "rounds": self.rounds,
-            "finished": self.finished,
-            "modules": {mid: {"version": r.version, "pending": sorted(r.pending), "hash": r.hash}
-                        for mid, r in self.store.modules.items()},
-            "leases": {t: {"path": lease.path, "round": lease.round, "peer": lease.peer_id,
-                           "deadline_in": round(lease.deadline - now, 1)}
-                       for t, lease in self.scheduler.leases.items()},
-            "expired_leases": self.scheduler.expired,
-            "peers": {pid: {k: v for k, v in info.items() if k != "last_seen"} | {
-                "seen_ago": round(now - info["last_seen"], 1)} for pid, info in self.peers.items()},
-            "rejections": dict(self.rejections),
-            "rejections_by_peer": {p: dict(c) for p, c in self.rejections_by_peer.items()},
-        })
+        return m.Status(
+            state={
+                "run_id": self.run_id,
+                "round": self.round,
+                "rounds": self.rounds,
+                "finished": self.finished,
+                "modules": {
+                    mid: {"version": r.version, "pending": sorted(r.pending), "hash": r.hash}
+                    for mid, r in self.store.modules.items()
+                },
+                "leases": {
+                    t: {
+                        "path": lease.path,
+                        "round": lease.round,
+                        "peer": lease.peer_id,
+                        "deadline_in": round(lease.deadline - now, 1),
+                    }
+                    for t, lease in self.scheduler.leases.items()
+                },
+                "expired_leases": self.scheduler.expired,
+                "peers": {
+                    pid: {k: v for k, v in info.items() if k != "last_seen"}
+                    | {"seen_ago": round(now - info["last_seen"], 1)}
+                    for pid, info in self.peers.items()
+                },
+                "rejections": dict(self.rejections),
+                "rejections_by_peer": {p: dict(c) for p, c in self.rejections_by_peer.items()},
+            }
+        )
 
     # ---- the wire -----------------------------------------------------------------------------
     _OPS = {
-        m.Hello: "hello", m.ClaimTask: "claim", m.FetchModules: "fetch", m.Heartbeat: "heartbeat",
-        m.SubmitDelta: "submit", m.ReleaseTask: "release", m.GetStatus: "status",
+        m.Hello: "hello",
+        m.ClaimTask: "claim",
+        m.FetchModules: "fetch",
+        m.Heartbeat: "heartbeat",
+        m.SubmitDelta: "submit",
+        m.ReleaseTask: "release",
+        m.GetStatus: "status",
     }
 
     def handle(self, data: bytes) -> bytes:
@@ -267,26 +317,38 @@ class Coordinator:
         log.info("outer step %s -> v%d (paths %s)", mid, info["version"], info["paths"])
         return True
 
-    def _split_delta(self, req: m.SubmitDelta, mids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    def _split_delta(
+        self, req: m.SubmitDelta, mids: list[str]
+    ) -> dict[str, dict[str, torch.Tensor]]:
         deltas: dict[str, dict[str, torch.Tensor]] = {mid: {} for mid in mids}
         for key, tensor in req.tensors.items():
             mid, _, name = key.partition("/")
             if mid not in deltas:
-                self._reject(req.peer_id, "unknown-module", f"tensor {key} is for a module outside path {req.path}")
+                self._reject(
+                    req.peer_id,
+                    "unknown-module",
+                    f"tensor {key} is for a module outside path {req.path}",
+                )
             deltas[mid][name] = tensor
         for mid in mids:
             params = self.store.params(mid)
             got = deltas[mid]
             if set(got) != set(params):
                 missing, extra = sorted(set(params) - set(got)), sorted(set(got) - set(params))
-                self._reject(req.peer_id, "wrong-tensors",
-                             f"delta for {mid}: missing {missing[:3]}, unexpected {extra[:3]}")
+                self._reject(
+                    req.peer_id,
+                    "wrong-tensors",
+                    f"delta for {mid}: missing {missing[:3]}, unexpected {extra[:3]}",
+                )
             for name, tensor in got.items():
                 ref = params[name]
                 if tensor.shape != ref.shape or tensor.dtype != ref.dtype:
-                    self._reject(req.peer_id, "wrong-shape",
-                                 f"{mid}/{name}: got {tuple(tensor.shape)} {tensor.dtype}, "
-                                 f"expected {tuple(ref.shape)} {ref.dtype}")
+                    self._reject(
+                        req.peer_id,
+                        "wrong-shape",
+                        f"{mid}/{name}: got {tuple(tensor.shape)} {tensor.dtype}, "
+                        f"expected {tuple(ref.shape)} {ref.dtype}",
+                    )
                 if not torch.isfinite(tensor).all():
                     self._reject(req.peer_id, "non-finite", f"{mid}/{name} contains NaN or inf")
         return deltas
@@ -294,14 +356,28 @@ class Coordinator:
     def _issued_to(self, task_id: str, peer_id: str):
         lease = self.scheduler.issued.get(task_id)
         if lease is None:
-            self._reject(peer_id, "unknown-task", f"task {task_id} was not issued by this coordinator")
+            self._reject(
+                peer_id, "unknown-task", f"task {task_id} was not issued by this coordinator"
+            )
         if lease.peer_id != peer_id:
             self._reject(peer_id, "not-your-task", f"task {task_id} is leased to another peer")
         return lease
 
     def _expired(self, lease) -> None:
-        log.warning("lease %s of peer %s expired; path P%d is open again", lease.task_id, lease.peer_id, lease.path)
-        self.metrics({"event": "lease_expired", "task": lease.task_id, "peer": lease.peer_id, "path": lease.path})
+        log.warning(
+            "lease %s of peer %s expired; path P%d is open again",
+            lease.task_id,
+            lease.peer_id,
+            lease.path,
+        )
+        self.metrics(
+            {
+                "event": "lease_expired",
+                "task": lease.task_id,
+                "peer": lease.peer_id,
+                "path": lease.path,
+            }
+        )
 
     def _reject(self, peer_id: str, reason: str, message: str):
         self._count(peer_id, reason)
@@ -315,4 +391,3 @@ class Coordinator:
         peer = self.peers.setdefault(peer_id, {"tasks_done": 0, "tokens": 0, "task": None})
         peer["last_seen"] = self.clock()
         peer.update(info)
-

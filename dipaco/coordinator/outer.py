@@ -44,7 +44,8 @@ def outer_gradient(deltas: list[tuple[Tensors, int]], s: OuterSettings) -> Tenso
     scale = math.sqrt(n) if s.sqrt_rescale else 1.0
     names = deltas[0][0].keys()
     return {
-        name: scale * sum(w * d[name].double() for w, (d, _) in zip(weights, deltas, strict=True)).float()
+        name: scale
+        * sum(w * d[name].double() for w, (d, _) in zip(weights, deltas, strict=True)).float()
         for name in names
     }
 

@@ -52,7 +52,11 @@ class PreparedRun:
 
     def val_docs(self) -> list[np.ndarray]:
         shard = TokenShard(self.root / "data" / "val")
-        n = len(shard) if self.config.eval.max_docs is None else min(len(shard), self.config.eval.max_docs)
+        n = (
+            len(shard)
+            if self.config.eval.max_docs is None
+            else min(len(shard), self.config.eval.max_docs)
+        )
         return [shard[i] for i in range(n)]
 
     def initial_state(self) -> dict[str, torch.Tensor]:
@@ -71,8 +75,14 @@ class PreparedRun:
 
 def inner_settings(config: RunConfig) -> InnerSettings:
     t = config.train
-    return InnerSettings(lr=t.lr, warmup_steps=t.warmup_steps, total_steps=config.total_steps,
-                         min_lr_ratio=t.min_lr_ratio, weight_decay=t.weight_decay, grad_clip=t.grad_clip)
+    return InnerSettings(
+        lr=t.lr,
+        warmup_steps=t.warmup_steps,
+        total_steps=config.total_steps,
+        min_lr_ratio=t.min_lr_ratio,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+    )
 
 
 def batches_from(shard: TokenShard, seed: list[int], batch: int, seq_len: int):
@@ -81,8 +91,12 @@ def batches_from(shard: TokenShard, seed: list[int], batch: int, seq_len: int):
         yield torch.from_numpy(sample_windows(shard, rng, batch, seq_len + 1))
 
 
-def prepare(root: str | Path, config: RunConfig, stage: Stage = lambda s: None,
-            on_step: Callable[[int, float], None] | None = None) -> PreparedRun:
+def prepare(
+    root: str | Path,
+    config: RunConfig,
+    stage: Stage = lambda s: None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> PreparedRun:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     seed = config.train.seed
@@ -90,8 +104,11 @@ def prepare(root: str | Path, config: RunConfig, stage: Stage = lambda s: None,
     config_file = root / "config.json"
     if config_file.exists():
         saved = json.loads(config_file.read_text())
-        changed = sorted(k for k in set(saved) | set(config.to_dict())
-                         if k not in OPERATIONAL and saved.get(k) != config.to_dict().get(k))
+        changed = sorted(
+            k
+            for k in set(saved) | set(config.to_dict())
+            if k not in OPERATIONAL and saved.get(k) != config.to_dict().get(k)
+        )
         if changed:
             raise ConfigError(
                 f"{root} holds a run whose {', '.join(changed)} settings differ from this config; "
@@ -108,22 +125,36 @@ def prepare(root: str | Path, config: RunConfig, stage: Stage = lambda s: None,
             docs = [docs[int(i * step)] for i in range(config.data.max_docs)]
         train_docs, val_docs = split_train_val(docs, config.data.val_fraction, seed)
         if not train_docs or not val_docs:
-            raise DataError(f"data.source {config.data.source!r} gave {len(docs)} documents: too few to split")
+            raise DataError(
+                f"data.source {config.data.source!r} gave {len(docs)} documents: too few to split"
+            )
         if not tok_path.exists():
             stage(f"training the tokenizer (vocab {config.model.vocab_size})")
-            Tokenizer.train((d.text for d in train_docs), tok_path, config.model.vocab_size,
-                            sample_chars=config.data.tokenizer_sample_chars, seed=seed)
+            Tokenizer.train(
+                (d.text for d in train_docs),
+                tok_path,
+                config.model.vocab_size,
+                sample_chars=config.data.tokenizer_sample_chars,
+                seed=seed,
+            )
         tokenizer = Tokenizer.load(tok_path)
         stage(f"tokenizing {len(train_docs)} + {len(val_docs)} documents")
-        for name, part in (("val", val_docs), ("train", train_docs)):  # train last: it marks completion
+        for name, part in (
+            ("val", val_docs),
+            ("train", train_docs),
+        ):  # train last: it marks completion
             kept = 0
             with ShardWriter(data_dir / name, tokenizer.vocab_size) as writer:
-                for doc, ids in zip(part, tokenizer.encode_batch([d.text for d in part]), strict=True):
+                for doc, ids in zip(
+                    part, tokenizer.encode_batch([d.text for d in part]), strict=True
+                ):
                     if len(ids) + 1 >= config.data.min_doc_tokens:
                         writer.add(ids + [tokenizer.eos_id], doc.doc_id)
                         kept += 1
             if kept == 0:
-                raise DataError(f"no {name} document has {config.data.min_doc_tokens} tokens or more")
+                raise DataError(
+                    f"no {name} document has {config.data.min_doc_tokens} tokens or more"
+                )
     tokenizer = Tokenizer.load(tok_path)
     train = TokenShard(data_dir / "train")
 
@@ -132,11 +163,27 @@ def prepare(root: str | Path, config: RunConfig, stage: Stage = lambda s: None,
         stage(f"dense pretraining ({steps} steps)")
         model = new_dense_model(config.build_model_config(), seed)
         settings = inner_settings(config)
-        losses = train_steps(model, make_optimizer(model, settings),
-                             batches_from(train, [seed, 1 << 20], config.train.batch_size, config.train.seq_len),
-                             settings, steps=steps, step_offset=0, on_step=on_step) if steps else []
-        write_tensor_file(root / "initial.dpt", Frame("DenseModel", {"steps": steps, "losses": losses},
-                                                      {k: v.detach().contiguous() for k, v in model.state_dict().items()}))
+        losses = (
+            train_steps(
+                model,
+                make_optimizer(model, settings),
+                batches_from(train, [seed, 1 << 20], config.train.batch_size, config.train.seq_len),
+                settings,
+                steps=steps,
+                step_offset=0,
+                on_step=on_step,
+            )
+            if steps
+            else []
+        )
+        write_tensor_file(
+            root / "initial.dpt",
+            Frame(
+                "DenseModel",
+                {"steps": steps, "losses": losses},
+                {k: v.detach().contiguous() for k, v in model.state_dict().items()},
+            ),
+        )
 
     router_path = root / "router.json"
     routing_path = root / "routing.json"
@@ -149,22 +196,38 @@ def prepare(root: str | Path, config: RunConfig, stage: Stage = lambda s: None,
         train_docs = [train[i] for i in range(len(train))]
         feats = prefix_features(model, train_docs, p)
         topology = config.build_topology()
-        router = fit_router(feats, list(topology.levels), method=config.routing.method,
-                            balance=config.routing.balance, seed=seed)
+        router = fit_router(
+            feats,
+            list(topology.levels),
+            method=config.routing.method,
+            balance=config.routing.balance,
+            seed=seed,
+        )
         router.save(router_path)
         stage(f"writing shards for {topology.num_paths} paths")
         train_paths = router.assign(feats)
         stats = write_path_shards(
-            root / "shards", train_docs, train.doc_ids, train_paths, topology.num_paths, tokenizer.vocab_size,
-            heldout_fraction=config.data.heldout_fraction, seed=seed,
+            root / "shards",
+            train_docs,
+            train.doc_ids,
+            train_paths,
+            topology.num_paths,
+            tokenizer.vocab_size,
+            heldout_fraction=config.data.heldout_fraction,
+            seed=seed,
             min_train_tokens=config.train.seq_len + 1,
         )
         val_paths = router.assign(prefix_features(model, [val[i] for i in range(len(val))], p))
-        write_json_atomic(routing_path, {
-            "train": routing_stats(train_paths, train.doc_lengths, topology.num_paths),
-            "shards": stats,
-            "val": routing_stats(val_paths, val.doc_lengths, topology.num_paths),
-            "val_paths": [int(x) for x in val_paths],
-        })
+        write_json_atomic(
+            routing_path,
+            {
+                "train": routing_stats(train_paths, train.doc_lengths, topology.num_paths),
+                "shards": stats,
+                "val": routing_stats(val_paths, val.doc_lengths, topology.num_paths),
+                "val_paths": [int(x) for x in val_paths],
+            },
+        )
     routing = json.loads(routing_path.read_text())
-    return PreparedRun(root, config, tokenizer, KMeansRouter.load(router_path), np.array(routing["val_paths"]))
+    return PreparedRun(
+        root, config, tokenizer, KMeansRouter.load(router_path), np.array(routing["val_paths"])
+    )

@@ -14,21 +14,37 @@ from rich.table import Table  # noqa: E402
 
 def results_table(rows: list[dict]) -> Table:
     table = Table(title="routed validation perplexity (first 32 tokens excluded)")
-    for col, justify in (("model", "left"), ("params / path", "right"), ("total params", "right"),
-                         ("steps / path", "right"), ("tokens seen", "right"), ("val ppl", "right")):
+    for col, justify in (
+        ("model", "left"),
+        ("params / path", "right"),
+        ("total params", "right"),
+        ("steps / path", "right"),
+        ("tokens seen", "right"),
+        ("val ppl", "right"),
+    ):
         table.add_column(col, justify=justify)
     for r in rows:
-        table.add_row(r["model"], f"{r['params_per_path'] / 1e6:.2f} M", f"{r['total_params'] / 1e6:.2f} M",
-                      str(r["steps_per_path"]), f"{r['tokens_seen'] / 1e6:.2f} M", f"{r['ppl']:.1f}")
+        table.add_row(
+            r["model"],
+            f"{r['params_per_path'] / 1e6:.2f} M",
+            f"{r['total_params'] / 1e6:.2f} M",
+            str(r["steps_per_path"]),
+            f"{r['tokens_seen'] / 1e6:.2f} M",
+            f"{r['ppl']:.1f}",
+        )
     return table
 
 
 def results_markdown(rows: list[dict]) -> str:
-    lines = ["| model | params / path | total params | steps / path | tokens seen | val ppl |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| model | params / path | total params | steps / path | tokens seen | val ppl |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['params_per_path'] / 1e6:.2f} M | {r['total_params'] / 1e6:.2f} M | "
-                     f"{r['steps_per_path']} | {r['tokens_seen'] / 1e6:.2f} M | {r['ppl']:.1f} |")
+        lines.append(
+            f"| {r['model']} | {r['params_per_path'] / 1e6:.2f} M | {r['total_params'] / 1e6:.2f} M | "
+            f"{r['steps_per_path']} | {r['tokens_seen'] / 1e6:.2f} M | {r['ppl']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -58,7 +74,9 @@ def plot_run(events: list[dict], out: str | Path, title: str = "") -> Path:
     for label, points in sorted(val.items()):
         steps = sorted(points)
         ax_val.plot(steps, [points[s] for s in steps], marker="o", label=label)
-    ax_val.set(xlabel="inner steps per path", ylabel="perplexity", title="routed validation perplexity")
+    ax_val.set(
+        xlabel="inner steps per path", ylabel="perplexity", title="routed validation perplexity"
+    )
     ax_val.set_yscale("log")
     ax_val.legend()
     if title:

@@ -76,21 +76,38 @@ def evaluate_modules(prep: PreparedRun, modules: Callable[[str], dict[str, torch
     def load(p: int) -> PathModel:
         return topology.build_path(cfg, p, {mid: modules(mid) for mid in topology.path_modules(p)})
 
-    return routed_perplexity(load, docs, prep.val_paths[: len(docs)],
-                             seq_len=prep.config.train.seq_len, prefix_tokens=prep.config.routing.prefix_tokens)
+    return routed_perplexity(
+        load,
+        docs,
+        prep.val_paths[: len(docs)],
+        seq_len=prep.config.train.seq_len,
+        prefix_tokens=prep.config.routing.prefix_tokens,
+    )
 
 
-def build_coordinator(prep: PreparedRun, metrics: MetricsLog, *, evaluate: bool = True,
-                      clock: Callable[[], float] = time.monotonic) -> Coordinator:
+def build_coordinator(
+    prep: PreparedRun,
+    metrics: MetricsLog,
+    *,
+    evaluate: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+) -> Coordinator:
     c = prep.config
     coordinator: Coordinator
 
     def on_round(rnd: int) -> None:
         result = evaluate_modules(prep, coordinator.store.params)
-        metrics({"event": "eval", "model": "dipaco", "round": rnd,
-                 "steps_per_path": c.train.pretrain_steps + rnd * c.train.inner_steps,
-                 "ppl": result["ppl"], "loss": result["loss"],
-                 "per_path": {str(p): v["ppl"] for p, v in result["per_path"].items()}})
+        metrics(
+            {
+                "event": "eval",
+                "model": "dipaco",
+                "round": rnd,
+                "steps_per_path": c.train.pretrain_steps + rnd * c.train.inner_steps,
+                "ppl": result["ppl"],
+                "loss": result["loss"],
+                "per_path": {str(p): v["ppl"] for p, v in result["per_path"].items()},
+            }
+        )
 
     coordinator = Coordinator(
         prep.root / "coordinator",
@@ -127,17 +144,25 @@ def run_local_peers(
     """
     threads = []
     for i in range(n_peers):
-        peer = Peer(LocalTransport(coordinator.handle), f"local-{i}", prep.root / "peers",
-                    stop=stop, on_progress=on_progress)
+        peer = Peer(
+            LocalTransport(coordinator.handle),
+            f"local-{i}",
+            prep.root / "peers",
+            stop=stop,
+            on_progress=on_progress,
+        )
         t = threading.Thread(target=peer.run, name=f"peer-{i}", daemon=True)
         t.start()
         threads.append(t)
     return threads
 
 
-def train_dense_baseline(prep: PreparedRun, metrics: MetricsLog,
-                         on_step: Callable[[int, float], None] | None = None,
-                         stop: threading.Event | None = None) -> dict | None:
+def train_dense_baseline(
+    prep: PreparedRun,
+    metrics: MetricsLog,
+    on_step: Callable[[int, float], None] | None = None,
+    stop: threading.Event | None = None,
+) -> dict | None:
     """The dense model of one path's size, trained on all data for as many steps as one path.
 
     It continues the shared pretraining in chunks of H steps, evaluated and checkpointed after
@@ -156,9 +181,14 @@ def train_dense_baseline(prep: PreparedRun, metrics: MetricsLog,
     state_file = folder / "state.dpt"
     if state_file.exists():
         frame = read_tensor_file(state_file)
-        model.load_state_dict({k[len("model/"):]: v for k, v in frame.tensors.items() if k.startswith("model/")})
-        load_optimizer_state_tensors(optimizer, names, {
-            k[len("optim/"):]: v for k, v in frame.tensors.items() if k.startswith("optim/")})
+        model.load_state_dict(
+            {k[len("model/") :]: v for k, v in frame.tensors.items() if k.startswith("model/")}
+        )
+        load_optimizer_state_tensors(
+            optimizer,
+            names,
+            {k[len("optim/") :]: v for k, v in frame.tensors.items() if k.startswith("optim/")},
+        )
         chunk = frame.fields["chunk"]
     train = TokenShard(prep.root / "data" / "train")
     docs = prep.val_docs()
@@ -168,21 +198,50 @@ def train_dense_baseline(prep: PreparedRun, metrics: MetricsLog,
         if stop is not None and stop.is_set():
             return None
         offset = c.train.pretrain_steps + chunk * c.train.inner_steps
-        batches = batches_from(train, [c.train.seed, 2 << 20, chunk], c.train.batch_size, c.train.seq_len)
-        losses = train_steps(model, optimizer, batches, settings, steps=c.train.inner_steps,
-                             step_offset=offset, on_step=on_step)
+        batches = batches_from(
+            train, [c.train.seed, 2 << 20, chunk], c.train.batch_size, c.train.seq_len
+        )
+        losses = train_steps(
+            model,
+            optimizer,
+            batches,
+            settings,
+            steps=c.train.inner_steps,
+            step_offset=offset,
+            on_step=on_step,
+        )
         chunk += 1
-        result = routed_perplexity(lambda p: model, docs, route_all, seq_len=c.train.seq_len,
-                                   prefix_tokens=c.routing.prefix_tokens)
+        result = routed_perplexity(
+            lambda p: model,
+            docs,
+            route_all,
+            seq_len=c.train.seq_len,
+            prefix_tokens=c.routing.prefix_tokens,
+        )
         metrics({"event": "baseline_train", "step_offset": offset, "train_losses": losses})
-        metrics({"event": "eval", "model": "dense", "round": chunk,
-                 "steps_per_path": offset + c.train.inner_steps, "ppl": result["ppl"], "loss": result["loss"]})
+        metrics(
+            {
+                "event": "eval",
+                "model": "dense",
+                "round": chunk,
+                "steps_per_path": offset + c.train.inner_steps,
+                "ppl": result["ppl"],
+                "loss": result["loss"],
+            }
+        )
         tensors = {f"model/{k}": v.detach() for k, v in model.state_dict().items()}
-        tensors.update({f"optim/{k}": v for k, v in optimizer_state_tensors(optimizer, names).items()})
+        tensors.update(
+            {f"optim/{k}": v for k, v in optimizer_state_tensors(optimizer, names).items()}
+        )
         write_tensor_file(state_file, Frame("BaselineState", {"chunk": chunk}, tensors))
     if result is None:
-        result = routed_perplexity(lambda p: model, docs, route_all, seq_len=c.train.seq_len,
-                                   prefix_tokens=c.routing.prefix_tokens)
+        result = routed_perplexity(
+            lambda p: model,
+            docs,
+            route_all,
+            seq_len=c.train.seq_len,
+            prefix_tokens=c.routing.prefix_tokens,
+        )
     summary = {"ppl": result["ppl"], "loss": result["loss"]}
     write_json_atomic(final, summary)
     return summary

@@ -24,7 +24,9 @@ class Lease:
 
 
 class Scheduler:
-    def __init__(self, num_paths: int, lease_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, num_paths: int, lease_seconds: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.num_paths = num_paths
         self.lease_seconds = lease_seconds
         self.clock = clock
@@ -54,7 +56,13 @@ class Scheduler:
         rnd = open_paths[path]
         attempt = self.attempts.get((path, rnd), 0)
         self.attempts[(path, rnd)] = attempt + 1
-        lease = Lease(f"P{path}-r{rnd}-e{self.epoch}-a{attempt}", path, rnd, peer_id, self.clock() + self.lease_seconds)
+        lease = Lease(
+            f"P{path}-r{rnd}-e{self.epoch}-a{attempt}",
+            path,
+            rnd,
+            peer_id,
+            self.clock() + self.lease_seconds,
+        )
         self.leases[lease.task_id] = lease
         self.issued[lease.task_id] = lease
         return lease

@@ -69,7 +69,9 @@ class ModuleStore:
             if (folder / "head.json").exists():
                 continue
             tensors = {k: v.detach().float().contiguous() for k, v in tensors.items()}
-            write_tensor_file(folder / "v0.dpt", Frame("ModuleRelease", {"module": mid, "version": 0}, tensors))
+            write_tensor_file(
+                folder / "v0.dpt", Frame("ModuleRelease", {"module": mid, "version": 0}, tensors)
+            )
             write_json_atomic(folder / "head.json", {"version": 0, "hash": tensors_sha256(tensors)})
         self.load(list(modules))
 
@@ -80,7 +82,9 @@ class ModuleStore:
             v = head["version"]
             params = read_tensor_file(folder / f"v{v}.dpt").tensors
             if tensors_sha256(params) != head["hash"]:
-                raise CorruptFileError(f"{folder / f'v{v}.dpt'}: content hash differs from head.json")
+                raise CorruptFileError(
+                    f"{folder / f'v{v}.dpt'}: content hash differs from head.json"
+                )
             momentum = read_tensor_file(folder / f"m{v}.dpt").tensors if v > 0 else None
             record = ModuleRecord(v, head["hash"], params, momentum)
             self._discard_uncommitted(mid, folder, v)
@@ -126,12 +130,19 @@ class ModuleStore:
         return self.modules[mid].params
 
     # ---- writes -------------------------------------------------------------------------------
-    def add_delta(self, mid: str, path: int, tokens: int, task_id: str, peer_id: str, delta: Tensors) -> None:
+    def add_delta(
+        self, mid: str, path: int, tokens: int, task_id: str, peer_id: str, delta: Tensors
+    ) -> None:
         """Durably record a path's delta against the module's current version (then it may be acked)."""
         record = self.modules[mid]
         file = self.root / "deltas" / mid / f"v{record.version}" / f"P{path}.dpt"
-        meta = {"path": path, "tokens": tokens, "task_id": task_id, "peer_id": peer_id,
-                "base_version": record.version}
+        meta = {
+            "path": path,
+            "tokens": tokens,
+            "task_id": task_id,
+            "peer_id": peer_id,
+            "base_version": record.version,
+        }
         write_tensor_file(file, Frame("Delta", meta, delta))
         record.pending[path] = PendingDelta(path, tokens, task_id, peer_id, file)
 
@@ -140,14 +151,17 @@ class ModuleStore:
         record = self.modules[mid]
         folder = self.root / "modules" / mid
         deltas = [
-            (read_tensor_file(p.file).tensors, p.tokens)
-            for _, p in sorted(record.pending.items())
+            (read_tensor_file(p.file).tensors, p.tokens) for _, p in sorted(record.pending.items())
         ]
         grad = outer_gradient(deltas, settings)
         params, momentum = nesterov_step(record.params, record.momentum, grad, settings)
         v = record.version + 1
-        write_tensor_file(folder / f"v{v}.dpt", Frame("ModuleRelease", {"module": mid, "version": v}, params))
-        write_tensor_file(folder / f"m{v}.dpt", Frame("OuterMomentum", {"module": mid, "version": v}, momentum))
+        write_tensor_file(
+            folder / f"v{v}.dpt", Frame("ModuleRelease", {"module": mid, "version": v}, params)
+        )
+        write_tensor_file(
+            folder / f"m{v}.dpt", Frame("OuterMomentum", {"module": mid, "version": v}, momentum)
+        )
         digest = tensors_sha256(params)
         write_json_atomic(folder / "head.json", {"version": v, "hash": digest})
         old_deltas = self.root / "deltas" / mid / f"v{record.version}"

@@ -41,7 +41,10 @@ def make_optimizer(model: nn.Module, s: InnerSettings) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": s.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=s.lr,
         betas=s.betas,
         foreach=True,
@@ -82,7 +85,9 @@ def train_steps(
     return losses
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
+def optimizer_state_tensors(
+    optimizer: torch.optim.Optimizer, names: list[str]
+) -> dict[str, torch.Tensor]:
     """AdamW state as named tensors (``exp_avg/<param>``, ...), for a pickle-free file."""
     out: dict[str, torch.Tensor] = {}
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -97,7 +102,9 @@ def load_optimizer_state_tensors(
 ) -> None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for name, p in zip(names, params, strict=True):
-        state = {key.split("/", 1)[0]: t for key, t in tensors.items() if key.split("/", 1)[1] == name}
+        state = {
+            key.split("/", 1)[0]: t for key, t in tensors.items() if key.split("/", 1)[1] == name
+        }
         if state:
             optimizer.state[p] = {k: v.clone() for k, v in state.items()}
 

@@ -40,7 +40,9 @@ class Topology:
     def __post_init__(self) -> None:
         if not self.levels or any(k < 1 for k in self.levels):
             raise ConfigError(f"topology levels must be positive module counts, got {self.levels}")
-        if len(self.blocks_per_level) != len(self.levels) or any(b < 1 for b in self.blocks_per_level):
+        if len(self.blocks_per_level) != len(self.levels) or any(
+            b < 1 for b in self.blocks_per_level
+        ):
             raise ConfigError(
                 f"topology needs a positive block count per level, got {self.blocks_per_level} "
                 f"for {len(self.levels)} levels"
@@ -94,7 +96,11 @@ class Topology:
                 f"but the model has {trunk} blocks outside the private ones"
             )
         return cls(
-            levels, tuple(blocks_per_level), tuple(shared), private_blocks_before, private_blocks_after
+            levels,
+            tuple(blocks_per_level),
+            tuple(shared),
+            private_blocks_before,
+            private_blocks_after,
         )
 
     @property
@@ -175,7 +181,11 @@ class Topology:
 
     @staticmethod
     def _sort_key(mid: str) -> tuple:
-        return (mid[0] != "S", mid[0] != "L", [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", mid)])
+        return (
+            mid[0] != "S",
+            mid[0] != "L",
+            [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", mid)],
+        )
 
     # ---- tensors ------------------------------------------------------------------------------
     def split_path_state(self, path: int, state: dict[str, torch.Tensor]) -> dict[str, ModuleState]:
@@ -221,7 +231,9 @@ class Topology:
     def build_path(self, cfg: ModelConfig, path: int, modules: dict[str, ModuleState]) -> PathModel:
         """A path model made from its modules' tensors alone (no full model is ever built)."""
         if cfg.n_layers != self.n_layers:
-            raise ConfigError(f"model has {cfg.n_layers} layers, topology {self.spec} has {self.n_layers}")
+            raise ConfigError(
+                f"model has {cfg.n_layers} layers, topology {self.spec} has {self.n_layers}"
+            )
         with torch.device("meta"):
             model = PathModel(cfg)
         model.load_state_dict(self.join_modules(path, modules), strict=True, assign=True)
@@ -232,7 +244,9 @@ class Topology:
         modules: dict[str, ModuleState] = {}
         for p in range(self.num_paths):
             for mid, tensors in self.split_path_state(p, dense_state).items():
-                modules.setdefault(mid, {k: v.detach().clone().contiguous() for k, v in tensors.items()})
+                modules.setdefault(
+                    mid, {k: v.detach().clone().contiguous() for k, v in tensors.items()}
+                )
         return modules
 
     def parameter_counts(self, cfg: ModelConfig) -> dict[str, int]:

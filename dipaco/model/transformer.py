@@ -28,7 +28,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
-            raise ConfigError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+            raise ConfigError(
+                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})"
+            )
         if (self.dim // self.n_heads) % 2:
             raise ConfigError("model.dim / model.n_heads must be even for rotary embeddings")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):

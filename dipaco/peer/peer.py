@@ -41,7 +41,9 @@ class TaskAborted(Exception):
     """The lease was lost (expired and handed to another peer); drop the work."""
 
 
-def task_batches(shard: TokenShard, seed: int, path: int, rnd: int, batch: int, seq_len: int) -> Iterator[torch.Tensor]:
+def task_batches(
+    shard: TokenShard, seed: int, path: int, rnd: int, batch: int, seq_len: int
+) -> Iterator[torch.Tensor]:
     """The task's data slice: windows drawn by a generator seeded by (run seed, path, round)."""
     rng = np.random.default_rng([seed, path, rnd])
     while True:
@@ -79,8 +81,12 @@ class Peer:
         self.model_cfg = ModelConfig(**self.config["model"])
         self.topology = Topology.from_dict(self.config["topology"])
         self.train_cfg = self.config["train"]
-        while not self.stop.is_set() and (self.max_tasks is None or self.tasks_done < self.max_tasks):
-            offer = self.transport.request(m.ClaimTask(peer_id=self.peer_id, prefer_path=self.last_path))
+        while not self.stop.is_set() and (
+            self.max_tasks is None or self.tasks_done < self.max_tasks
+        ):
+            offer = self.transport.request(
+                m.ClaimTask(peer_id=self.peer_id, prefer_path=self.last_path)
+            )
             if isinstance(offer, m.NoTask):
                 if offer.finished:
                     log.info("peer %s: run finished after %d tasks", self.peer_id, self.tasks_done)
@@ -92,24 +98,38 @@ class Peer:
             except TaskAborted as exc:
                 log.warning("peer %s: task %s aborted: %s", self.peer_id, offer.task_id, exc)
             except RejectedError as exc:
-                log.warning("peer %s: task %s rejected: %s (%s)", self.peer_id, offer.task_id, exc, exc.reason)
+                log.warning(
+                    "peer %s: task %s rejected: %s (%s)",
+                    self.peer_id,
+                    offer.task_id,
+                    exc,
+                    exc.reason,
+                )
         return self.tasks_done
 
     def run_task(self, task: m.TaskOffer) -> None:
         modules = self.fetch(task)
-        model = self.topology.build_path(self.model_cfg, task.path, {
-            mid: {k: v.clone() for k, v in tensors.items()} for mid, tensors in modules.items()
-        }).to(self.device)
+        model = self.topology.build_path(
+            self.model_cfg,
+            task.path,
+            {mid: {k: v.clone() for k, v in tensors.items()} for mid, tensors in modules.items()},
+        ).to(self.device)
         tc = self.train_cfg
         settings = InnerSettings(
-            lr=tc["lr"], warmup_steps=tc["warmup_steps"], total_steps=task.total_steps,
-            min_lr_ratio=tc["min_lr_ratio"], weight_decay=tc["weight_decay"], grad_clip=tc["grad_clip"],
+            lr=tc["lr"],
+            warmup_steps=tc["warmup_steps"],
+            total_steps=task.total_steps,
+            min_lr_ratio=tc["min_lr_ratio"],
+            weight_decay=tc["weight_decay"],
+            grad_clip=tc["grad_clip"],
         )
         optimizer = make_optimizer(model, settings)
         names = param_names_in_optimizer_order(model)
         self._load_inner_state(task.path, optimizer, names)
         shard = TokenShard(Path(self.config["shards_dir"]) / f"P{task.path}" / "train")
-        batches = task_batches(shard, task.seed, task.path, task.round, tc["batch_size"], tc["seq_len"])
+        batches = task_batches(
+            shard, task.seed, task.path, task.round, tc["batch_size"], tc["seq_len"]
+        )
         start = time.monotonic()
         progress = {"step": 0}
         lease_lost = threading.Event()
@@ -120,17 +140,35 @@ class Peer:
             if lease_lost.is_set():
                 raise TaskAborted("lease lost")
             progress["step"] = step - task.step_offset + 1
-            self.on_progress({"task": task.task_id, "path": task.path, "step": progress["step"],
-                              "steps": task.inner_steps, "loss": loss,
-                              "elapsed": time.monotonic() - start})
+            self.on_progress(
+                {
+                    "task": task.task_id,
+                    "path": task.path,
+                    "step": progress["step"],
+                    "steps": task.inner_steps,
+                    "loss": loss,
+                    "elapsed": time.monotonic() - start,
+                }
+            )
 
         beats_done = threading.Event()
-        beats = threading.Thread(target=self._heartbeats, args=(task, progress, lease_lost, beats_done),
-                                 name=f"{self.peer_id}-heartbeat", daemon=True)
+        beats = threading.Thread(
+            target=self._heartbeats,
+            args=(task, progress, lease_lost, beats_done),
+            name=f"{self.peer_id}-heartbeat",
+            daemon=True,
+        )
         beats.start()
         try:
-            losses = train_steps(model, optimizer, batches, settings, steps=task.inner_steps,
-                                 step_offset=task.step_offset, on_step=on_step)
+            losses = train_steps(
+                model,
+                optimizer,
+                batches,
+                settings,
+                steps=task.inner_steps,
+                step_offset=task.step_offset,
+                on_step=on_step,
+            )
         except TaskAborted:
             if self.stop.is_set():
                 self.transport.request(m.ReleaseTask(peer_id=self.peer_id, task_id=task.task_id))
@@ -138,27 +176,42 @@ class Peer:
         finally:
             beats_done.set()
             beats.join()
-        trained = self.topology.split_path_state(task.path, {k: v.detach().cpu() for k, v in model.state_dict().items()})
+        trained = self.topology.split_path_state(
+            task.path, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        )
         tensors = {
             f"{mid}/{name}": (modules[mid][name] - trained[mid][name]).contiguous()
-            for mid in modules for name in modules[mid]
+            for mid in modules
+            for name in modules[mid]
         }
         tokens = task.inner_steps * tc["batch_size"] * tc["seq_len"]
-        self.transport.request(m.SubmitDelta(
-            peer_id=self.peer_id, task_id=task.task_id, path=task.path,
-            base_versions=task.module_versions, tokens=tokens, losses=losses, tensors=tensors,
-        ))
+        self.transport.request(
+            m.SubmitDelta(
+                peer_id=self.peer_id,
+                task_id=task.task_id,
+                path=task.path,
+                base_versions=task.module_versions,
+                tokens=tokens,
+                losses=losses,
+                tensors=tensors,
+            )
+        )
         self._save_inner_state(task.path, optimizer, names)
         self.tasks_done += 1
         self.last_path = task.path
-        log.info("peer %s: %s done, loss %.3f -> %.3f", self.peer_id, task.task_id, losses[0], losses[-1])
+        log.info(
+            "peer %s: %s done, loss %.3f -> %.3f", self.peer_id, task.task_id, losses[0], losses[-1]
+        )
 
-    def _heartbeats(self, task: m.TaskOffer, progress: dict, lost: threading.Event, done: threading.Event) -> None:
+    def _heartbeats(
+        self, task: m.TaskOffer, progress: dict, lost: threading.Event, done: threading.Event
+    ) -> None:
         """Keep the lease alive from a thread of its own, however long a training step takes."""
         while not done.wait(self.config["heartbeat_seconds"]):
             try:
                 ack = self.transport.request(
-                    m.Heartbeat(peer_id=self.peer_id, task_id=task.task_id, step=progress["step"]))
+                    m.Heartbeat(peer_id=self.peer_id, task_id=task.task_id, step=progress["step"])
+                )
             except DipacoError as exc:
                 log.warning("peer %s: heartbeat failed: %s", self.peer_id, exc)
                 continue
@@ -170,7 +223,9 @@ class Peer:
     def fetch(self, task: m.TaskOffer) -> dict[str, dict[str, torch.Tensor]]:
         """The path's modules at the task's versions, downloading only what the cache lacks."""
         have = {mid: v for mid, (v, _) in self.cache.items()}
-        reply = self.transport.request(m.FetchModules(peer_id=self.peer_id, task_id=task.task_id, have=have))
+        reply = self.transport.request(
+            m.FetchModules(peer_id=self.peer_id, task_id=task.task_id, have=have)
+        )
         fresh: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in reply.tensors.items():
             mid, _, name = key.partition("/")
@@ -178,7 +233,9 @@ class Peer:
         modules = {}
         for mid, version in reply.versions.items():
             if version != task.module_versions.get(mid):
-                raise TaskAborted(f"module {mid} moved to version {version} since the task was issued")
+                raise TaskAborted(
+                    f"module {mid} moved to version {version} since the task was issued"
+                )
             tensors = fresh[mid] if mid in fresh else self.cache[mid][1]
             if tensors_sha256(tensors) != reply.hashes[mid]:
                 self.cache.pop(mid, None)
@@ -191,7 +248,9 @@ class Peer:
     def _inner_file(self, path: int) -> Path:
         return self.state_dir / "inner" / f"P{path}.dpt"
 
-    def _load_inner_state(self, path: int, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
+    def _load_inner_state(
+        self, path: int, optimizer: torch.optim.Optimizer, names: list[str]
+    ) -> None:
         file = self._inner_file(path)
         if not file.exists():
             return
@@ -200,6 +259,10 @@ class Peer:
         except (CorruptFileError, KeyError, IndexError) as exc:
             log.warning("peer %s: ignoring unusable inner state %s: %s", self.peer_id, file, exc)
 
-    def _save_inner_state(self, path: int, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
-        write_tensor_file(self._inner_file(path),
-                          Frame("InnerState", {"path": path}, optimizer_state_tensors(optimizer, names)))
+    def _save_inner_state(
+        self, path: int, optimizer: torch.optim.Optimizer, names: list[str]
+    ) -> None:
+        write_tensor_file(
+            self._inner_file(path),
+            Frame("InnerState", {"path": path}, optimizer_state_tensors(optimizer, names)),
+        )

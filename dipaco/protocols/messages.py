@@ -209,5 +209,7 @@ def encode_message(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytearray:
     return encode(to_frame(msg), limits)
 
 
-def decode_message(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:
+def decode_message(
+    data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> Message:
     return from_frame(decode(data, limits))

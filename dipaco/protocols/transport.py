@@ -57,8 +57,9 @@ class LoopbackTransport(Transport):
         try:
             self._conn: Connection = Client((host, int(port)), authkey=authkey)
         except AuthenticationError:
-            raise TransportError(f"coordinator at {address} refused our key (wrong --authkey-file?)",
-                                 reason="auth") from None
+            raise TransportError(
+                f"coordinator at {address} refused our key (wrong --authkey-file?)", reason="auth"
+            ) from None
         except (OSError, ValueError, EOFError) as exc:
             raise TransportError(f"cannot connect to coordinator at {address}: {exc}") from None
 
@@ -79,8 +80,14 @@ class LoopbackTransport(Transport):
 class LoopbackServer:
     """Serves a handler to many peer processes, one thread per connection."""
 
-    def __init__(self, handler: Handler, authkey: bytes, host: str = "127.0.0.1", port: int = 0,
-                 max_message_bytes: int = 1 << 31) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        authkey: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_message_bytes: int = 1 << 31,
+    ) -> None:
         self._handler = handler
         self._max = max_message_bytes
         self._listener = Listener((host, port), authkey=authkey)

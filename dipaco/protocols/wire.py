@@ -65,7 +65,9 @@ def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytearray:
     specs, arrays = [], []
     for name, tensor in frame.tensors.items():
         if tensor.dtype not in _DTYPE_NAMES:
-            raise WireError(f"tensor {name!r} has dtype {tensor.dtype}, not one of {sorted(DTYPES)}")
+            raise WireError(
+                f"tensor {name!r} has dtype {tensor.dtype}, not one of {sorted(DTYPES)}"
+            )
         t = tensor.detach().to("cpu").contiguous()
         specs.append([name, _DTYPE_NAMES[t.dtype], list(t.shape)])
         arrays.append(t.reshape(-1).view(torch.uint8).numpy())
@@ -78,7 +80,9 @@ def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytearray:
     except (TypeError, ValueError) as exc:
         raise WireError(f"fields of {frame.type} are not plain JSON values: {exc}") from None
     if len(header) > limits.max_header_bytes:
-        raise WireError(f"header of {len(header)} bytes exceeds the limit {limits.max_header_bytes}")
+        raise WireError(
+            f"header of {len(header)} bytes exceeds the limit {limits.max_header_bytes}"
+        )
     total = _PREFIX.size + len(header) + sum(a.nbytes for a in arrays)
     if total > limits.max_total_bytes:
         raise WireError(f"message of {total} bytes exceeds the limit {limits.max_total_bytes}")
@@ -97,7 +101,9 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
     if len(view) > limits.max_total_bytes:
         raise WireError(f"message of {len(view)} bytes exceeds the limit {limits.max_total_bytes}")
     if len(view) < _PREFIX.size:
-        raise WireError(f"truncated message: {len(view)} bytes, shorter than the {_PREFIX.size}-byte prefix")
+        raise WireError(
+            f"truncated message: {len(view)} bytes, shorter than the {_PREFIX.size}-byte prefix"
+        )
     magic, version, header_len = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise WireError(f"not a dipaco message (magic {bytes(magic)!r})")
@@ -107,7 +113,9 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
         raise WireError(f"header of {header_len} bytes exceeds the limit {limits.max_header_bytes}")
     end = _PREFIX.size + header_len
     if len(view) < end:
-        raise WireError(f"truncated message: header needs {header_len} bytes, {len(view) - _PREFIX.size} present")
+        raise WireError(
+            f"truncated message: header needs {header_len} bytes, {len(view) - _PREFIX.size} present"
+        )
     try:
         header = json.loads(bytes(view[_PREFIX.size : end]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -131,7 +139,11 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
                 f"truncated message: tensor {name!r} needs {nbytes} bytes, {len(view) - offset} remain"
             )
         raw = bytearray(view[offset : offset + nbytes])  # a private, writable copy
-        flat = torch.frombuffer(raw, dtype=DTYPES[dtype]) if nbytes else torch.empty(0, dtype=DTYPES[dtype])
+        flat = (
+            torch.frombuffer(raw, dtype=DTYPES[dtype])
+            if nbytes
+            else torch.empty(0, dtype=DTYPES[dtype])
+        )
         tensors[name] = flat.reshape(shape)
         offset += nbytes
     if offset != len(view):
@@ -146,7 +158,9 @@ def _check_spec(spec: Any, limits: Limits) -> tuple[str, str, list[int]]:
     if not isinstance(name, str):
         raise WireError(f"tensor name {name!r} is not a string")
     if dtype not in DTYPES:
-        raise WireError(f"tensor {name!r} has unknown or forbidden dtype {dtype!r}; allowed: {sorted(DTYPES)}")
+        raise WireError(
+            f"tensor {name!r} has unknown or forbidden dtype {dtype!r}; allowed: {sorted(DTYPES)}"
+        )
     if (
         not isinstance(shape, list)
         or len(shape) > limits.max_ndim

@@ -39,7 +39,10 @@ def routed_perplexity(
         chosen = [docs[i] for i in np.flatnonzero(paths == p)]
         nll, count = 0.0, 0
         for start in range(0, len(chosen), batch_size):
-            window = [np.asarray(d[: seq_len + 1], dtype=np.int64) for d in chosen[start : start + batch_size]]
+            window = [
+                np.asarray(d[: seq_len + 1], dtype=np.int64)
+                for d in chosen[start : start + batch_size]
+            ]
             length = max(len(w) for w in window)
             tokens = torch.zeros(len(window), length, dtype=torch.long)
             valid = torch.zeros(len(window), length - 1, dtype=torch.bool)
@@ -49,12 +52,18 @@ def routed_perplexity(
                 valid[i, max(prefix_tokens - 1, 0) : len(w) - 1] = True
             logits = model(tokens[:, :-1])
             losses = F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="none"
+                logits.float().reshape(-1, logits.shape[-1]),
+                tokens[:, 1:].reshape(-1),
+                reduction="none",
             ).view_as(valid)
             nll += float(losses[valid].sum())
             count += int(valid.sum())
-        per_path[p] = {"loss": nll / max(count, 1), "ppl": math.exp(nll / max(count, 1)),
-                       "docs": len(chosen), "tokens": count}
+        per_path[p] = {
+            "loss": nll / max(count, 1),
+            "ppl": math.exp(nll / max(count, 1)),
+            "docs": len(chosen),
+            "tokens": count,
+        }
         total_nll += nll
         total_count += count
     loss = total_nll / max(total_count, 1)

@@ -38,9 +38,12 @@ def write_path_shards(
     out_dir = Path(out_dir)
     writers = {
         (p, part): ShardWriter(out_dir / f"P{p}" / part, vocab_size)
-        for p in range(num_paths) for part in ("train", "heldout")
+        for p in range(num_paths)
+        for part in ("train", "heldout")
     }
-    stats = {part: {"docs": [0] * num_paths, "tokens": [0] * num_paths} for part in ("train", "heldout")}
+    stats = {
+        part: {"docs": [0] * num_paths, "tokens": [0] * num_paths} for part in ("train", "heldout")
+    }
     for tokens, doc_id, p in zip(docs, doc_ids, paths, strict=True):
         part = "heldout" if is_heldout(doc_id, heldout_fraction, seed) else "train"
         writers[(int(p), part)].add(tokens, doc_id)

@@ -39,7 +39,9 @@ def test_three_peers_train_four_paths_and_validation_improves(run_copy, tiny_con
     assert {m["version"] for m in status["modules"].values()} == {rounds}
     assert sum(p["tasks_done"] for p in status["peers"].values()) == 4 * rounds
     assert len(status["peers"]) == 3
-    initial = evaluate_modules(prep, prep.config.build_topology().init_modules(prep.initial_state()).__getitem__)
+    initial = evaluate_modules(
+        prep, prep.config.build_topology().init_modules(prep.initial_state()).__getitem__
+    )
     evals = [e for e in metrics.read() if e["event"] == "eval"]
     assert [e["round"] for e in evals] == list(range(1, rounds + 1))
     assert evals[-1]["loss"] < initial["loss"] - 0.05

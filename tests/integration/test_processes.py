@@ -38,20 +38,46 @@ def test_a_peer_killed_mid_task_costs_only_its_task(run_copy, tmp_path):
     procs = []
     try:
         coordinator = subprocess.Popen(
-            [BIN / "dipaco-coordinator", "start", "--config", config, "--run-dir", root, "--no-eval"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                BIN / "dipaco-coordinator",
+                "start",
+                "--config",
+                config,
+                "--run-dir",
+                root,
+                "--no-eval",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         procs.append(coordinator)
         address_file = root / "coordinator" / "address"
-        address = wait_for(lambda: address_file.exists() and address_file.read_text().strip(), 120, "the address")
+        address = wait_for(
+            lambda: address_file.exists() and address_file.read_text().strip(), 120, "the address"
+        )
         key_file = root / "coordinator" / "authkey"
         key = bytes.fromhex(key_file.read_text())
         with pytest.raises(TransportError, match="refused our key"):
             LoopbackTransport(address, b"wrong key")
         for i in range(3):
-            procs.append(subprocess.Popen(
-                [BIN / "dipaco-peer", "join", address, "--authkey-file", key_file, "--peer-id", f"peer{i}",
-                 "--state-dir", tmp_path / f"peer{i}"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        BIN / "dipaco-peer",
+                        "join",
+                        address,
+                        "--authkey-file",
+                        key_file,
+                        "--peer-id",
+                        f"peer{i}",
+                        "--state-dir",
+                        tmp_path / f"peer{i}",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         status = LoopbackTransport(address, key)
 
         def victim_task():
@@ -60,7 +86,9 @@ def test_a_peer_killed_mid_task_costs_only_its_task(run_copy, tmp_path):
 
         task = wait_for(victim_task, 120, "peer0 to hold a task")
         os.kill(procs[1].pid, signal.SIGKILL)
-        assert task in status.request(m.GetStatus()).state["leases"], "peer0 finished before the kill"
+        assert task in status.request(m.GetStatus()).state["leases"], (
+            "peer0 finished before the kill"
+        )
         out, _ = coordinator.communicate(timeout=300)
         assert coordinator.returncode == 0, out
         assert "run finished" in out
@@ -69,7 +97,9 @@ def test_a_peer_killed_mid_task_costs_only_its_task(run_copy, tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    heads = [json.loads(h.read_text()) for h in (root / "coordinator" / "modules").glob("*/head.json")]
+    heads = [
+        json.loads(h.read_text()) for h in (root / "coordinator" / "modules").glob("*/head.json")
+    ]
     assert len(heads) == 6 and {h["version"] for h in heads} == {2}
     events = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     expired = [e for e in events if e["event"] == "lease_expired"]

@@ -39,8 +39,21 @@ def test_bad_configs_name_the_field(tmp_path, text, names):
 def test_cli_reports_a_bad_config_in_one_line_and_exits_2(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[train]\nrounds = 0\n")
-    proc = subprocess.run([sys.executable, "-m", "dipaco.cli.main", "demo", "--config", str(path),
-                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dipaco.cli.main",
+            "demo",
+            "--config",
+            str(path),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "train.rounds" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
 

@@ -24,9 +24,20 @@ class Clock:
 
 
 def make(root, clock=None, rounds=2):
-    co = Coordinator(root, TOPO, rounds=rounds, inner_steps=5, step_offset=10, total_steps=30, seed=0,
-                     outer=OuterSettings(), lease_seconds=10.0, run_id="test", peer_config={},
-                     clock=clock or Clock())
+    co = Coordinator(
+        root,
+        TOPO,
+        rounds=rounds,
+        inner_steps=5,
+        step_offset=10,
+        total_steps=30,
+        seed=0,
+        outer=OuterSettings(),
+        lease_seconds=10.0,
+        run_id="test",
+        peer_config={},
+        clock=clock or Clock(),
+    )
     co.start(TOPO.init_modules(new_dense_model(CFG, 0).state_dict()))
     return co
 
@@ -36,10 +47,20 @@ def claim(tr, peer, prefer=None):
 
 
 def delta_for(co, task, scale=0.01, peer="a", **override):
-    tensors = {f"{mid}/{k}": torch.full_like(v, scale) for mid in TOPO.path_modules(task.path)
-               for k, v in co.store.params(mid).items()}
-    msg = m.SubmitDelta(peer_id=peer, task_id=task.task_id, path=task.path,
-                        base_versions=task.module_versions, tokens=100, losses=[1.0], tensors=tensors)
+    tensors = {
+        f"{mid}/{k}": torch.full_like(v, scale)
+        for mid in TOPO.path_modules(task.path)
+        for k, v in co.store.params(mid).items()
+    }
+    msg = m.SubmitDelta(
+        peer_id=peer,
+        task_id=task.task_id,
+        path=task.path,
+        base_versions=task.module_versions,
+        tokens=100,
+        losses=[1.0],
+        tensors=tensors,
+    )
     for k, v in override.items():
         setattr(msg, k, v)
     return msg
@@ -59,9 +80,14 @@ def test_a_round_steps_every_module_once_all_paths_report(tmp_path):
     assert {co.store.version(mid) for mid in TOPO.module_ids()} == {1}
     # Level modules had 2 paths through them, shared parts 4: the step differs by sqrt(2).
     init = TOPO.init_modules(new_dense_model(CFG, 0).state_dict())
-    moved = init["L0.M0"]["layers.0.mlp.up_proj.weight"] - co.store.params("L0.M0")["layers.0.mlp.up_proj.weight"]
+    moved = (
+        init["L0.M0"]["layers.0.mlp.up_proj.weight"]
+        - co.store.params("L0.M0")["layers.0.mlp.up_proj.weight"]
+    )
     assert torch.allclose(moved, torch.full_like(moved, 0.01 * 2**0.5 * 0.7 * 1.9))
-    moved = init["S.embed"]["embed_tokens.weight"] - co.store.params("S.embed")["embed_tokens.weight"]
+    moved = (
+        init["S.embed"]["embed_tokens.weight"] - co.store.params("S.embed")["embed_tokens.weight"]
+    )
     assert torch.allclose(moved, torch.full_like(moved, 0.01 * 2 * 0.7 * 1.9))
 
 
@@ -121,7 +147,9 @@ def test_expired_lease_is_reissued_and_heartbeats_keep_it(tmp_path):
         assert tr.request(m.Heartbeat(peer_id=f"p{i}", task_id=task_id, step=3)).lease_ok
     clock.now = 12.0
     again = claim(tr, "p4")
-    assert isinstance(again, m.TaskOffer) and again.path == t0[held]["path"] and again.task_id != held
+    assert (
+        isinstance(again, m.TaskOffer) and again.path == t0[held]["path"] and again.task_id != held
+    )
     assert co.status().state["expired_leases"] == 1
     assert not tr.request(m.Heartbeat(peer_id="p0", task_id=held)).lease_ok
 

@@ -16,7 +16,10 @@ def test_routing_is_deterministic_for_a_seed(prepared_tiny, tiny_config, tmp_pat
     assert first == second
     assert (prepared_tiny / "router.json").read_bytes() == (again.root / "router.json").read_bytes()
     for p in range(4):
-        a, b = TokenShard(prepared_tiny / "shards" / f"P{p}" / "train"), TokenShard(again.root / "shards" / f"P{p}" / "train")
+        a, b = (
+            TokenShard(prepared_tiny / "shards" / f"P{p}" / "train"),
+            TokenShard(again.root / "shards" / f"P{p}" / "train"),
+        )
         assert a.doc_ids == b.doc_ids and np.array_equal(a.tokens, b.tokens)
 
 

@@ -19,7 +19,9 @@ def test_2x2_has_four_paths_through_six_modules():
     assert all(t.path_of(t.choices(p)) == p for p in range(4))
 
 
-@pytest.mark.parametrize(("spec", "paths", "modules"), [("1", 1, 3), ("4x4", 16, 10), ("16x16", 256, 34)])
+@pytest.mark.parametrize(
+    ("spec", "paths", "modules"), [("1", 1, 3), ("4x4", 16, 10), ("16x16", 256, 34)]
+)
 def test_topology_sizes(spec, paths, modules):
     t = Topology.parse(spec, 4)
     assert t.num_paths == paths
@@ -63,7 +65,9 @@ def test_path_from_modules_matches_the_same_weights_as_one_model():
         assert torch.equal(assembled(tokens), reference(tokens))
     # P1 shares level 0 with P0 but not level 1: its layers 2-3 come from L1.M1.
     p1 = t.join_modules(1, modules)
-    assert torch.equal(p1["layers.2.mlp.up_proj.weight"], modules["L1.M1"]["layers.0.mlp.up_proj.weight"])
+    assert torch.equal(
+        p1["layers.2.mlp.up_proj.weight"], modules["L1.M1"]["layers.0.mlp.up_proj.weight"]
+    )
 
 
 def test_module_state_dicts_round_trip_exactly():

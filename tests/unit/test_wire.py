@@ -57,7 +57,9 @@ def test_malformed_messages_are_rejected():
     with pytest.raises(WireError, match="invalid shape"):
         decode(frame_bytes({"type": "T", "tensors": [["x", "float32", [-1]]]}))
     with pytest.raises(WireError, match="appears twice"):
-        decode(frame_bytes({"type": "T", "tensors": [["x", "uint8", [1]], ["x", "uint8", [1]]]}, b"ab"))
+        decode(
+            frame_bytes({"type": "T", "tensors": [["x", "uint8", [1]], ["x", "uint8", [1]]]}, b"ab")
+        )
     with pytest.raises(WireError, match="trailing"):
         decode(encode(Frame("T")) + b"\x00")
 
@@ -91,8 +93,15 @@ def test_a_pickle_is_never_unpickled():
 
 
 def test_messages_round_trip_with_tensors():
-    msg = m.SubmitDelta(peer_id="p", task_id="t", path=2, base_versions={"L0.M1": 3}, tokens=100,
-                        losses=[2.5, 2.25], tensors={"L0.M1/w": torch.ones(2, 2)})
+    msg = m.SubmitDelta(
+        peer_id="p",
+        task_id="t",
+        path=2,
+        base_versions={"L0.M1": 3},
+        tokens=100,
+        losses=[2.5, 2.25],
+        tensors={"L0.M1/w": torch.ones(2, 2)},
+    )
     out = m.decode_message(m.encode_message(msg))
     assert isinstance(out, m.SubmitDelta)
     assert out.base_versions == {"L0.M1": 3} and out.losses == [2.5, 2.25]

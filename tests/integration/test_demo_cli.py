@@ -1,0 +1,55 @@
+"""The demo command itself: interrupted with Ctrl-C midway, run again, it continues and finishes."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_interrupted_and_run_again_continues_to_the_table(tmp_path):
+    config = tmp_path / "demo.toml"
+    config.write_text('preset = "tiny"\n[train]\ninner_steps = 20\nrounds = 5\n')
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "dipaco.cli.main",
+        "demo",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+    ]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if metrics.exists() and metrics.read_text().count('"event": "delta"') >= 5:
+            break
+        time.sleep(0.05)
+    first.send_signal(signal.SIGINT)
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 130, out
+    assert "interrupted" in out
+    done_before = metrics.read_text().count('"event": "delta"')
+    assert 5 <= done_before < 20
+
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "DiPaCo 2x2" in second.stdout and "dense" in second.stdout
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # Every path trained every round exactly once across the two invocations...
+    deltas = Counter((e["path"], e["round"]) for e in events if e["event"] == "delta")
+    assert deltas == Counter({(p, r): 1 for p in range(4) for r in range(5)})
+    # ...and every module stepped once per version.
+    steps = Counter((e["module"], e["version"]) for e in events if e["event"] == "outer_step")
+    assert set(steps.values()) == {1} and len(steps) == 6 * 5
+    rows = json.loads((run_dir / "results.json").read_text())["rows"]
+    assert [r["model"] for r in rows] == ["DiPaCo 2x2", "dense (same size as one path)"]
+    assert (run_dir / "loss_curves.png").stat().st_size > 10_000
