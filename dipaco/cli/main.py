@@ -176,7 +176,7 @@ def _results(prep: PreparedRun, coordinator, baseline: dict | None) -> list[dict
     if baseline is not None:
         rows.append(
             {
-                "model": "dense (same size as one path)",
+                "model": "dense (path-sized)",
                 "params_per_path": dense_counts["per_path"],
                 "total_params": dense_counts["total"],
                 "steps_per_path": steps,

@@ -300,7 +300,7 @@ class Coordinator:
                 reply = getattr(self, op)(req)
         except DipacoError as exc:
             if not isinstance(exc, RejectedError) or exc.reason == "bad-message":
-                self._count("?", exc.reason)
+                self._count("unknown", exc.reason)  # undecodable: no peer id to blame
             log.info("rejected: %s (%s)", exc, exc.reason)
             reply = m.Error(reason=exc.reason, message=str(exc))
         return m.encode_message(reply)

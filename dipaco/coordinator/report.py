@@ -63,7 +63,10 @@ def plot_run(events: list[dict], out: str | Path, title: str = "") -> Path:
                 train["dense baseline"][e["step_offset"] + i] = loss
     for label in sorted(train):
         steps = sorted(train[label])
-        style = {"color": "black"} if "dense" in label else {"alpha": 0.8}
+        style = {
+            "dense pretraining": {"color": "grey"},
+            "dense baseline": {"color": "black"},
+        }.get(label, {"alpha": 0.8})
         ax_train.plot(steps, [train[label][s] for s in steps], label=label, linewidth=1, **style)
     ax_train.set(xlabel="inner steps per path", ylabel="training loss", title="training loss")
     ax_train.legend(fontsize=8)

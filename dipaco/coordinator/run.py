@@ -194,6 +194,16 @@ def train_dense_baseline(
     docs = prep.val_docs()
     route_all = np.zeros(len(docs), dtype=np.int64)
     result = None
+
+    def evaluate() -> dict:
+        return routed_perplexity(
+            lambda p: model,
+            docs,
+            route_all,
+            seq_len=c.train.seq_len,
+            prefix_tokens=c.routing.prefix_tokens,
+        )
+
     while chunk < c.train.rounds:
         if stop is not None and stop.is_set():
             return None
@@ -211,13 +221,7 @@ def train_dense_baseline(
             on_step=on_step,
         )
         chunk += 1
-        result = routed_perplexity(
-            lambda p: model,
-            docs,
-            route_all,
-            seq_len=c.train.seq_len,
-            prefix_tokens=c.routing.prefix_tokens,
-        )
+        result = evaluate()
         metrics({"event": "baseline_train", "step_offset": offset, "train_losses": losses})
         metrics(
             {
@@ -234,14 +238,8 @@ def train_dense_baseline(
             {f"optim/{k}": v for k, v in optimizer_state_tensors(optimizer, names).items()}
         )
         write_tensor_file(state_file, Frame("BaselineState", {"chunk": chunk}, tensors))
-    if result is None:
-        result = routed_perplexity(
-            lambda p: model,
-            docs,
-            route_all,
-            seq_len=c.train.seq_len,
-            prefix_tokens=c.routing.prefix_tokens,
-        )
+    if result is None:  # resumed after the last chunk was checkpointed
+        result = evaluate()
     summary = {"ppl": result["ppl"], "loss": result["loss"]}
     write_json_atomic(final, summary)
     return summary

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,12 @@ class ModuleRecord:
     params: Tensors
     momentum: Tensors | None
     pending: dict[int, PendingDelta] = field(default_factory=dict)
+
+
+def _version_of(name: str) -> int:
+    """3 for "v3" or "m3"; -1 (never newer, always old) for a name that is not ours."""
+    match = re.fullmatch(r"[vm](\d+)", name)
+    return int(match.group(1)) if match else -1
 
 
 class ModuleStore:
@@ -106,11 +113,11 @@ class ModuleStore:
     def _discard_uncommitted(self, mid: str, folder: Path, version: int) -> None:
         """Files of a half-done outer step (newer than the head) and old deltas go away."""
         for f in folder.glob("*.dpt"):
-            if int(f.stem[1:]) > version:
+            if _version_of(f.stem) > version:
                 log.warning("module %s: rolling back uncommitted %s", mid, f.name)
                 f.unlink()
         for d in (self.root / "deltas" / mid).glob("v*"):
-            if int(d.name[1:]) < version:
+            if _version_of(d.name) < version:
                 shutil.rmtree(d, ignore_errors=True)
 
     def _load_pending(self, mid: str, version: int) -> dict[int, PendingDelta]:

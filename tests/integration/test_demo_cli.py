@@ -51,5 +51,5 @@ def test_demo_interrupted_and_run_again_continues_to_the_table(tmp_path):
     steps = Counter((e["module"], e["version"]) for e in events if e["event"] == "outer_step")
     assert set(steps.values()) == {1} and len(steps) == 6 * 5
     rows = json.loads((run_dir / "results.json").read_text())["rows"]
-    assert [r["model"] for r in rows] == ["DiPaCo 2x2", "dense (same size as one path)"]
+    assert [r["model"] for r in rows] == ["DiPaCo 2x2", "dense (path-sized)"]
     assert (run_dir / "loss_curves.png").stat().st_size > 10_000
