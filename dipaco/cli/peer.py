@@ -14,6 +14,16 @@ import socket
 import threading
 from pathlib import Path
 
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
 from dipaco.cli.common import console, exit_with, run_command, setup_logging
 from dipaco.peer.peer import Peer
 from dipaco.protocols.transport import LoopbackTransport
@@ -27,17 +37,42 @@ def cmd_join(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     transport = LoopbackTransport(args.address, key)
     state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / peer_id)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[loss]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    current: dict[str, TaskID] = {}
+
+    def on_progress(info: dict) -> None:
+        if info["task"] not in current:
+            for old in current.values():
+                progress.update(old, visible=False)
+            current.clear()
+            current[info["task"]] = progress.add_task(
+                f"task {info['task']} (path P{info['path']})", total=info["steps"], loss=""
+            )
+        progress.update(
+            current[info["task"]], completed=info["step"], loss=f"loss {info['loss']:.3f}"
+        )
+
     peer = Peer(
         transport,
         peer_id,
         state_dir,
         max_tasks=args.max_tasks,
+        device=args.device,
         stop=stop,
-        on_progress=lambda info: None,
+        on_progress=on_progress,
     )
-    console.print(f"peer {peer_id} joined {args.address}")
+    console.print(f"peer {peer_id} ({peer.device}) joined {args.address}")
     try:
-        done = peer.run()
+        with progress:
+            done = peer.run()
     finally:
         transport.close()
     console.print(f"peer {peer_id} left after {done} tasks")
@@ -60,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         "--state-dir", help="where inner optimizer state is kept (default ~/.cache/dipaco/<id>)"
     )
     join.add_argument("--max-tasks", type=int)
+    join.add_argument(
+        "--device", default="auto", help="auto (a CUDA GPU if there is one), cpu, cuda:0, ..."
+    )
     join.set_defaults(fn=cmd_join)
     args = parser.parse_args(argv)
     setup_logging(args.verbose)

@@ -106,7 +106,10 @@ def load_optimizer_state_tensors(
             key.split("/", 1)[0]: t for key, t in tensors.items() if key.split("/", 1)[1] == name
         }
         if state:
-            optimizer.state[p] = {k: v.clone() for k, v in state.items()}
+            # Moments live with the parameter; AdamW keeps its step counter on the CPU.
+            optimizer.state[p] = {
+                k: v.clone().to(p.device) if v.dim() else v.clone() for k, v in state.items()
+            }
 
 
 def param_names_in_optimizer_order(model: nn.Module) -> list[str]:

@@ -42,12 +42,19 @@ class TaskAborted(Exception):
 
 
 def task_batches(
-    shard: TokenShard, seed: int, path: int, rnd: int, batch: int, seq_len: int
+    shard: TokenShard, seed: int, path: int, rnd: int, batch: int, seq_len: int, device: str = "cpu"
 ) -> Iterator[torch.Tensor]:
     """The task's data slice: windows drawn by a generator seeded by (run seed, path, round)."""
     rng = np.random.default_rng([seed, path, rnd])
     while True:
-        yield torch.from_numpy(sample_windows(shard, rng, batch, seq_len + 1))
+        yield torch.from_numpy(sample_windows(shard, rng, batch, seq_len + 1)).to(device)
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` is the first CUDA GPU when there is one, else the CPU."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
 
 
 class Peer:
@@ -65,7 +72,7 @@ class Peer:
         self.transport = transport
         self.peer_id = peer_id
         self.state_dir = Path(state_dir)
-        self.device = device
+        self.device = resolve_device(device)
         self.max_tasks = max_tasks
         self.stop = stop or threading.Event()
         self.on_progress = on_progress or (lambda info: None)
@@ -128,7 +135,7 @@ class Peer:
         self._load_inner_state(task.path, optimizer, names)
         shard = TokenShard(Path(self.config["shards_dir"]) / f"P{task.path}" / "train")
         batches = task_batches(
-            shard, task.seed, task.path, task.round, tc["batch_size"], tc["seq_len"]
+            shard, task.seed, task.path, task.round, tc["batch_size"], tc["seq_len"], self.device
         )
         start = time.monotonic()
         progress = {"step": 0}
