@@ -22,7 +22,7 @@ import torch
 from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.scheduler import Scheduler
 from dipaco.coordinator.store import ModuleStore
-from dipaco.errors import DipacoError, RejectedError
+from dipaco.errors import CorruptFileError, DipacoError, RejectedError
 from dipaco.fileio import write_json_atomic
 from dipaco.model.topology import Topology
 from dipaco.protocols import messages as m
@@ -57,7 +57,7 @@ class Coordinator:
         self.run_id, self.peer_config = run_id, peer_config
         self.on_round, self.metrics = on_round, metrics or (lambda event: None)
         self.store = ModuleStore(self.root)
-        self.scheduler = Scheduler(topology.num_paths, lease_seconds, clock)
+        self.scheduler = Scheduler(lease_seconds, clock)
         self.lock = threading.RLock()
         self.clock = clock
         self.rejections: Counter[str] = Counter()
@@ -71,7 +71,12 @@ class Coordinator:
         """Open the store (creating version 0 from ``initial_modules`` if new) and resume."""
         state_file = self.root / "coordinator.json"
         if state_file.exists():
-            saved = json.loads(state_file.read_text())
+            try:
+                saved = json.loads(state_file.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise CorruptFileError(
+                    f"{state_file}: not readable coordinator state: {exc}"
+                ) from None
             self.epoch = saved.get("epoch", 0) + 1
             self.scheduler.epoch = self.epoch
             self.rejections.update(saved.get("rejections", {}))

@@ -19,7 +19,7 @@ import torch
 
 from dipaco.config import RunConfig
 from dipaco.data.corpus import split_train_val
-from dipaco.data.shards import ShardWriter, TokenShard, sample_windows
+from dipaco.data.shards import ShardWriter, TokenShard, window_batches
 from dipaco.data.sources import open_source
 from dipaco.data.tokenizer import Tokenizer
 from dipaco.errors import ConfigError, DataError
@@ -83,12 +83,6 @@ def inner_settings(config: RunConfig) -> InnerSettings:
         weight_decay=t.weight_decay,
         grad_clip=t.grad_clip,
     )
-
-
-def batches_from(shard: TokenShard, seed: list[int], batch: int, seq_len: int):
-    rng = np.random.default_rng(seed)
-    while True:
-        yield torch.from_numpy(sample_windows(shard, rng, batch, seq_len + 1))
 
 
 def prepare(
@@ -167,7 +161,9 @@ def prepare(
             train_steps(
                 model,
                 make_optimizer(model, settings),
-                batches_from(train, [seed, 1 << 20], config.train.batch_size, config.train.seq_len),
+                window_batches(
+                    train, [seed, 1 << 20], config.train.batch_size, config.train.seq_len
+                ),
                 settings,
                 steps=steps,
                 step_offset=0,

@@ -18,8 +18,8 @@ import torch
 
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.outer import OuterSettings
-from dipaco.coordinator.prepare import PreparedRun, batches_from, inner_settings
-from dipaco.data.shards import TokenShard
+from dipaco.coordinator.prepare import PreparedRun, inner_settings
+from dipaco.data.shards import TokenShard, window_batches
 from dipaco.fileio import write_json_atomic
 from dipaco.model.optim import (
     load_optimizer_state_tensors,
@@ -208,7 +208,7 @@ def train_dense_baseline(
         if stop is not None and stop.is_set():
             return None
         offset = c.train.pretrain_steps + chunk * c.train.inner_steps
-        batches = batches_from(
+        batches = window_batches(
             train, [c.train.seed, 2 << 20, chunk], c.train.batch_size, c.train.seq_len
         )
         losses = train_steps(

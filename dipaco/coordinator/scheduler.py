@@ -24,10 +24,7 @@ class Lease:
 
 
 class Scheduler:
-    def __init__(
-        self, num_paths: int, lease_seconds: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.num_paths = num_paths
+    def __init__(self, lease_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.lease_seconds = lease_seconds
         self.clock = clock
         self.leases: dict[str, Lease] = {}  # task id -> live lease

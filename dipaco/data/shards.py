@@ -12,11 +12,12 @@ import hashlib
 import io
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
 import numpy as np
+import torch
 
 from dipaco.errors import CorruptFileError, DataError
 from dipaco.fileio import AtomicFile, write_atomic
@@ -164,3 +165,12 @@ def sample_windows(
         )
     starts = rng.integers(0, shard.n_tokens - length + 1, size=batch)
     return shard.tokens[starts[:, None] + np.arange(length)].astype(np.int64)
+
+
+def window_batches(
+    shard: TokenShard, seed: Sequence[int], batch: int, seq_len: int, device: str = "cpu"
+) -> Iterator[torch.Tensor]:
+    """Endless (batch, seq_len + 1) training batches, drawn by a generator seeded with ``seed``."""
+    rng = np.random.default_rng(list(seed))
+    while True:
+        yield torch.from_numpy(sample_windows(shard, rng, batch, seq_len + 1)).to(device)

@@ -11,14 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from dipaco.data.shards import TokenShard, sample_windows
+from dipaco.data.shards import TokenShard, window_batches
 from dipaco.errors import CorruptFileError, DipacoError, RejectedError
 from dipaco.model.optim import (
     InnerSettings,
@@ -39,15 +38,6 @@ log = logging.getLogger(__name__)
 
 class TaskAborted(Exception):
     """The lease was lost (expired and handed to another peer); drop the work."""
-
-
-def task_batches(
-    shard: TokenShard, seed: int, path: int, rnd: int, batch: int, seq_len: int, device: str = "cpu"
-) -> Iterator[torch.Tensor]:
-    """The task's data slice: windows drawn by a generator seeded by (run seed, path, round)."""
-    rng = np.random.default_rng([seed, path, rnd])
-    while True:
-        yield torch.from_numpy(sample_windows(shard, rng, batch, seq_len + 1)).to(device)
 
 
 def resolve_device(name: str) -> str:
@@ -134,8 +124,9 @@ class Peer:
         names = param_names_in_optimizer_order(model)
         self._load_inner_state(task.path, optimizer, names)
         shard = TokenShard(Path(self.config["shards_dir"]) / f"P{task.path}" / "train")
-        batches = task_batches(
-            shard, task.seed, task.path, task.round, tc["batch_size"], tc["seq_len"], self.device
+        # The task's data slice: windows drawn by a generator seeded by (run seed, path, round).
+        batches = window_batches(
+            shard, [task.seed, task.path, task.round], tc["batch_size"], tc["seq_len"], self.device
         )
         start = time.monotonic()
         progress = {"step": 0}

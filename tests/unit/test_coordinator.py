@@ -197,3 +197,21 @@ def test_restart_keeps_acknowledged_deltas_and_rolls_back_a_half_step(tmp_path):
     for mid in TOPO.module_ids():
         for k, v in reference.store.params(mid).items():
             assert torch.equal(v, again.store.params(mid)[k]), (mid, k)
+
+
+def test_corrupt_store_files_are_named_in_the_error(tmp_path):
+    from dipaco.errors import CorruptFileError
+
+    make(tmp_path)
+    head = tmp_path / "modules" / "L1.M0" / "head.json"
+    good = head.read_text()
+    head.write_text("{not json")
+    with pytest.raises(CorruptFileError, match="L1.M0/head.json"):
+        make(tmp_path)
+    head.write_text(good)
+    params = tmp_path / "modules" / "L1.M0" / "v0.dpt"
+    raw = bytearray(params.read_bytes())
+    raw[-40] ^= 1
+    params.write_bytes(bytes(raw))
+    with pytest.raises(CorruptFileError, match="L1.M0/v0.dpt"):
+        make(tmp_path)
