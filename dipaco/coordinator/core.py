@@ -45,6 +45,7 @@ class Coordinator:
         lease_seconds: float,
         run_id: str,
         peer_config: dict[str, Any],
+        shard_tokens: list[int] | None = None,
         on_round: Callable[[int], None] | None = None,
         metrics: Callable[[dict], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -55,6 +56,8 @@ class Coordinator:
         self.step_offset, self.total_steps, self.seed = step_offset, total_steps, seed
         self.outer = outer
         self.run_id, self.peer_config = run_id, peer_config
+        # Outer-step weights: each path's shard size (paper eq. 2-3); without it, trained tokens.
+        self.shard_tokens = shard_tokens
         self.on_round, self.metrics = on_round, metrics or (lambda event: None)
         self.store = ModuleStore(self.root)
         self.scheduler = Scheduler(lease_seconds, clock)
@@ -204,6 +207,7 @@ class Coordinator:
             )
         mids = self.topology.path_modules(lease.path)
         deltas = self._split_delta(req, mids)
+        weight = self.shard_tokens[lease.path] if self.shard_tokens else req.tokens
         for mid in mids:
             current = self.store.version(mid)
             if req.base_versions.get(mid) != current:
@@ -220,7 +224,7 @@ class Coordinator:
                     f"path {lease.path} already reported for {mid} version {current}",
                 )
         for mid in mids:
-            self.store.add_delta(mid, lease.path, req.tokens, req.task_id, req.peer_id, deltas[mid])
+            self.store.add_delta(mid, lease.path, weight, req.task_id, req.peer_id, deltas[mid])
         self.scheduler.finish(req.task_id)
         peer = self.peers[req.peer_id]
         peer["tasks_done"] = peer.get("tasks_done", 0) + 1

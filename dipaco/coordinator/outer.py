@@ -3,7 +3,8 @@
 For module (l, e) with paths i through it, each reporting delta_i = theta_{t-1} - theta_i^t:
 
     g = s * sum_i alpha_i * delta_i          (the outer gradient)
-    alpha_i = tokens_i / sum_j tokens_j      (loss reweighing by shard size, eq. 2-3; 1/n if off)
+    alpha_i = |D_i| / sum_j |D_j|            (loss reweighing by shard size in tokens, eq. 2-3;
+                                              1/n when ``weight_by_tokens`` is off)
     s = sqrt(n)                              (outer-gradient rescale by the paths through the module)
 
 then Nesterov momentum SGD (DiLoCo: lr 0.7, momentum 0.9), with PyTorch's convention:
@@ -32,8 +33,8 @@ class OuterSettings:
     weight_by_tokens: bool = True
 
 
-def outer_gradient(deltas: list[tuple[Tensors, int]], s: OuterSettings) -> Tensors:
-    """Weighted average of the paths' deltas, rescaled by sqrt(number of paths)."""
+def outer_gradient(deltas: list[tuple[Tensors, float]], s: OuterSettings) -> Tensors:
+    """Weighted average of the paths' deltas (each with its shard size), times sqrt(paths)."""
     if not deltas:
         raise ValueError("an outer step needs at least one delta")
     n = len(deltas)

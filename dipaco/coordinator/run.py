@@ -121,6 +121,7 @@ def build_coordinator(
         lease_seconds=c.scheduler.lease_seconds,
         run_id=prep.run_id,
         peer_config=peer_config(prep),
+        shard_tokens=json.loads((prep.shards_dir / "stats.json").read_text())["train"]["tokens"],
         on_round=on_round if evaluate and c.eval.every_round else None,
         metrics=metrics,
         clock=clock,

@@ -42,7 +42,7 @@ KEEP_VERSIONS = 2
 @dataclass
 class PendingDelta:
     path: int
-    tokens: int
+    weight: float  # the path's shard size in tokens (DiPaCo eq. 2-3)
     task_id: str
     peer_id: str
     file: Path
@@ -125,7 +125,7 @@ class ModuleStore:
         for f in sorted((self.root / "deltas" / mid / f"v{version}").glob("P*.dpt")):
             fields = read_tensor_file(f).fields
             pending[fields["path"]] = PendingDelta(
-                fields["path"], fields["tokens"], fields["task_id"], fields["peer_id"], f
+                fields["path"], fields["weight"], fields["task_id"], fields["peer_id"], f
             )
         return pending
 
@@ -138,27 +138,27 @@ class ModuleStore:
 
     # ---- writes -------------------------------------------------------------------------------
     def add_delta(
-        self, mid: str, path: int, tokens: int, task_id: str, peer_id: str, delta: Tensors
+        self, mid: str, path: int, weight: float, task_id: str, peer_id: str, delta: Tensors
     ) -> None:
         """Durably record a path's delta against the module's current version (then it may be acked)."""
         record = self.modules[mid]
         file = self.root / "deltas" / mid / f"v{record.version}" / f"P{path}.dpt"
         meta = {
             "path": path,
-            "tokens": tokens,
+            "weight": weight,
             "task_id": task_id,
             "peer_id": peer_id,
             "base_version": record.version,
         }
         write_tensor_file(file, Frame("Delta", meta, delta))
-        record.pending[path] = PendingDelta(path, tokens, task_id, peer_id, file)
+        record.pending[path] = PendingDelta(path, weight, task_id, peer_id, file)
 
     def outer_step(self, mid: str, settings: OuterSettings) -> dict:
         """Average the pending deltas (in path order, for determinism), step, commit version v+1."""
         record = self.modules[mid]
         folder = self.root / "modules" / mid
         deltas = [
-            (read_tensor_file(p.file).tensors, p.tokens) for _, p in sorted(record.pending.items())
+            (read_tensor_file(p.file).tensors, p.weight) for _, p in sorted(record.pending.items())
         ]
         grad = outer_gradient(deltas, settings)
         params, momentum = nesterov_step(record.params, record.momentum, grad, settings)

@@ -23,7 +23,7 @@ class Clock:
         return self.now
 
 
-def make(root, clock=None, rounds=2):
+def make(root, clock=None, rounds=2, shard_tokens=None):
     co = Coordinator(
         root,
         TOPO,
@@ -36,6 +36,7 @@ def make(root, clock=None, rounds=2):
         lease_seconds=10.0,
         run_id="test",
         peer_config={},
+        shard_tokens=shard_tokens,
         clock=clock or Clock(),
     )
     co.start(TOPO.init_modules(new_dense_model(CFG, 0).state_dict()))
@@ -215,3 +216,17 @@ def test_corrupt_store_files_are_named_in_the_error(tmp_path):
     params.write_bytes(bytes(raw))
     with pytest.raises(CorruptFileError, match="L1.M0/v0.dpt"):
         make(tmp_path)
+
+
+def test_outer_step_weights_paths_by_their_shard_tokens(tmp_path):
+    co = make(tmp_path, shard_tokens=[1000, 3000, 1000, 1000])
+    tr = LocalTransport(co.handle)
+    before = {k: v.clone() for k, v in co.store.params("L0.M0").items()}
+    for p, scale in [(0, 0.01), (1, 0.05), (2, 0.0), (3, 0.0)]:
+        task = claim(tr, f"p{p}", prefer=p)
+        tr.request(delta_for(co, task, scale=scale, peer=f"p{p}"))
+    # L0.M0 is on paths 0 and 1: (1000 * 0.01 + 3000 * 0.05) / 4000 = 0.04, times sqrt(2),
+    # then the first Nesterov step moves by lr * (1 + momentum) = 0.7 * 1.9.
+    name = "layers.0.self_attn.q_proj.weight"
+    moved = before[name] - co.store.params("L0.M0")[name]
+    assert torch.allclose(moved, torch.full_like(moved, 0.04 * 2**0.5 * 0.7 * 1.9), atol=1e-6)
