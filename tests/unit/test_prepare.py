@@ -46,3 +46,20 @@ def test_prefix_features_only_read_the_first_32_tokens(prepared_tiny, tiny_confi
     assert np.allclose(a, b, atol=1e-6)
     routed = prep.router.assign(prefix_features(model, [doc, changed]))
     assert routed[0] == routed[1]
+
+
+def test_a_run_prepares_from_a_jsonl_file(tmp_path, tiny_config):
+    from dipaco.data.corpus import builtin_corpus
+
+    source = tmp_path / "docs.jsonl"
+    with open(source, "w") as f:
+        for doc in builtin_corpus(max_docs=300):
+            f.write(json.dumps({"id": doc.doc_id, "text": doc.text}) + "\n")
+    prep = prepare(
+        tmp_path / "run", tiny_config.replace(data={"source": str(source), "max_docs": None})
+    )
+    train = TokenShard(prep.root / "data" / "train")
+    assert len(train) + len(TokenShard(prep.root / "data" / "val")) <= 300
+    assert len(train) > 250 and train.doc_ids[0].startswith(("stdlib/", "pydoc/"))
+    texts = {r["id"]: r["text"] for r in map(json.loads, source.read_text().splitlines())}
+    assert prep.tokenizer.decode([int(t) for t in train[0][:-1]]) == texts[train.doc_ids[0]]
