@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.logging import RichHandler
@@ -44,5 +46,17 @@ def run_command(fn: Callable[[], int | None]) -> int:
         return 130
 
 
-def exit_with(code: int) -> None:
-    sys.exit(code)
+def command_parser(prog: str, doc: str | None) -> tuple[argparse.ArgumentParser, Any]:
+    """A command's parser with ``-v`` and required subcommands."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
+    return parser, parser.add_subparsers(dest="command", required=True)
+
+
+def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+    """Parse, set up logging, run the chosen subcommand's ``fn`` and exit with its code."""
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    sys.exit(run_command(lambda: args.fn(args)))

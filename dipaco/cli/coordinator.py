@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from dipaco.cli.common import choose_config, console, exit_with, run_command, setup_logging
+from dipaco.cli.common import choose_config, command_parser, console, dispatch
 from dipaco.coordinator.prepare import prepare
 from dipaco.coordinator.run import MetricsLog, build_coordinator, run_local_peers
 from dipaco.protocols.transport import LoopbackServer
@@ -67,13 +67,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="dipaco-coordinator",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser, sub = command_parser("dipaco-coordinator", __doc__)
     start = sub.add_parser("start", help="prepare (if needed) and serve a run")
     start.add_argument("--config", help="run config (TOML)")
     start.add_argument("--preset", help="a preset instead of a config file (demo, tiny)")
@@ -94,9 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         "--no-eval", action="store_true", help="skip the validation after each round"
     )
     start.set_defaults(fn=cmd_start)
-    args = parser.parse_args(argv)
-    setup_logging(args.verbose)
-    exit_with(run_command(lambda: args.fn(args)))
+    dispatch(parser, argv)
 
 
 if __name__ == "__main__":

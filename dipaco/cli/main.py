@@ -1,4 +1,4 @@
-"""``dipaco``: the demo, preparation and evaluation of runs on this machine."""
+"""``dipaco``: the demo, and evaluation of a run folder, on this machine."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dipaco.cli.common import choose_config, console, exit_with, run_command, setup_logging
+from dipaco.cli.common import choose_config, command_parser, console, dispatch
 from dipaco.coordinator.prepare import PreparedRun, prepare
 from dipaco.coordinator.report import plot_run, results_markdown, results_table
 from dipaco.coordinator.run import (
@@ -219,9 +219,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="dipaco", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser, sub = command_parser("dipaco", __doc__)
     demo = sub.add_parser(
         "demo", help="prepare, train DiPaCo with local peers and a dense baseline, compare"
     )
@@ -238,9 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ev.add_argument("--run-dir", required=True)
     ev.set_defaults(fn=cmd_eval)
-    args = parser.parse_args(argv)
-    setup_logging(args.verbose)
-    exit_with(run_command(lambda: args.fn(args)))
+    dispatch(parser, argv)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dipaco.cli.common import console, exit_with, run_command, setup_logging
+from dipaco.cli.common import command_parser, console, dispatch
 from dipaco.peer.peer import Peer
 from dipaco.protocols.transport import LoopbackTransport
 
@@ -80,13 +80,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="dipaco-peer",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser, sub = command_parser("dipaco-peer", __doc__)
     join = sub.add_parser("join", help="join a run at ADDRESS")
     join.add_argument("address", help="host:port printed by dipaco-coordinator start")
     join.add_argument("--authkey-file", required=True, help="the run's key file")
@@ -99,9 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         "--device", default="auto", help="auto (a CUDA GPU if there is one), cpu, cuda:0, ..."
     )
     join.set_defaults(fn=cmd_join)
-    args = parser.parse_args(argv)
-    setup_logging(args.verbose)
-    exit_with(run_command(lambda: args.fn(args)))
+    dispatch(parser, argv)
 
 
 if __name__ == "__main__":
