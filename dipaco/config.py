@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tomllib
 from pathlib import Path
 from typing import Literal
 
-import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dipaco.errors import ConfigError

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from dipaco.data.shards import TokenShard, window_batches
-from dipaco.errors import CorruptFileError, DipacoError, RejectedError
+from dipaco.errors import CorruptFileError, DipacoError, RejectedError, TransportError
 from dipaco.model.optim import (
     InnerSettings,
     load_optimizer_state_tensors,
@@ -58,12 +58,15 @@ class Peer:
         max_tasks: int | None = None,
         stop: threading.Event | None = None,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
+        give_up_seconds: float = 300.0,
+        retry_seconds: float = 2.0,
     ) -> None:
         self.transport = transport
         self.peer_id = peer_id
         self.state_dir = Path(state_dir)
         self.device = resolve_device(device)
         self.max_tasks = max_tasks
+        self.give_up_seconds, self.retry_seconds = give_up_seconds, retry_seconds
         self.stop = stop or threading.Event()
         self.on_progress = on_progress or (lambda info: None)
         self.cache: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
@@ -78,12 +81,22 @@ class Peer:
         self.model_cfg = ModelConfig(**self.config["model"])
         self.topology = Topology.from_dict(self.config["topology"])
         self.train_cfg = self.config["train"]
+        last_contact = time.monotonic()
         while not self.stop.is_set() and (
             self.max_tasks is None or self.tasks_done < self.max_tasks
         ):
-            offer = self.transport.request(
-                m.ClaimTask(peer_id=self.peer_id, prefer_path=self.last_path)
-            )
+            try:
+                offer = self.transport.request(
+                    m.ClaimTask(peer_id=self.peer_id, prefer_path=self.last_path)
+                )
+                last_contact = time.monotonic()
+            except TransportError as exc:
+                # The coordinator may be restarting: it keeps everything it acknowledged.
+                if time.monotonic() - last_contact > self.give_up_seconds:
+                    raise
+                log.warning("peer %s: %s; retrying", self.peer_id, exc)
+                self.stop.wait(self.retry_seconds)
+                continue
             if isinstance(offer, m.NoTask):
                 if offer.finished:
                     log.info("peer %s: run finished after %d tasks", self.peer_id, self.tasks_done)
@@ -94,6 +107,8 @@ class Peer:
                 self.run_task(offer)
             except TaskAborted as exc:
                 log.warning("peer %s: task %s aborted: %s", self.peer_id, offer.task_id, exc)
+            except TransportError as exc:
+                log.warning("peer %s: task %s lost: %s", self.peer_id, offer.task_id, exc)
             except RejectedError as exc:
                 log.warning(
                     "peer %s: task %s rejected: %s (%s)",

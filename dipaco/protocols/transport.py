@@ -48,33 +48,52 @@ class LocalTransport(Transport):
 
 
 class LoopbackTransport(Transport):
-    """Client side of the loopback form; one connection, requests serialized."""
+    """Client side of the loopback form; one connection, requests serialized.
+
+    A failed request drops the connection (a late reply must never answer the next request);
+    the next request dials again, so a peer outlives a coordinator restart on the same address.
+    """
 
     def __init__(self, address: str, authkey: bytes, timeout: float = 30.0) -> None:
-        host, _, port = address.rpartition(":")
+        self.address = address
+        self._authkey = authkey
         self._lock = threading.Lock()
         self._timeout = timeout
+        self._conn: Connection | None = None
+        self._connect()
+
+    def _connect(self) -> None:
+        host, _, port = self.address.rpartition(":")
         try:
-            self._conn: Connection = Client((host, int(port)), authkey=authkey)
+            self._conn = Client((host, int(port)), authkey=self._authkey)
         except AuthenticationError:
             raise TransportError(
-                f"coordinator at {address} refused our key (wrong --authkey-file?)", reason="auth"
+                f"coordinator at {self.address} refused our key (wrong --authkey-file?)",
+                reason="auth",
             ) from None
         except (OSError, ValueError, EOFError) as exc:
-            raise TransportError(f"cannot connect to coordinator at {address}: {exc}") from None
+            raise TransportError(
+                f"cannot connect to coordinator at {self.address}: {exc}"
+            ) from None
 
     def _roundtrip(self, data: bytes) -> bytes:
         with self._lock:
+            if self._conn is None:
+                self._connect()
             try:
                 self._conn.send_bytes(data)
-                if not self._conn.poll(self._timeout):
-                    raise TransportError(f"no reply within {self._timeout:.0f} s")
-                return self._conn.recv_bytes()
+                if self._conn.poll(self._timeout):
+                    return self._conn.recv_bytes()
+                problem = f"no reply within {self._timeout:.0f} s"
             except (OSError, EOFError) as exc:
-                raise TransportError(f"connection to coordinator lost: {exc}") from None
+                problem = f"connection to coordinator lost: {exc or type(exc).__name__}"
+            self.close()
+            raise TransportError(problem)
 
     def close(self) -> None:
-        self._conn.close()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 class LoopbackServer:
