@@ -162,12 +162,11 @@ def train_dense_baseline(
     prep: PreparedRun,
     metrics: MetricsLog,
     on_step: Callable[[int, float], None] | None = None,
-    stop: threading.Event | None = None,
-) -> dict | None:
+) -> dict:
     """The dense model of one path's size, trained on all data for as many steps as one path.
 
     It continues the shared pretraining in chunks of H steps, evaluated and checkpointed after
-    each, so it resumes too. Returns the final evaluation, or None if stopped early.
+    each, so it resumes too. Returns the final evaluation.
     """
     c = prep.config
     folder = prep.root / "baseline"
@@ -206,8 +205,6 @@ def train_dense_baseline(
         )
 
     while chunk < c.train.rounds:
-        if stop is not None and stop.is_set():
-            return None
         offset = c.train.pretrain_steps + chunk * c.train.inner_steps
         batches = window_batches(
             train, [c.train.seed, 2 << 20, chunk], c.train.batch_size, c.train.seq_len
