@@ -136,7 +136,10 @@ class LoopbackServer:
             while not self._closed.is_set():
                 try:
                     data = conn.recv_bytes(self._max)
-                except (EOFError, OSError):
+                except EOFError:
+                    return
+                except OSError as exc:  # an oversized frame lands here too: drop the peer
+                    log.warning("dropped a connection: %s", exc)
                     return
                 with self._idle:
                     self._inflight += 1

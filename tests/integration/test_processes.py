@@ -1,8 +1,9 @@
-"""Real processes on 127.0.0.1: a coordinator, three peers, and one of them killed mid-task."""
+"""Real processes on 127.0.0.1: a coordinator and peers, with peers and the coordinator killed."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,56 +30,59 @@ def wait_for(predicate, timeout, what):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_peer_killed_mid_task_costs_only_its_task(run_copy, tmp_path):
-    root = run_copy()
+def run_config(tmp_path) -> Path:
+    """Two rounds of tasks long enough to be caught mid-way, and short leases."""
     config = tmp_path / "run.toml"
     config.write_text(
         'preset = "tiny"\n[train]\ninner_steps = 30\nrounds = 2\n'
         "[scheduler]\nlease_seconds = 5.0\nheartbeat_seconds = 0.5\n"
     )
+    return config
+
+
+def start_peer(address, root, tmp_path, i) -> subprocess.Popen:
+    return subprocess.Popen(
+        [BIN / "dipaco-peer", "join", address, "--authkey-file", root / "coordinator" / "authkey",
+         "--peer-id", f"peer{i}", "--state-dir", tmp_path / f"peer{i}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def kill_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def module_versions(root) -> list[int]:
+    heads = (root / "coordinator" / "modules").glob("*/head.json")
+    return sorted(json.loads(h.read_text())["version"] for h in heads)
+
+
+def events(root) -> list[dict]:
+    return [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_peer_killed_mid_task_costs_only_its_task(run_copy, tmp_path):
+    root = run_copy()
+    start = [BIN / "dipaco-coordinator", "start", "--config", run_config(tmp_path),
+             "--run-dir", root, "--no-eval"]  # fmt: skip
     procs = []
     try:
         coordinator = subprocess.Popen(
-            [
-                BIN / "dipaco-coordinator",
-                "start",
-                "--config",
-                config,
-                "--run-dir",
-                root,
-                "--no-eval",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            start, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         procs.append(coordinator)
         address_file = root / "coordinator" / "address"
         address = wait_for(
             lambda: address_file.exists() and address_file.read_text().strip(), 120, "the address"
         )
-        key_file = root / "coordinator" / "authkey"
-        key = bytes.fromhex(key_file.read_text())
+        key = bytes.fromhex((root / "coordinator" / "authkey").read_text())
         with pytest.raises(TransportError, match="refused our key"):
             LoopbackTransport(address, b"wrong key")
-        for i in range(3):
-            procs.append(
-                subprocess.Popen(
-                    [
-                        BIN / "dipaco-peer",
-                        "join",
-                        address,
-                        "--authkey-file",
-                        key_file,
-                        "--peer-id",
-                        f"peer{i}",
-                        "--state-dir",
-                        tmp_path / f"peer{i}",
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+        procs += [start_peer(address, root, tmp_path, i) for i in range(3)]
         status = LoopbackTransport(address, key)
 
         def victim_task():
@@ -94,27 +98,18 @@ def test_a_peer_killed_mid_task_costs_only_its_task(run_copy, tmp_path):
         assert coordinator.returncode == 0, out
         assert "run finished" in out
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    heads = [
-        json.loads(h.read_text()) for h in (root / "coordinator" / "modules").glob("*/head.json")
-    ]
-    assert len(heads) == 6 and {h["version"] for h in heads} == {2}
-    events = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
-    expired = [e for e in events if e["event"] == "lease_expired"]
-    assert task in [e["task"] for e in expired]
-    deltas = [(e["path"], e["round"]) for e in events if e["event"] == "delta"]
+        kill_all(procs)
+    assert module_versions(root) == [2] * 6
+    log = events(root)
+    assert task in [e["task"] for e in log if e["event"] == "lease_expired"]
+    deltas = [(e["path"], e["round"]) for e in log if e["event"] == "delta"]
     assert sorted(deltas) == [(p, r) for p in range(4) for r in range(2)]  # each task applied once
     same_task = task.split("-e")[0] + "-"  # "P<path>-r<round>-": the task, whatever its attempt
-    redone = [e for e in events if e["event"] == "delta" and e["task"].startswith(same_task)]
+    redone = [e for e in log if e["event"] == "delta" and e["task"].startswith(same_task)]
     assert len(redone) == 1 and redone[0]["peer"] != "peer0"
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -122,48 +117,16 @@ def free_port() -> int:
 
 def test_a_coordinator_killed_mid_run_restarts_and_the_peers_carry_on(run_copy, tmp_path):
     root = run_copy()
-    config = tmp_path / "run.toml"
-    config.write_text(
-        'preset = "tiny"\n[train]\ninner_steps = 30\nrounds = 2\n'
-        "[scheduler]\nlease_seconds = 5.0\nheartbeat_seconds = 0.5\n"
-    )
     listen = f"127.0.0.1:{free_port()}"
-    start = [
-        BIN / "dipaco-coordinator",
-        "start",
-        "--config",
-        config,
-        "--run-dir",
-        root,
-        "--no-eval",
-        "--listen",
-        listen,
-    ]
+    start = [BIN / "dipaco-coordinator", "start", "--config", run_config(tmp_path),
+             "--run-dir", root, "--no-eval", "--listen", listen]  # fmt: skip
     metrics = root / "metrics.jsonl"
     procs = []
     try:
         first = subprocess.Popen(start, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         procs.append(first)
-        key_file = root / "coordinator" / "address"
-        wait_for(lambda: key_file.exists(), 120, "the coordinator to listen")
-        for i in range(2):
-            procs.append(
-                subprocess.Popen(
-                    [
-                        BIN / "dipaco-peer",
-                        "join",
-                        listen,
-                        "--authkey-file",
-                        root / "coordinator" / "authkey",
-                        "--peer-id",
-                        f"peer{i}",
-                        "--state-dir",
-                        tmp_path / f"peer{i}",
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+        wait_for((root / "coordinator" / "address").exists, 120, "the coordinator to listen")
+        procs += [start_peer(listen, root, tmp_path, i) for i in range(2)]
         wait_for(
             lambda: metrics.exists() and metrics.read_text().count(DELTA) >= 3, 120, "3 deltas"
         )
@@ -179,16 +142,9 @@ def test_a_coordinator_killed_mid_run_restarts_and_the_peers_carry_on(run_copy, 
         for peer in procs[1:3]:
             assert peer.wait(timeout=60) == 0  # the peers outlived the crash and left cleanly
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    heads = [
-        json.loads(h.read_text()) for h in (root / "coordinator" / "modules").glob("*/head.json")
-    ]
-    assert len(heads) == 6 and {h["version"] for h in heads} == {2}
+        kill_all(procs)
+    assert module_versions(root) == [2] * 6
     assert json.loads((root / "coordinator" / "coordinator.json").read_text())["epoch"] == 1
-    events = [json.loads(line) for line in metrics.read_text().splitlines()]
-    deltas = [(e["path"], e["round"]) for e in events if e["event"] == "delta"]
+    deltas = [(e["path"], e["round"]) for e in events(root) if e["event"] == "delta"]
     assert len(deltas) == len(set(deltas))  # no acknowledged delta was trained or applied twice
     assert acked_before >= 3
