@@ -79,8 +79,26 @@ class OuterSection(_Section):
 
 
 class SchedulerSection(_Section):
+    # A peer that sends no heartbeat for this long has vanished: its task is re-issued.
     lease_seconds: float = Field(300.0, gt=0)
     heartbeat_seconds: float = Field(5.0, gt=0)
+    # Round deadlines come from observed durations: median + max(k * MAD, slack * median),
+    # once there are enough observations; before that a round waits for every path.
+    deadline_mads: float = Field(4.0, ge=0)
+    deadline_slack: float = Field(0.5, ge=0)
+    min_observations: int = Field(4, ge=1)
+    # At its deadline a module's round closes if this fraction of its paths has reported.
+    quorum: float = Field(0.5, gt=0, le=1)
+    # Deltas up to this many versions late are applied, their weight damped per version late.
+    max_staleness: int = Field(1, ge=0)
+    stale_damping: float = Field(0.5, gt=0, le=1)
+    # A slow peer gets fewer inner steps (never below this fraction of H) to finish in time.
+    min_step_fraction: float = Field(0.25, gt=0, le=1)
+
+
+class NetworkSection(_Section):
+    # How deltas travel: lossless float32, fp16, bf16, or int8 blockwise with error feedback.
+    codec: Literal["lossless", "fp16", "bf16", "int8"] = "lossless"
 
 
 class EvalSection(_Section):
@@ -97,6 +115,7 @@ class RunConfig(_Section):
     train: TrainSection = TrainSection()
     outer: OuterSection = OuterSection()
     scheduler: SchedulerSection = SchedulerSection()
+    network: NetworkSection = NetworkSection()
     eval: EvalSection = EvalSection()
     baseline: bool = True
 

@@ -6,6 +6,7 @@ the run folder, so stopping at any point and starting again continues the run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -16,10 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from dipaco.config import load_config_dict
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.prepare import PreparedRun, inner_settings
 from dipaco.data.shards import TokenShard, window_batches
+from dipaco.errors import ConfigError
 from dipaco.fileio import write_json_atomic
 from dipaco.model.optim import (
     load_optimizer_state_tensors,
@@ -65,7 +68,85 @@ def peer_config(prep: PreparedRun) -> dict[str, Any]:
         "train": c.train.model_dump(),
         "shards_dir": str(prep.shards_dir.resolve()),
         "heartbeat_seconds": c.scheduler.heartbeat_seconds,
+        "files": {name: file_info(path) for name, path in run_files(prep).items()},
+        # The whole run, so that another module owner can join: the run manifest.
+        "run": c.to_dict(),
+        "run_id": prep.run_id,
+        "shard_tokens": shard_tokens(prep),
     }
+
+
+def shard_tokens(prep: PreparedRun) -> list[int]:
+    return json.loads((prep.shards_dir / "stats.json").read_text())["train"]["tokens"]
+
+
+def build_owner(
+    root: str | Path,
+    manifest: dict[str, Any],
+    metrics: MetricsLog,
+    *,
+    owner_id: str,
+    secret: bytes,
+    clock: Callable[[], float] = time.monotonic,
+) -> Coordinator:
+    """A coordinator that owns modules for a run another coordinator schedules.
+
+    ``manifest`` is the scheduler's Welcome config; the owner keeps a copy in its folder so that
+    it restarts from its own checkpoint alone.
+    """
+    root = Path(root)
+    saved = root / "manifest.json"
+    if saved.exists():
+        stored = json.loads(saved.read_text())
+        if manifest and stored.get("run_id") != manifest.get("run_id"):
+            raise ConfigError(
+                f"{root} belongs to run {stored.get('run_id')}, not {manifest.get('run_id')}"
+            )
+        manifest = stored
+    else:
+        write_json_atomic(saved, manifest)
+    c = load_config_dict(manifest["run"], origin=str(saved))
+    coordinator = Coordinator(
+        root / "coordinator",
+        c.build_topology(),
+        rounds=c.train.rounds,
+        inner_steps=c.train.inner_steps,
+        step_offset=c.train.pretrain_steps,
+        total_steps=c.total_steps,
+        seed=c.train.seed,
+        outer=OuterSettings(**c.outer.model_dump()),
+        lease_seconds=c.scheduler.lease_seconds,
+        run_id=manifest["run_id"],
+        peer_config=manifest,
+        shard_tokens=manifest["shard_tokens"],
+        metrics=metrics,
+        clock=clock,
+        policy=c.scheduler,
+        owner_id=owner_id,
+        secret=secret,
+        is_scheduler=False,
+        codec=c.network.codec,
+    )
+    coordinator.start(None)
+    return coordinator
+
+
+def run_files(prep: PreparedRun) -> dict[str, Path]:
+    """The files a remote peer downloads (``FetchFile``): the tokenizer and each path's shard."""
+    files = {"tokenizer.model": prep.root / "tokenizer.model"}
+    for p in range(prep.config.build_topology().num_paths):
+        for suffix in (".tokens", ".index.npy", ".json"):
+            name = f"shards/P{p}/train{suffix}"
+            files[name] = prep.shards_dir / f"P{p}" / f"train{suffix}"
+    return files
+
+
+def file_info(path: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
 def evaluate_modules(prep: PreparedRun, modules: Callable[[str], dict[str, torch.Tensor]]) -> dict:
@@ -91,6 +172,8 @@ def build_coordinator(
     *,
     evaluate: bool = True,
     clock: Callable[[], float] = time.monotonic,
+    owner_id: str = "local",
+    secret: bytes | None = None,
 ) -> Coordinator:
     c = prep.config
     coordinator: Coordinator
@@ -121,10 +204,15 @@ def build_coordinator(
         lease_seconds=c.scheduler.lease_seconds,
         run_id=prep.run_id,
         peer_config=peer_config(prep),
-        shard_tokens=json.loads((prep.shards_dir / "stats.json").read_text())["train"]["tokens"],
+        shard_tokens=shard_tokens(prep),
         on_round=on_round if evaluate and c.eval.every_round else None,
         metrics=metrics,
         clock=clock,
+        policy=c.scheduler,
+        owner_id=owner_id,
+        secret=secret,
+        codec=c.network.codec,
+        files=run_files(prep),
     )
     coordinator.start(c.build_topology().init_modules(prep.initial_state()))
     return coordinator

@@ -5,13 +5,33 @@ round count, and the path has not yet reported for r. A lease has a deadline; he
 it, and an expired lease re-opens the path so that another peer can take the task (DiPaCo
 section 3: the queue returns a failed worker's task). Peers keep affinity to the path they
 trained last, because their inner optimizer state for it is local.
+
+Deadlines come from what the run has observed, not from a guessed constant: ``robust_deadline``
+is the median of the observed durations plus max(k * MAD, slack * median). Task durations
+(lease to done) give the task deadline; a peer whose measured speed cannot finish H steps in it
+is offered fewer steps (never below ``min_step_fraction`` of H), so a slow peer gets work it can
+finish in time. A peer that stops heartbeating for ``lease_seconds`` has vanished.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+def robust_deadline(
+    samples: Sequence[float], mads: float, slack: float, min_observations: int
+) -> float | None:
+    """median + max(mads * MAD, slack * median) of ``samples``; None with too few of them."""
+    if len(samples) < min_observations:
+        return None
+    median = statistics.median(samples)
+    mad = statistics.median(abs(x - median) for x in samples)
+    return median + max(mads * mad, slack * median)
 
 
 @dataclass
@@ -21,6 +41,9 @@ class Lease:
     round: int
     peer_id: str
     deadline: float
+    steps: int = 0
+    issued_at: float = 0.0
+    module_versions: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -32,6 +55,8 @@ class Scheduler:
         self.attempts: dict[tuple[int, int], int] = {}
         self.expired = 0
         self.epoch = 0  # bumped on every coordinator restart, so task ids are never reused
+        self.durations: deque[float] = deque(maxlen=64)  # seconds from lease to done
+        self.step_seconds: dict[str, float] = {}  # per peer, measured from heartbeats
 
     def expire(self) -> list[Lease]:
         now = self.clock()
@@ -44,8 +69,21 @@ class Scheduler:
     def leased_paths(self) -> set[int]:
         return {lease.path for lease in self.leases.values()}
 
-    def claim(self, peer_id: str, open_paths: dict[int, int], prefer: int | None) -> Lease | None:
-        """Lease one open path (path -> round) to ``peer_id``; None if all are taken."""
+    def claim(
+        self,
+        peer_id: str,
+        open_paths: dict[int, int],
+        prefer: int | None,
+        steps: int = 0,
+    ) -> Lease | None:
+        """Lease one open path (path -> round) to ``peer_id``; None if all are taken.
+
+        A peer that already holds a live lease (it restarted) gets the same task back.
+        """
+        held = self.leases_of(peer_id)
+        if held:
+            held[0].deadline = self.clock() + self.lease_seconds
+            return held[0]
         free = sorted(set(open_paths) - self.leased_paths())
         if not free:
             return None
@@ -53,26 +91,65 @@ class Scheduler:
         rnd = open_paths[path]
         attempt = self.attempts.get((path, rnd), 0)
         self.attempts[(path, rnd)] = attempt + 1
+        now = self.clock()
         lease = Lease(
             f"P{path}-r{rnd}-e{self.epoch}-a{attempt}",
             path,
             rnd,
             peer_id,
-            self.clock() + self.lease_seconds,
+            now + self.lease_seconds,
+            steps=self.steps_for(peer_id, steps),
+            issued_at=now,
         )
         self.leases[lease.task_id] = lease
         self.issued[lease.task_id] = lease
         return lease
 
-    def heartbeat(self, task_id: str, peer_id: str) -> Lease | None:
+    # Set by the coordinator from its policy (config ``scheduler``).
+    deadline_mads = 4.0
+    deadline_slack = 0.5
+    min_observations = 4
+    min_step_fraction = 0.25
+
+    def task_deadline(self) -> float | None:
+        return robust_deadline(
+            self.durations, self.deadline_mads, self.deadline_slack, self.min_observations
+        )
+
+    def overdue(self) -> set[tuple[int, int]]:
+        """(path, round) of live leases that have run past the task deadline."""
+        deadline = self.task_deadline()
+        if deadline is None:
+            return set()
+        now = self.clock()
+        return {
+            (lease.path, lease.round)
+            for lease in self.leases.values()
+            if now - lease.issued_at > deadline
+        }
+
+    def steps_for(self, peer_id: str, steps: int) -> int:
+        """H, or fewer for a peer too slow to finish H steps within the task deadline."""
+        deadline, per_step = self.task_deadline(), self.step_seconds.get(peer_id)
+        if deadline is None or per_step is None or per_step * steps <= deadline:
+            return steps
+        floor = max(1, math.ceil(self.min_step_fraction * steps))
+        return max(floor, min(steps, int(deadline / per_step)))
+
+    def heartbeat(self, task_id: str, peer_id: str, step: int = 0) -> Lease | None:
         lease = self.leases.get(task_id)
         if lease is None or lease.peer_id != peer_id:
             return None
-        lease.deadline = self.clock() + self.lease_seconds
+        now = self.clock()
+        lease.deadline = now + self.lease_seconds
+        if step > 0:
+            self.step_seconds[peer_id] = (now - lease.issued_at) / step
         return lease
 
     def finish(self, task_id: str) -> None:
-        self.leases.pop(task_id, None)
+        lease = self.leases.pop(task_id, None)
+        if lease is not None:
+            self.durations.append(self.clock() - lease.issued_at)
 
     def release(self, task_id: str, peer_id: str) -> bool:
         lease = self.leases.get(task_id)

@@ -6,6 +6,7 @@ Layout under the store folder, per module id ``mid``::
     modules/<mid>/v<v>.dpt           parameters at version v
     modules/<mid>/m<v>.dpt           outer momentum after producing version v (absent for v0)
     deltas/<mid>/v<v>/P<p>.dpt       a path's delta against version v, durable before it is acked
+    deltas/<mid>/v<v>/P<p>-b<b>.dpt  a late delta (against an older version b), damped, waiting for v
 
 An outer step writes v+1 and m(v+1) (temp, fsync, rename), then rewrites head.json: a crash
 before the head moves leaves version v and its deltas in place, so the step is redone on start;
@@ -46,6 +47,7 @@ class PendingDelta:
     task_id: str
     peer_id: str
     file: Path
+    base_version: int = -1
 
 
 @dataclass
@@ -54,7 +56,8 @@ class ModuleRecord:
     hash: str
     params: Tensors
     momentum: Tensors | None
-    pending: dict[int, PendingDelta] = field(default_factory=dict)
+    pending: dict[int, PendingDelta] = field(default_factory=dict)  # on time: base == version
+    late: dict[int, PendingDelta] = field(default_factory=dict)  # late: base < version, damped
 
 
 def _version_of(name: str) -> int:
@@ -95,7 +98,7 @@ class ModuleStore:
             momentum = read_tensor_file(folder / f"m{v}.dpt").tensors if v > 0 else None
             record = ModuleRecord(v, head["hash"], params, momentum)
             self._discard_uncommitted(mid, folder, v)
-            record.pending = self._load_pending(mid, v)
+            record.pending, record.late = self._load_pending(mid, v)
             self.modules[mid] = record
 
     @staticmethod
@@ -120,14 +123,18 @@ class ModuleStore:
             if _version_of(d.name) < version:
                 shutil.rmtree(d, ignore_errors=True)
 
-    def _load_pending(self, mid: str, version: int) -> dict[int, PendingDelta]:
-        pending = {}
+    def _load_pending(
+        self, mid: str, version: int
+    ) -> tuple[dict[int, PendingDelta], dict[int, PendingDelta]]:
+        pending, late = {}, {}
         for f in sorted((self.root / "deltas" / mid / f"v{version}").glob("P*.dpt")):
             fields = read_tensor_file(f).fields
-            pending[fields["path"]] = PendingDelta(
-                fields["path"], fields["weight"], fields["task_id"], fields["peer_id"], f
+            base = fields.get("base_version", version)
+            delta = PendingDelta(
+                fields["path"], fields["weight"], fields["task_id"], fields["peer_id"], f, base
             )
-        return pending
+            (pending if base == version else late)[fields["path"]] = delta
+        return pending, late
 
     # ---- reads --------------------------------------------------------------------------------
     def version(self, mid: str) -> int:
@@ -138,28 +145,77 @@ class ModuleStore:
 
     # ---- writes -------------------------------------------------------------------------------
     def add_delta(
-        self, mid: str, path: int, weight: float, task_id: str, peer_id: str, delta: Tensors
+        self,
+        mid: str,
+        path: int,
+        weight: float,
+        task_id: str,
+        peer_id: str,
+        delta: Tensors,
+        base_version: int | None = None,
     ) -> None:
-        """Durably record a path's delta against the module's current version (then it may be acked)."""
+        """Durably record a path's delta (then it may be acked).
+
+        A delta against the module's current version is on time; one against an older version
+        (``base_version``) is late: it joins the current version's step with the (already damped)
+        ``weight`` but does not count as the path's report for this version.
+        """
         record = self.modules[mid]
-        file = self.root / "deltas" / mid / f"v{record.version}" / f"P{path}.dpt"
+        base = record.version if base_version is None else base_version
+        late = base != record.version
+        name = f"P{path}-b{base}.dpt" if late else f"P{path}.dpt"
+        file = self.root / "deltas" / mid / f"v{record.version}" / name
         meta = {
             "path": path,
             "weight": weight,
             "task_id": task_id,
             "peer_id": peer_id,
-            "base_version": record.version,
+            "base_version": base,
         }
         write_tensor_file(file, Frame("Delta", meta, delta))
-        record.pending[path] = PendingDelta(path, weight, task_id, peer_id, file)
+        (record.late if late else record.pending)[path] = PendingDelta(
+            path, weight, task_id, peer_id, file, base
+        )
+
+    def adopt(
+        self,
+        mid: str,
+        version: int,
+        params: Tensors,
+        momentum: Tensors | None,
+        deltas: list[tuple[dict, Tensors]],
+    ) -> None:
+        """Take over a module from another owner: write its state and pending deltas, then the head."""
+        folder = self.root / "modules" / mid
+        write_tensor_file(
+            folder / f"v{version}.dpt",
+            Frame("ModuleRelease", {"module": mid, "version": version}, params),
+        )
+        if momentum is not None:
+            write_tensor_file(
+                folder / f"m{version}.dpt",
+                Frame("OuterMomentum", {"module": mid, "version": version}, momentum),
+            )
+        for meta, tensors in deltas:
+            base = meta["base_version"]
+            name = f"P{meta['path']}-b{base}.dpt" if base != version else f"P{meta['path']}.dpt"
+            write_tensor_file(
+                self.root / "deltas" / mid / f"v{version}" / name, Frame("Delta", meta, tensors)
+            )
+        write_json_atomic(folder / "head.json", {"version": version, "hash": tensors_sha256(params)})
+        self.load([mid])
+
+    def owned_on_disk(self) -> list[str]:
+        """Module ids this store holds a committed head for."""
+        return sorted(p.parent.name for p in (self.root / "modules").glob("*/head.json"))
 
     def outer_step(self, mid: str, settings: OuterSettings) -> dict:
         """Average the pending deltas (in path order, for determinism), step, commit version v+1."""
         record = self.modules[mid]
         folder = self.root / "modules" / mid
-        deltas = [
-            (read_tensor_file(p.file).tensors, p.weight) for _, p in sorted(record.pending.items())
-        ]
+        included = [p for _, p in sorted(record.pending.items())]
+        included += [p for _, p in sorted(record.late.items())]
+        deltas = [(read_tensor_file(p.file).tensors, p.weight) for p in included]
         grad = outer_gradient(deltas, settings)
         params, momentum = nesterov_step(record.params, record.momentum, grad, settings)
         v = record.version + 1
@@ -172,10 +228,20 @@ class ModuleStore:
         digest = tensors_sha256(params)
         write_json_atomic(folder / "head.json", {"version": v, "hash": digest})
         old_deltas = self.root / "deltas" / mid / f"v{record.version}"
-        paths = sorted(record.pending)
+        paths, late = sorted(record.pending), sorted(record.late)
         self.modules[mid] = ModuleRecord(v, digest, params, momentum)
         shutil.rmtree(old_deltas, ignore_errors=True)
         for stale in (f"v{v - KEEP_VERSIONS}.dpt", f"m{v - KEEP_VERSIONS}.dpt"):
             (folder / stale).unlink(missing_ok=True)
         grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grad.values())))
-        return {"module": mid, "version": v, "paths": paths, "outer_grad_norm": grad_norm}
+        return {
+            "module": mid,
+            "version": v,
+            "paths": paths,
+            "late_paths": late,
+            "tasks": [p.task_id for p in included],
+            "outer_grad_norm": grad_norm,
+        }
+
+    def delta_tensors(self, delta: PendingDelta) -> Tensors:
+        return read_tensor_file(delta.file).tensors

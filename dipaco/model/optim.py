@@ -66,23 +66,53 @@ def train_steps(
     steps: int,
     step_offset: int,
     on_step: Callable[[int, float], None] | None = None,
+    micro_batch: int | None = None,
 ) -> list[float]:
-    """Run ``steps`` optimizer steps; returns the training loss of each."""
+    """Run ``steps`` optimizer steps; returns the training loss of each.
+
+    With ``micro_batch`` smaller than a batch, the batch is split into chunks of at most
+    ``micro_batch`` windows whose gradients accumulate before the single clip and step (gradient
+    accumulation): the update equals the full-batch one up to float rounding, and the loss
+    returned is still the full-batch mean.
+    """
+    if micro_batch is not None and micro_batch < 1:
+        raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
     model.train()
     losses = []
     for i in range(steps):
         lr = settings.lr_at(step_offset + i)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss = lm_loss(model, next(batches))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        batch = next(batches)
+        if micro_batch is None or micro_batch >= batch.shape[0]:
+            loss = lm_loss(model, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            loss_value = loss.item()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = _accumulate_gradients(model, batch, micro_batch)
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(loss_value)
         if on_step is not None:
             on_step(step_offset + i, losses[-1])
     return losses
+
+
+def _accumulate_gradients(model: nn.Module, batch: torch.Tensor, micro_batch: int) -> float:
+    """Backpropagate ``batch`` in chunks of at most ``micro_batch`` rows; returns the mean loss.
+
+    Each chunk's mean loss is weighted by its share of the rows, so the accumulated gradient is
+    the gradient of the full-batch mean (every window has the same length).
+    """
+    rows = batch.shape[0]
+    total = torch.zeros((), dtype=torch.float32, device=batch.device)
+    for chunk in batch.split(micro_batch, dim=0):
+        scaled = lm_loss(model, chunk) * (chunk.shape[0] / rows)
+        scaled.backward()
+        total += scaled.detach().float()
+    return total.item()
 
 
 def optimizer_state_tensors(

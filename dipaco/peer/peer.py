@@ -4,10 +4,17 @@ DiPaCo Algorithm 1, lines 5-10, seen from one worker. The peer never holds more 
 (promise 5). Its inner AdamW state stays on the peer, per path, in a pickle-free file, so a path
 it trains again continues its own optimizer (DiLoCo does not synchronise inner state); the
 scheduler keeps peers on the path they trained last for that reason.
+
+With several module owners, the peer fetches each module from its owner and pushes each
+module's delta to its owner (per-owner requests, retried until acknowledged: an owner that
+restarts keeps what it acknowledged, and acknowledges a retried delta again). Deltas go out
+through the run's codec with error feedback kept per path. A task is checkpointed while it
+trains, so a peer restarted with the same id and state folder resumes it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -19,6 +26,7 @@ import torch
 
 from dipaco.data.shards import TokenShard, window_batches
 from dipaco.errors import CorruptFileError, DipacoError, RejectedError, TransportError
+from dipaco.fileio import write_json_atomic
 from dipaco.model.optim import (
     InnerSettings,
     load_optimizer_state_tensors,
@@ -29,6 +37,8 @@ from dipaco.model.optim import (
 )
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig
+from dipaco.peer import device as devices
+from dipaco.protocols import codecs
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import Transport
 from dipaco.protocols.wire import Frame, read_tensor_file, tensors_sha256, write_tensor_file
@@ -47,6 +57,10 @@ def resolve_device(name: str) -> str:
     return name
 
 
+Connect = Callable[[str, list[str]], Transport]
+RETRIABLE = {"handover"}  # an owner is busy handing modules over: try again shortly
+
+
 class Peer:
     def __init__(
         self,
@@ -60,6 +74,11 @@ class Peer:
         on_progress: Callable[[dict[str, Any]], None] | None = None,
         give_up_seconds: float = 300.0,
         retry_seconds: float = 2.0,
+        connect: Connect | None = None,
+        shard_source: Callable[[int], TokenShard] | None = None,
+        memory_bytes: int | None = None,
+        checkpoint_seconds: float = 20.0,
+        on_ack: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.transport = transport
         self.peer_id = peer_id
@@ -69,18 +88,50 @@ class Peer:
         self.give_up_seconds, self.retry_seconds = give_up_seconds, retry_seconds
         self.stop = stop or threading.Event()
         self.on_progress = on_progress or (lambda info: None)
+        self.on_ack = on_ack or (lambda info: None)
+        self.connect = connect
+        self.shard_source = shard_source
+        self.memory_bytes = memory_bytes
+        self.checkpoint_seconds = checkpoint_seconds
         self.cache: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
         self.last_path: int | None = None
         self.tasks_done = 0
         self.config: dict[str, Any] = {}
+        self.micro_batch: int | None = None
+        self.owners: dict[str, str] = {}
+        self.addresses: dict[str, list[str]] = {}
+        self.scheduler_id = ""
+        self._links: dict[str, Transport] = {}
+        self.feedback = codecs.ErrorFeedback()
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> int:
-        welcome = self.transport.request(m.Hello(peer_id=self.peer_id, device=self.device))
+        welcome = self._patient(
+            lambda: self.transport.request(m.Hello(peer_id=self.peer_id, device=self.device))
+        )
         self.config = welcome.config
         self.model_cfg = ModelConfig(**self.config["model"])
         self.topology = Topology.from_dict(self.config["topology"])
         self.train_cfg = self.config["train"]
+        self.scheduler_id = self.config.get("owner_id", "")
+        tc = self.train_cfg
+        devices.check_fits(
+            self.model_cfg, tc["seq_len"], self.device, memory_bytes=self.memory_bytes
+        )
+        self.micro_batch = devices.pick_micro_batch(
+            self.model_cfg,
+            tc["batch_size"],
+            tc["seq_len"],
+            self.device,
+            memory_bytes=self.memory_bytes,
+        )
+        if self.micro_batch < tc["batch_size"]:
+            log.info(
+                "peer %s: micro-batch %d, accumulating to the run's batch of %d",
+                self.peer_id,
+                self.micro_batch,
+                tc["batch_size"],
+            )
         last_contact = time.monotonic()
         while not self.stop.is_set() and (
             self.max_tasks is None or self.tasks_done < self.max_tasks
@@ -117,9 +168,26 @@ class Peer:
                     exc,
                     exc.reason,
                 )
+                self._drop_checkpoint()
+        for link in self._links.values():
+            link.close()
         return self.tasks_done
 
+    def _patient(self, call: Callable[[], Any]) -> Any:
+        """Retry ``call`` over transport errors for up to ``give_up_seconds``."""
+        began = time.monotonic()
+        while True:
+            try:
+                return call()
+            except TransportError as exc:
+                if time.monotonic() - began > self.give_up_seconds or self.stop.is_set():
+                    raise
+                log.warning("peer %s: %s; retrying", self.peer_id, exc)
+                self.stop.wait(self.retry_seconds)
+
     def run_task(self, task: m.TaskOffer) -> None:
+        if task.owners:
+            self.owners.update(task.owners)
         modules = self.fetch(task)
         model = self.topology.build_path(
             self.model_cfg,
@@ -137,14 +205,18 @@ class Peer:
         )
         optimizer = make_optimizer(model, settings)
         names = param_names_in_optimizer_order(model)
-        self._load_inner_state(task.path, optimizer, names)
-        shard = TokenShard(Path(self.config["shards_dir"]) / f"P{task.path}" / "train")
+        done_steps, losses = self._resume(task, model, optimizer, names)
+        if done_steps == 0:
+            self._load_inner_state(task.path, optimizer, names)
+        shard = self._shard(task.path)
         # The task's data slice: windows drawn by a generator seeded by (run seed, path, round).
         batches = window_batches(
             shard, [task.seed, task.path, task.round], tc["batch_size"], tc["seq_len"], self.device
         )
+        for _ in range(done_steps):  # a resumed task skips the windows it already trained on
+            next(batches)
         start = time.monotonic()
-        progress = {"step": 0}
+        progress = {"step": done_steps, "saved": time.monotonic()}
         lease_lost = threading.Event()
 
         def on_step(step: int, loss: float) -> None:
@@ -153,6 +225,7 @@ class Peer:
             if lease_lost.is_set():
                 raise TaskAborted("lease lost")
             progress["step"] = step - task.step_offset + 1
+            losses.append(loss)
             self.on_progress(
                 {
                     "task": task.task_id,
@@ -163,6 +236,9 @@ class Peer:
                     "elapsed": time.monotonic() - start,
                 }
             )
+            if time.monotonic() - progress["saved"] > self.checkpoint_seconds:
+                self._checkpoint(task, model, optimizer, names, progress["step"], losses)
+                progress["saved"] = time.monotonic()
 
         beats_done = threading.Event()
         beats = threading.Thread(
@@ -173,43 +249,42 @@ class Peer:
         )
         beats.start()
         try:
-            losses = train_steps(
-                model,
-                optimizer,
-                batches,
-                settings,
-                steps=task.inner_steps,
-                step_offset=task.step_offset,
-                on_step=on_step,
+            try:
+                train_steps(
+                    model,
+                    optimizer,
+                    batches,
+                    settings,
+                    steps=task.inner_steps - done_steps,
+                    step_offset=task.step_offset + done_steps,
+                    on_step=on_step,
+                    micro_batch=self.micro_batch,
+                )
+            except TaskAborted:
+                if self.stop.is_set():
+                    # Leave cleanly: hand the task back at once rather than let it expire.
+                    self.transport.request(
+                        m.ReleaseTask(peer_id=self.peer_id, task_id=task.task_id)
+                    )
+                self._drop_checkpoint()
+                raise
+            trained = self.topology.split_path_state(
+                task.path, {k: v.detach().cpu() for k, v in model.state_dict().items()}
             )
-        except TaskAborted:
-            if self.stop.is_set():
-                self.transport.request(m.ReleaseTask(peer_id=self.peer_id, task_id=task.task_id))
-            raise
+            delta = {
+                mid: {
+                    name: (modules[mid][name] - trained[mid][name]).contiguous()
+                    for name in modules[mid]
+                }
+                for mid in modules
+            }
+            tokens = task.inner_steps * tc["batch_size"] * tc["seq_len"]
+            self.push(task, delta, tokens, losses)
         finally:
             beats_done.set()
             beats.join()
-        trained = self.topology.split_path_state(
-            task.path, {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        )
-        tensors = {
-            f"{mid}/{name}": (modules[mid][name] - trained[mid][name]).contiguous()
-            for mid in modules
-            for name in modules[mid]
-        }
-        tokens = task.inner_steps * tc["batch_size"] * tc["seq_len"]
-        self.transport.request(
-            m.SubmitDelta(
-                peer_id=self.peer_id,
-                task_id=task.task_id,
-                path=task.path,
-                base_versions=task.module_versions,
-                tokens=tokens,
-                losses=losses,
-                tensors=tensors,
-            )
-        )
         self._save_inner_state(task.path, optimizer, names)
+        self._drop_checkpoint()
         self.tasks_done += 1
         self.last_path = task.path
         log.info(
@@ -219,7 +294,7 @@ class Peer:
     def _heartbeats(
         self, task: m.TaskOffer, progress: dict, lost: threading.Event, done: threading.Event
     ) -> None:
-        """Keep the lease alive from a thread of its own, however long a training step takes."""
+        """Keep the lease alive from a thread of its own, however long a step or a push takes."""
         while not done.wait(self.config["heartbeat_seconds"]):
             try:
                 ack = self.transport.request(
@@ -232,30 +307,206 @@ class Peer:
                 lost.set()
                 return
 
+    # ---- owners -------------------------------------------------------------------------------
+    def _link(self, owner: str) -> Transport:
+        """The transport to a module owner; the scheduler's own modules use the main one."""
+        if owner == self.scheduler_id or self.connect is None:
+            return self.transport
+        if owner not in self._links:
+            if owner not in self.addresses:
+                self._refresh_owners()
+            self._links[owner] = self.connect(owner, self.addresses.get(owner, []))
+        return self._links[owner]
+
+    def _refresh_owners(self) -> None:
+        reply = self._patient(lambda: self.transport.request(m.GetOwners()))
+        self.owners.update(reply.owners)
+        self.addresses.update(reply.addresses)
+        for owner in list(self._links):
+            if owner not in set(reply.owners.values()):
+                self._links.pop(owner).close()
+
+    def _by_owner(self, mids: list[str]) -> dict[str, list[str]]:
+        groups: dict[str, list[str]] = {}
+        for mid in mids:
+            groups.setdefault(self.owners.get(mid, self.scheduler_id), []).append(mid)
+        return groups
+
+    def _ask_owner(self, owner: str, make: Callable[[], m.Message]) -> m.Message:
+        """One request to one owner, retried while the owner is unreachable or handing over."""
+        began = time.monotonic()
+        while True:
+            try:
+                return self._link(owner).request(make())
+            except TransportError as exc:
+                problem: DipacoError = exc
+            except RejectedError as exc:
+                if exc.reason not in RETRIABLE:
+                    raise
+                problem = exc
+            if time.monotonic() - began > self.give_up_seconds:
+                raise problem
+            log.warning("peer %s: owner %s: %s; retrying", self.peer_id, owner, problem)
+            time.sleep(self.retry_seconds)
+
     # ---- modules ------------------------------------------------------------------------------
     def fetch(self, task: m.TaskOffer) -> dict[str, dict[str, torch.Tensor]]:
         """The path's modules at the task's versions, downloading only what the cache lacks."""
         have = {mid: v for mid, (v, _) in self.cache.items()}
-        reply = self.transport.request(
-            m.FetchModules(peer_id=self.peer_id, task_id=task.task_id, have=have)
-        )
+        versions: dict[str, int] = {}
+        hashes: dict[str, str] = {}
         fresh: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in reply.tensors.items():
-            mid, _, name = key.partition("/")
-            fresh.setdefault(mid, {})[name] = tensor
+        for owner, mids in self._by_owner(list(task.module_versions)).items():
+            reply = self._ask_owner(
+                owner,
+                lambda mids=mids: m.FetchModules(
+                    peer_id=self.peer_id,
+                    task_id=task.task_id,
+                    have={mid: have[mid] for mid in mids if mid in have},
+                    ticket=task.ticket,
+                ),
+            )
+            versions.update(reply.versions)
+            hashes.update(reply.hashes)
+            for key, tensor in reply.tensors.items():
+                mid, _, name = key.partition("/")
+                fresh.setdefault(mid, {})[name] = tensor
         modules = {}
-        for mid, version in reply.versions.items():
-            if version != task.module_versions.get(mid):
+        for mid, want in task.module_versions.items():
+            version = versions.get(mid)
+            if version is None:
+                self._refresh_owners()
+                raise TaskAborted(f"no owner served module {mid}; owners refreshed")
+            if version != want:
                 raise TaskAborted(
                     f"module {mid} moved to version {version} since the task was issued"
                 )
-            tensors = fresh[mid] if mid in fresh else self.cache[mid][1]
-            if tensors_sha256(tensors) != reply.hashes[mid]:
+            if mid in fresh:
+                tensors = fresh[mid]
+            elif mid in self.cache and self.cache[mid][0] == version:
+                tensors = self.cache[mid][1]
+            else:
+                raise TaskAborted(f"module {mid} v{version} was neither sent nor cached")
+            if tensors_sha256(tensors) != hashes[mid]:
                 self.cache.pop(mid, None)
                 raise TaskAborted(f"module {mid} v{version} failed its hash check")
             self.cache[mid] = (version, tensors)
             modules[mid] = tensors
         return modules
+
+    def push(
+        self,
+        task: m.TaskOffer,
+        delta: dict[str, dict[str, torch.Tensor]],
+        tokens: int,
+        losses: list[float],
+    ) -> None:
+        """Each module's delta to its owner, until every owner has acknowledged; then TaskDone."""
+        codec = task.codec or "lossless"
+        key = f"P{task.path}"
+        before = self.feedback.state_tensors()
+        wire = self.feedback.compress(
+            codec, key, {f"{mid}/{n}": t for mid, ts in delta.items() for n, t in ts.items()}
+        )
+        try:
+            remaining = list(delta)
+            scheduler_done = False
+            while remaining:
+                owner, mids = next(iter(self._by_owner(remaining).items()))
+                try:
+                    ack = self._ask_owner(
+                        owner,
+                        lambda mids=mids: m.SubmitDelta(
+                            peer_id=self.peer_id,
+                            task_id=task.task_id,
+                            path=task.path,
+                            base_versions=task.module_versions,
+                            tokens=tokens,
+                            losses=losses,
+                            tensors={k: v for k, v in wire.items() if k.partition("/")[0] in mids},
+                            ticket=task.ticket,
+                            codec=codec,
+                        ),
+                    )
+                except RejectedError as exc:
+                    if exc.reason != "not-owner":
+                        raise
+                    self._refresh_owners()  # a module moved: regroup and push again
+                    continue
+                for mid in mids:
+                    self.on_ack(
+                        {
+                            "module": mid,
+                            "base_version": task.module_versions[mid],
+                            "path": task.path,
+                            "task": task.task_id,
+                            "owner": owner,
+                        }
+                    )
+                scheduler_done |= ack.task_done
+                remaining = [mid for mid in remaining if mid not in mids]
+            if not scheduler_done:
+                self._patient(
+                    lambda: self.transport.request(
+                        m.TaskDone(
+                            peer_id=self.peer_id,
+                            task_id=task.task_id,
+                            ticket=task.ticket,
+                            tokens=tokens,
+                            losses=losses,
+                            modules=list(delta),
+                        )
+                    )
+                )
+        except BaseException:
+            self.feedback.load_state_tensors(before)  # nothing was sent for good: keep residuals
+            raise
+
+    # ---- data ---------------------------------------------------------------------------------
+    def _shard(self, path: int) -> TokenShard:
+        if self.shard_source is not None:
+            return self.shard_source(path)
+        return TokenShard(Path(self.config["shards_dir"]) / f"P{path}" / "train")
+
+    # ---- a task in progress -------------------------------------------------------------------
+    def _task_dir(self) -> Path:
+        return self.state_dir / "task"
+
+    def _checkpoint(self, task, model, optimizer, names, step: int, losses: list[float]) -> None:
+        tensors = {f"model/{k}": v.detach().cpu() for k, v in model.state_dict().items()}
+        tensors.update(
+            {f"optim/{k}": v for k, v in optimizer_state_tensors(optimizer, names).items()}
+        )
+        folder = self._task_dir()
+        write_tensor_file(
+            folder / "checkpoint.dpt",
+            Frame("TaskCheckpoint", {"task_id": task.task_id, "step": step}, tensors),
+        )
+        write_json_atomic(folder / "task.json", {"task_id": task.task_id, "losses": losses})
+
+    def _resume(self, task, model, optimizer, names) -> tuple[int, list[float]]:
+        folder = self._task_dir()
+        try:
+            meta = json.loads((folder / "task.json").read_text())
+            frame = read_tensor_file(folder / "checkpoint.dpt")
+        except (OSError, ValueError, CorruptFileError):
+            return 0, []
+        if meta.get("task_id") != task.task_id or frame.fields.get("task_id") != task.task_id:
+            self._drop_checkpoint()
+            return 0, []
+        model.load_state_dict(
+            {k[6:]: v for k, v in frame.tensors.items() if k.startswith("model/")}
+        )
+        load_optimizer_state_tensors(
+            optimizer, names, {k[6:]: v for k, v in frame.tensors.items() if k.startswith("optim/")}
+        )
+        step = int(frame.fields["step"])
+        log.info("peer %s: resuming %s at step %d", self.peer_id, task.task_id, step)
+        return step, list(meta.get("losses", []))[:step]
+
+    def _drop_checkpoint(self) -> None:
+        for name in ("checkpoint.dpt", "task.json"):
+            (self._task_dir() / name).unlink(missing_ok=True)
 
     # ---- inner optimizer state ----------------------------------------------------------------
     def _inner_file(self, path: int) -> Path:
@@ -268,14 +519,27 @@ class Peer:
         if not file.exists():
             return
         try:
-            load_optimizer_state_tensors(optimizer, names, read_tensor_file(file).tensors)
-        except (CorruptFileError, KeyError, IndexError) as exc:
+            tensors = read_tensor_file(file).tensors
+            load_optimizer_state_tensors(
+                optimizer, names, {k: v for k, v in tensors.items() if not k.startswith("ef|")}
+            )
+            residuals = {k[3:]: v for k, v in tensors.items() if k.startswith("ef|")}
+            if residuals:
+                self.feedback.load_state_tensors({**self._other_residuals(f"P{path}"), **residuals})
+        except (CorruptFileError, KeyError, IndexError, ValueError) as exc:
             log.warning("peer %s: ignoring unusable inner state %s: %s", self.peer_id, file, exc)
+
+    def _other_residuals(self, key: str) -> dict[str, torch.Tensor]:
+        return {
+            k: v for k, v in self.feedback.state_tensors().items() if not k.startswith(key + "|")
+        }
 
     def _save_inner_state(
         self, path: int, optimizer: torch.optim.Optimizer, names: list[str]
     ) -> None:
-        write_tensor_file(
-            self._inner_file(path),
-            Frame("InnerState", {"path": path}, optimizer_state_tensors(optimizer, names)),
+        tensors = optimizer_state_tensors(optimizer, names)
+        key = f"P{path}|"
+        tensors.update(
+            {f"ef|{k}": v for k, v in self.feedback.state_tensors().items() if k.startswith(key)}
         )
+        write_tensor_file(self._inner_file(path), Frame("InnerState", {"path": path}, tensors))

@@ -49,6 +49,7 @@ class FetchModules:
     peer_id: str
     task_id: str
     have: dict[str, int] = field(default_factory=dict)  # module id -> version the peer has cached
+    ticket: str = ""  # the task's ticket from the scheduler (owners check it)
 
 
 @message
@@ -67,6 +68,64 @@ class SubmitDelta:
     tokens: int
     losses: list[float]  # the training loss of each inner step
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    ticket: str = ""
+    codec: str = "lossless"  # how ``tensors`` are encoded (dipaco.protocols.codecs)
+
+
+@message
+class TaskDone:
+    """Sent to the scheduler once every module owner has acknowledged the task's deltas."""
+
+    peer_id: str
+    task_id: str
+    ticket: str
+    tokens: int
+    losses: list[float]
+    modules: list[str]
+
+
+@message
+class GetOwners:
+    pass
+
+
+@message
+class FetchFile:
+    """A byte range of one of the run's files (tokenizer, shards) named in the data manifest."""
+
+    peer_id: str
+    name: str
+    offset: int
+    length: int
+
+
+# ---- coordinator -> coordinator (module owners and the scheduler) ----------------------------
+
+
+@message
+class OwnerReport:
+    """An owner's full state for its modules; idempotent, sent after every change and periodically."""
+
+    owner_id: str
+    proof: str
+    modules: dict[str, Any]  # module id -> {"version", "hash", "pending": [paths]}
+    addresses: list[str] = field(default_factory=list)
+
+
+@message
+class HandOver:
+    """A new owner asks for modules' state; the current owner holds their deltas meanwhile."""
+
+    owner_id: str
+    proof: str
+    modules: list[str]
+
+
+@message
+class ConfirmOwnership:
+    owner_id: str
+    proof: str
+    hashes: dict[str, str]  # module id -> content hash of the adopted version
 
 
 @message
@@ -100,6 +159,9 @@ class TaskOffer:
     total_steps: int
     lease_seconds: float
     seed: int
+    ticket: str = ""  # signed by the scheduler; module owners accept the task's deltas with it
+    owners: dict[str, str] = field(default_factory=dict)  # module id -> owner id
+    codec: str = "lossless"
 
 
 @message
@@ -126,6 +188,33 @@ class HeartbeatAck:
 class DeltaAck:
     accepted: list[str]
     closed: list[str]  # modules whose round this delta completed
+    task_done: bool = True  # False: other owners hold modules of the path; send TaskDone
+
+
+@message
+class ReportAck:
+    overdue: list[list[int]]  # [path, round] of tasks past the deadline: their rounds may close
+
+
+@message
+class Owners:
+    owners: dict[str, str]  # module id -> owner id
+    addresses: dict[str, list[str]]  # owner id -> how to reach it
+
+
+@message
+class FileChunk:
+    name: str
+    size: int
+    sha256: str
+    offset: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # {"data": uint8}
+
+
+@message
+class ModuleState:
+    modules: dict[str, Any]  # module id -> {"version", "hash", "deltas": [meta]}
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @message

@@ -1,0 +1,92 @@
+"""Running a module owner that is not the scheduler: take modules over, then report.
+
+``take_over`` moves modules from their current owner (the scheduler) to this coordinator:
+``HandOver`` returns their state and pending deltas (the old owner holds new deltas for them
+meanwhile), the new owner writes them durably, then ``ConfirmOwnership`` moves them for good. A
+crash in between leaves the old owner in charge. A restarted owner finds its modules on disk
+and skips the hand-over.
+
+``Reporter`` sends the owner's state to the scheduler after every change and every
+``interval`` seconds; the scheduler answers with the overdue tasks, which let this owner close
+a round with a quorum.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from dipaco.coordinator import tickets
+from dipaco.coordinator.core import Coordinator
+from dipaco.errors import ConfigError, DipacoError, RejectedError
+from dipaco.protocols import messages as m
+from dipaco.protocols.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+def take_over(coordinator: Coordinator, scheduler: Transport, modules: list[str]) -> list[str]:
+    """Own ``modules`` (those not already on disk); returns the ones handed over now."""
+    unknown = sorted(set(modules) - set(coordinator.topology.module_ids()))
+    if unknown:
+        raise ConfigError(
+            f"--owns names modules this run does not have: {unknown}; "
+            f"its modules are {coordinator.topology.module_ids()}"
+        )
+    wanted = [mid for mid in modules if not coordinator.owns(mid)]
+    if not wanted:
+        return []
+    owner, secret = coordinator.owner_id, coordinator.secret
+    state = scheduler.request(
+        m.HandOver(
+            owner_id=owner,
+            proof=tickets.prove(secret, "handover", owner, wanted),
+            modules=wanted,
+        )
+    )
+    hashes = coordinator.adopt(state)
+    scheduler.request(
+        m.ConfirmOwnership(
+            owner_id=owner, proof=tickets.prove(secret, "confirm", owner, hashes), hashes=hashes
+        )
+    )
+    log.info("took over %s", ", ".join(wanted))
+    return wanted
+
+
+class Reporter(threading.Thread):
+    """Keeps the scheduler informed of this owner's modules; learns the overdue tasks back."""
+
+    def __init__(
+        self, coordinator: Coordinator, scheduler: Transport, interval: float = 1.0
+    ) -> None:
+        super().__init__(name="dipaco-reporter", daemon=True)
+        self.coordinator, self.scheduler, self.interval = coordinator, scheduler, interval
+        self.stop = threading.Event()
+        self.sent = 0
+
+    def run(self) -> None:
+        co = self.coordinator
+        while not self.stop.is_set():
+            co.changed.wait(self.interval)
+            co.changed.clear()
+            try:
+                ack = self.scheduler.request(co.report())
+            except RejectedError as exc:
+                log.error("the scheduler refused our report: %s (%s)", exc, exc.reason)
+                self.stop.wait(self.interval)
+                continue
+            except DipacoError as exc:
+                log.warning("cannot reach the scheduler: %s", exc)
+                self.stop.wait(self.interval)
+                co.changed.set()  # report again as soon as it is back
+                continue
+            self.sent += 1
+            with co.lock:
+                co.overdue = {(int(p), int(r)) for p, r in ack.overdue}
+            co.tick()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.coordinator.changed.set()
+        self.join(10)

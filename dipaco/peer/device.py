@@ -1,0 +1,158 @@
+"""How much memory one path needs to train, how much the device has, and the micro-batch to use.
+
+The estimate is deliberately simple and on the generous side: fp32 parameters, their gradients,
+AdamW's two moments, and the activations autograd keeps for one micro-batch of a Llama-style
+decoder (see :mod:`dipaco.model.transformer`). It is used to pick a micro-batch for gradient
+accumulation (:func:`dipaco.model.optim.train_steps`) and to refuse, with a readable message, a
+device on which not even a micro-batch of one window fits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dipaco.errors import ConfigError
+from dipaco.model.transformer import ModelConfig
+
+_FP32 = 4
+_GIB = 2**30
+
+
+def path_parameter_count(model_cfg: ModelConfig) -> int:
+    """Parameters of one path: embedding, blocks, final norm and an untied output head."""
+    d, v, h = model_cfg.dim, model_cfg.vocab_size, model_cfg.hidden
+    per_layer = 4 * d * d + 3 * d * h + 2 * d  # q/k/v/o, gate/up/down, two RMSNorms
+    return 2 * v * d + model_cfg.n_layers * per_layer + d
+
+
+def activation_bytes(model_cfg: ModelConfig, micro_batch: int, seq_len: int) -> int:
+    """Activations autograd keeps for one forward/backward of ``micro_batch`` windows.
+
+    Per layer and token (fp32 elements): the two RMSNorms (input, float copy, output: ~3 * dim
+    each), q/k/v and their rotary copies (~7 * dim), the attention output and residual (~3 * dim),
+    the SwiGLU intermediates (gate, up, silu, product: 4 * hidden) and, in case the math attention
+    kernel runs (CPU), the attention probabilities (n_heads * seq_len). On top: the embedding
+    output, the final norm, and the logits with their gradient (B * T * vocab * 4 * 2).
+    """
+    d, h = model_cfg.dim, model_cfg.hidden
+    tokens = micro_batch * seq_len
+    per_token_layer = 16 * d + 4 * h + model_cfg.n_heads * seq_len
+    blocks = model_cfg.n_layers * tokens * per_token_layer
+    edges = tokens * 4 * d  # embedding output, final norm (input, float copy, output)
+    logits = tokens * model_cfg.vocab_size * 2  # logits and their gradient / softmax
+    return (blocks + edges + logits) * _FP32
+
+
+def path_memory_bytes(
+    model_cfg: ModelConfig, micro_batch: int, seq_len: int, *, optimizer: bool = True
+) -> int:
+    """Estimated peak bytes to train one path at ``micro_batch`` windows of ``seq_len`` tokens.
+
+    fp32 parameters and gradients, AdamW's two moments when ``optimizer``, and the activations
+    of one micro-batch.
+    """
+    if micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"micro_batch and seq_len must be positive, got {micro_batch}, {seq_len}")
+    copies = 4 if optimizer else 2  # params, grads (+ exp_avg, exp_avg_sq)
+    state = path_parameter_count(model_cfg) * _FP32 * copies
+    return state + activation_bytes(model_cfg, micro_batch, seq_len)
+
+
+def device_memory_bytes(device: str) -> int | None:
+    """Free memory on ``device`` in bytes, or ``None`` when it cannot be told.
+
+    CUDA: the driver's free memory; CPU: ``MemAvailable`` from ``/proc/meminfo``; anything else
+    (MPS, ...): unknown.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    if dev.type == "cpu":
+        return _mem_available()
+    return None
+
+
+def _mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    try:
+        text = meminfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            parts = line.split()
+            try:
+                value = int(parts[1])
+            except (IndexError, ValueError):
+                return None
+            unit = parts[2].lower() if len(parts) > 2 else "b"
+            return value * 1024 if unit == "kb" else value
+    return None
+
+
+def _budget(device: str, memory_bytes: int | None, headroom: float) -> float | None:
+    if not 0 < headroom <= 1:
+        raise ValueError(f"headroom must be in (0, 1], got {headroom}")
+    memory = memory_bytes if memory_bytes is not None else device_memory_bytes(device)
+    return None if memory is None else memory * headroom
+
+
+def pick_micro_batch(
+    model_cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int,
+    device: str,
+    *,
+    memory_bytes: int | None = None,
+    headroom: float = 0.8,
+) -> int:
+    """The largest micro-batch (``batch_size``, then halving, at least 1) that fits the device.
+
+    It fits when its estimate is within ``headroom`` of the available memory; ``memory_bytes``
+    replaces the probe. When the memory cannot be told, ``batch_size``. When not even 1 fits, 1:
+    :func:`check_fits` is the one that refuses.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    budget = _budget(device, memory_bytes, headroom)
+    if budget is None:
+        return batch_size
+    mb = batch_size
+    while mb > 1 and path_memory_bytes(model_cfg, mb, seq_len) > budget:
+        mb //= 2
+    return mb
+
+
+def check_fits(
+    model_cfg: ModelConfig,
+    seq_len: int,
+    device: str,
+    *,
+    memory_bytes: int | None = None,
+    headroom: float = 0.8,
+) -> None:
+    """Raise :class:`ConfigError` when one path cannot train on ``device`` even at micro-batch 1.
+
+    Nothing is checked when the device's memory cannot be told.
+    """
+    budget = _budget(device, memory_bytes, headroom)
+    if budget is None:
+        return
+    need = path_memory_bytes(model_cfg, 1, seq_len)
+    if need > budget:
+        have = budget / headroom
+        raise ConfigError(
+            f"device {device} has {_gib(have)} GiB free, one path needs {_gib(need)} GiB even at "
+            f"micro-batch 1 (seq_len {seq_len}, {path_parameter_count(model_cfg):,} parameters, "
+            f"keeping {headroom:.0%} of the memory for it); use a smaller model or sequence "
+            "length, or a device with more memory",
+            reason="device-too-small",
+        )
+
+
+def _gib(n: float) -> str:
+    return f"{n / _GIB:.3g}"

@@ -1,0 +1,291 @@
+"""Compression codecs for module deltas sent from peers to coordinators.
+
+A delta is a ``dict[str, torch.Tensor]`` of float32 tensors (one per parameter of a module).
+:func:`encode` turns it into *wire tensors* (every dtype is on the wire allowlist of
+:mod:`dipaco.protocols.wire`); :func:`decode` turns wire tensors back into float32 tensors shaped
+like a reference dict, validating everything, because the wire is never trusted.
+
+Codecs and their per-element error bounds (``x`` the sent value, ``y`` the decoded one):
+
+``lossless``
+    The float32 tensors themselves. Exact: ``y == x`` bit for bit. 4 bytes per element.
+``fp16``
+    IEEE half precision, round to nearest. For ``|x|`` in the normal fp16 range
+    ``[2**-14, 65504]``: ``|y - x| <= 2**-11 * |x|``; below it (subnormals) ``|y - x| <= 2**-25``.
+    Values beyond 65504 would overflow, so :func:`encode` refuses them. 2 bytes per element.
+``bf16``
+    bfloat16, round to nearest: ``|y - x| <= 2**-8 * |x|`` over the whole float32 normal
+    range. 2 bytes per element.
+``int8``
+    Block-wise absmax quantisation. The tensor is flattened and zero-padded to a multiple of
+    :data:`BLOCK` elements; each block gets ``scale = max |x|`` over the block (float32, wire name
+    ``f"{name}#scale"``, shape ``[nblocks]``) and ``q = round(x / scale * 127)`` (int8, shape
+    ``[nblocks, BLOCK]``); decoding is ``y = q * scale / 127``. Hence
+    ``|y - x| <= scale / 254`` (plus float32 rounding, a few ulps of ``scale``). An all-zero block
+    has ``scale == 0`` and decodes to exact zeros. About 1 + 4/BLOCK bytes per element (~0.254x
+    of float32 for large tensors).
+
+Lossy codecs are meant to be used through :class:`ErrorFeedback`, which keeps on the peer what
+compression dropped and adds it to the next delta of the same stream, so errors do not accumulate
+over rounds (EF-SGD): the sum of everything decoded differs from the sum of the true deltas by
+exactly the current residual, which stays bounded by one step's quantisation error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dipaco.errors import WireError
+
+CODECS = ("lossless", "fp16", "bf16", "int8")
+BLOCK = 256  # elements per int8 block
+SCALE_SUFFIX = "#scale"
+_QMAX = 127
+_FLOAT_DTYPE = {"lossless": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def _check_codec_local(codec: str) -> None:
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+
+
+def _as_float32(name: str, t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        kind = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"tensor {name!r} must be a floating-point tensor, got {kind}")
+    return t.detach().to("cpu", torch.float32).contiguous()
+
+
+def _nblocks(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+def _quantise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (any shape, cpu) -> (q int8 [nblocks, BLOCK], scale float32 [nblocks])."""
+    flat = x.reshape(-1)
+    nb = _nblocks(flat.numel())
+    pad = nb * BLOCK - flat.numel()
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    blocks = flat.view(nb, BLOCK)
+    lo, hi = torch.aminmax(blocks, dim=1) if nb else (flat.new_zeros(0), flat.new_zeros(0))
+    scale = torch.maximum(hi, lo.neg())  # NaN propagates, caught by the caller
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    # x / scale lies in [-1, 1] exactly (|x| <= scale), so even tiny scales cannot overflow.
+    y = torch.div(blocks, safe.unsqueeze(1))
+    y.mul_(_QMAX).round_().clamp_(-_QMAX, _QMAX)
+    return y.to(torch.int8), scale
+
+
+def _dequantise(q: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    numel = math.prod(shape)
+    y = q.to(torch.float32)
+    y.mul_((scale / _QMAX).unsqueeze(1))  # q * (scale / 127): never overflows for finite scale
+    return y.reshape(-1)[:numel].reshape(shape)
+
+
+def _wire_names(codec: str, names) -> list[str]:
+    out = []
+    for name in names:
+        out.append(name)
+        if codec == "int8":
+            out.append(name + SCALE_SUFFIX)
+    return out
+
+
+def encode(codec: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """float32 tensors -> wire tensors (cpu, contiguous).
+
+    Wire names are the original names, plus ``f"{name}#scale"`` companions for ``int8``.
+    ``lossless`` returns the float32 tensors themselves (no copy when already contiguous cpu
+    float32). Raises :class:`ValueError` for an unknown codec, a non-float tensor, a name that
+    collides with a scale companion, or values the codec cannot carry (non-finite values, or
+    ``|x| > 65504`` for ``fp16``).
+    """
+    _check_codec_local(codec)
+    wire: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if codec == "int8" and name.endswith(SCALE_SUFFIX):
+            raise ValueError(f"tensor name {name!r} collides with int8 scale companions")
+        x = _as_float32(name, tensor)
+        if codec == "int8":
+            q, scale = _quantise(x)
+            if not bool(torch.isfinite(scale).all()):
+                raise ValueError(f"tensor {name!r} has non-finite values; cannot encode as int8")
+            wire[name] = q
+            wire[name + SCALE_SUFFIX] = scale
+            continue
+        if codec == "fp16" and x.numel() and float(x.abs().max()) > _FP16_MAX:
+            raise ValueError(
+                f"tensor {name!r} has values beyond the fp16 range (+-{_FP16_MAX:g}) "
+                "or non-finite values; use bf16 or lossless"
+            )
+        y = x.to(_FLOAT_DTYPE[codec])
+        if not bool(torch.isfinite(y).all()):
+            raise ValueError(f"tensor {name!r} has non-finite values; cannot encode as {codec}")
+        wire[name] = y
+    return wire
+
+
+def decode(
+    codec: str, wire: dict[str, torch.Tensor], like: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Wire tensors -> float32 tensors with the names and shapes of ``like``.
+
+    Only ``like``'s names and shapes are used. Every problem with the wire (unknown codec,
+    missing or unexpected names, wrong dtype, wrong shape, wrong number of int8 blocks, bad
+    scale shape, non-finite or negative scales, the out-of-range int8 code -128, non-finite
+    float values) raises :class:`~dipaco.errors.WireError` naming the tensor. Outputs live on
+    the wire tensors' device (cpu for frames read by :mod:`dipaco.protocols.wire`).
+    """
+    if codec not in CODECS:
+        raise WireError(f"unknown codec {codec!r}; expected one of {CODECS}", reason="bad-codec")
+    if not isinstance(wire, dict):
+        raise WireError(f"wire tensors must be a dict, got {type(wire).__name__}")
+    expected = _wire_names(codec, like)
+    got = set(wire)
+    missing = [n for n in expected if n not in got]
+    unexpected = sorted(got.difference(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}" + (" ..." if len(missing) > 5 else ""))
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}" + (" ..." if len(unexpected) > 5 else ""))
+        raise WireError(f"{codec} delta has wrong tensor names: {'; '.join(parts)}")
+    out: dict[str, torch.Tensor] = {}
+    for name, ref in like.items():
+        shape = torch.Size(ref.shape)
+        t = wire[name]
+        if not isinstance(t, torch.Tensor):
+            raise WireError(f"wire entry {name!r} is not a tensor")
+        if codec == "int8":
+            out[name] = _decode_int8(name, t, wire[name + SCALE_SUFFIX], shape)
+            continue
+        want = _FLOAT_DTYPE[codec]
+        if t.dtype != want:
+            raise WireError(f"tensor {name!r} has dtype {t.dtype}, codec {codec} sends {want}")
+        if t.shape != shape:
+            raise WireError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+        if not bool(torch.isfinite(t).all()):
+            raise WireError(f"tensor {name!r} has non-finite values")
+        out[name] = t if codec == "lossless" else t.to(torch.float32)
+    return out
+
+
+def _decode_int8(name: str, q: torch.Tensor, scale, shape: torch.Size) -> torch.Tensor:
+    sname = name + SCALE_SUFFIX
+    nb = _nblocks(math.prod(shape))
+    if q.dtype != torch.int8:
+        raise WireError(f"tensor {name!r} has dtype {q.dtype}, codec int8 sends torch.int8")
+    if q.shape != (nb, BLOCK):
+        raise WireError(
+            f"tensor {name!r} has shape {list(q.shape)}, expected [{nb}, {BLOCK}] "
+            f"(int8 blocks for a parameter of shape {list(shape)})"
+        )
+    if not isinstance(scale, torch.Tensor):
+        raise WireError(f"wire entry {sname!r} is not a tensor")
+    if scale.dtype != torch.float32:
+        raise WireError(f"tensor {sname!r} has dtype {scale.dtype}, expected torch.float32")
+    if scale.shape != (nb,):
+        raise WireError(f"tensor {sname!r} has shape {list(scale.shape)}, expected [{nb}]")
+    if not bool(torch.isfinite(scale).all()):
+        raise WireError(f"tensor {sname!r} has non-finite scales")
+    if bool((scale < 0).any()):
+        raise WireError(f"tensor {sname!r} has negative scales")
+    if nb and int(q.min()) < -_QMAX:
+        raise WireError(f"tensor {name!r} uses the code -128, outside [-127, 127]")
+    return _dequantise(q, scale.to(q.device), shape)
+
+
+def wire_bytes(wire: dict[str, torch.Tensor]) -> int:
+    """Total payload bytes of the wire tensors (headers not included)."""
+    return sum(t.numel() * t.element_size() for t in wire.values())
+
+
+class ErrorFeedback:
+    """Per-stream residuals kept by a peer (error feedback, as in EF-SGD).
+
+    ``compress(codec, key, delta)`` sends ``encode(codec, delta + residual)`` and keeps
+    ``residual = (delta + residual) - decode(sent)``, per ``(key, tensor name)``. So the sum of
+    all decoded deltas of a stream equals the sum of the true deltas minus the current residual:
+    compression error does not accumulate. ``lossless`` sends ``delta + residual`` exactly and
+    stores nothing (any residual left from an earlier lossy round is flushed into it). Residuals
+    are float32 cpu tensors; they are replaced, never modified in place.
+    """
+
+    SEP = "|"
+
+    def __init__(self) -> None:
+        self._residuals: dict[str, dict[str, torch.Tensor]] = {}
+
+    def compress(
+        self, codec: str, key: str, tensors: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        _check_codec_local(codec)
+        if self.SEP in key:
+            raise ValueError(f"stream key {key!r} must not contain {self.SEP!r}")
+        res = self._residuals.get(key, {})
+        target: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            x = _as_float32(name, tensor)
+            r = res.get(name)
+            if r is not None:
+                if r.shape != x.shape:
+                    raise ValueError(
+                        f"tensor {name!r} of stream {key!r} has shape {list(x.shape)}, but its "
+                        f"residual has shape {list(r.shape)}; reset({key!r}) first"
+                    )
+                x = x + r
+            target[name] = x
+        wire = encode(codec, target)
+        if codec == "lossless":
+            for name in target:
+                res.pop(name, None)
+        else:
+            sent = _decode_own(codec, wire, target)
+            for name, x in target.items():
+                res[name] = x - sent[name]
+        if res:
+            self._residuals[key] = res
+        else:
+            self._residuals.pop(key, None)
+        return wire
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Residuals as flat ``f"{key}|{name}"`` tensors, e.g. for a tensor file on disk."""
+        return {
+            f"{key}{self.SEP}{name}": r
+            for key, res in self._residuals.items()
+            for name, r in res.items()
+        }
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace all residuals with ones saved by :meth:`state_tensors`."""
+        loaded: dict[str, dict[str, torch.Tensor]] = {}
+        for flat, t in tensors.items():
+            key, sep, name = flat.partition(self.SEP)
+            if not sep:
+                raise ValueError(f"residual name {flat!r} is not of the form 'key|name'")
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+                raise ValueError(f"residual {flat!r} must be a float32 tensor")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"residual {flat!r} has non-finite values")
+            loaded.setdefault(key, {})[name] = t.detach().to("cpu").clone()
+        self._residuals = loaded
+
+    def reset(self, key: str) -> None:
+        """Forget the residuals of one stream (e.g. after its module was re-synchronised)."""
+        self._residuals.pop(key, None)
+
+
+def _decode_own(
+    codec: str, wire: dict[str, torch.Tensor], like: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Decode wire tensors we just encoded ourselves (no validation)."""
+    if codec == "int8":
+        return {n: _dequantise(wire[n], wire[n + SCALE_SUFFIX], x.shape) for n, x in like.items()}
+    return {n: wire[n].to(torch.float32) for n in like}

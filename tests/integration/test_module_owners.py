@@ -1,0 +1,82 @@
+"""Two coordinators sharing the modules of one run, in one process over the local transport.
+
+The networked form (separate processes over hivemind) is in test_hivemind_run.py; this one
+checks the ownership logic itself: hand-over, per-owner fetch and push, reports, and that the
+result equals a single coordinator's bit for bit.
+"""
+
+import threading
+
+import torch
+
+from dipaco.coordinator.owner import Reporter, take_over
+from dipaco.coordinator.prepare import prepare
+from dipaco.coordinator.run import MetricsLog, build_coordinator, build_owner
+from dipaco.peer.peer import Peer
+from dipaco.protocols.transport import LocalTransport
+
+SECOND = ["L1.M0", "L1.M1"]
+
+
+def run_peers(primary, peers_dir, n, connect):
+    stop = threading.Event()
+    threads = []
+    for i in range(n):
+        peer = Peer(
+            LocalTransport(primary.handle), f"peer-{i}", peers_dir, stop=stop, connect=connect
+        )
+        threads.append(threading.Thread(target=peer.run, daemon=True))
+        threads[-1].start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_two_owners_match_one_coordinator_bit_for_bit(run_copy, tiny_config):
+    tiny_config = tiny_config.replace(scheduler={"quorum": 1.0})  # no deadline closes
+    ref_root = run_copy("single")
+    reference = build_coordinator(
+        prepare(ref_root, tiny_config), MetricsLog(ref_root / "m.jsonl"), evaluate=False
+    )
+    run_peers(reference, ref_root / "peers", 2, connect=None)
+    assert reference.finished
+
+    root = run_copy("primary")
+    prep = prepare(root, tiny_config)
+    primary = build_coordinator(prep, MetricsLog(root / "metrics.jsonl"), evaluate=False)
+    owner_metrics = MetricsLog(root.parent / "owner" / "metrics.jsonl")
+    second = build_owner(
+        root.parent / "owner",
+        primary.peer_config,
+        owner_metrics,
+        owner_id="owner-b",
+        secret=primary.secret,
+    )
+    assert take_over(second, LocalTransport(primary.handle), SECOND) == SECOND
+    assert {mid for mid, o in primary.owners.items() if o == "owner-b"} == set(SECOND)
+    assert set(primary.store.modules) == set(prep.config.build_topology().module_ids()) - set(
+        SECOND
+    )
+    reporter = Reporter(second, LocalTransport(primary.handle), interval=0.2)
+    reporter.start()
+    try:
+        run_peers(
+            primary, root / "peers", 2, connect=lambda owner, addrs: LocalTransport(second.handle)
+        )
+    finally:
+        reporter.close()
+    assert primary.finished and second.finished
+    rounds = tiny_config.train.rounds
+    for mid, record in reference.store.modules.items():
+        owner = second if mid in SECOND else primary
+        assert owner.store.version(mid) == record.version == rounds
+        for name, tensor in record.params.items():
+            assert torch.equal(owner.store.params(mid)[name], tensor), (mid, name)
+    # Each owner applied exactly the deltas it acknowledged, once each.
+    steps = [e for e in owner_metrics.read() if e["event"] == "outer_step"]
+    acked = [e for e in owner_metrics.read() if e["event"] == "delta_acked"]
+    assert len(steps) == len(SECOND) * rounds
+    assert sorted(t for e in steps for t in e["tasks"]) == sorted(e["task"] for e in acked)
+    # The loss curves still see every task (the scheduler logs TaskDone).
+    deltas = [e for e in MetricsLog(root / "metrics.jsonl").read() if e["event"] == "delta"]
+    assert len(deltas) == 4 * rounds

@@ -1,0 +1,345 @@
+import math
+
+import pytest
+import torch
+
+from dipaco.errors import WireError
+from dipaco.protocols import wire as w
+from dipaco.protocols.codecs import (
+    BLOCK,
+    CODECS,
+    ErrorFeedback,
+    decode,
+    encode,
+    wire_bytes,
+)
+
+
+def sample_delta(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    zero_block = torch.randn(3 * BLOCK, generator=g)
+    zero_block[BLOCK : 2 * BLOCK] = 0.0  # one all-zero block in the middle
+    outliers = torch.randn(1000, generator=g) * 1e-3
+    outliers[[3, 500, 999]] = torch.tensor([1e3, -5e2, 2e3])
+    return {
+        "vec": torch.randn(17, generator=g),  # 1-D, smaller than a block
+        "odd": torch.randn(7, 45, generator=g),  # 315 elements: not a multiple of BLOCK
+        "mat": torch.randn(33, 64, generator=g) * 0.01,
+        "cube": torch.randn(3, 5, 11, generator=g) * 100,
+        "zero_block": zero_block,
+        "outliers": outliers,
+        "all_zero": torch.zeros(300),
+        "scalar": torch.tensor(0.123),
+        "empty": torch.zeros(0, 4),
+    }
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_round_trip_shapes_dtypes_and_names(codec):
+    delta = sample_delta()
+    wire = encode(codec, delta)
+    for t in wire.values():
+        assert t.device.type == "cpu" and t.is_contiguous()
+        assert t.dtype in w._DTYPE_NAMES  # every wire dtype is on the wire allowlist
+    expected = set(delta) | ({f"{n}#scale" for n in delta} if codec == "int8" else set())
+    assert set(wire) == expected
+    out = decode(codec, wire, delta)
+    assert set(out) == set(delta)
+    for name, x in delta.items():
+        assert out[name].dtype == torch.float32 and out[name].shape == x.shape, name
+
+
+def test_lossless_is_exact_and_sends_the_tensors_themselves():
+    delta = sample_delta()
+    wire = encode("lossless", delta)
+    for name, x in delta.items():
+        assert wire[name].data_ptr() == x.data_ptr()  # already contiguous cpu float32: no copy
+    out = decode("lossless", wire, delta)
+    for name, x in delta.items():
+        assert torch.equal(out[name], x), name
+
+
+@pytest.mark.parametrize("codec,bound", [("fp16", 2**-11), ("bf16", 2**-8)])
+def test_half_precision_relative_error(codec, bound):
+    g = torch.Generator().manual_seed(1)
+    # normal-range magnitudes spanning many binades, both signs, odd shape
+    mag = torch.exp(torch.empty(4099).uniform_(math.log(1e-4), math.log(6e4), generator=g))
+    sign = torch.where(torch.rand(4099, generator=g) < 0.5, -1.0, 1.0)
+    delta = {"x": (mag * sign).reshape(-1), "y": torch.randn(13, 7, generator=g)}
+    out = decode(codec, encode(codec, delta), delta)
+    for name, x in delta.items():
+        rel = ((out[name] - x).abs() / x.abs()).max().item()
+        assert rel <= bound, (name, rel)
+        assert rel > 0  # it really is lossy
+
+
+def test_fp16_refuses_values_it_cannot_carry():
+    with pytest.raises(ValueError, match="fp16"):
+        encode("fp16", {"x": torch.tensor([1.0, 1e5])})
+    out = decode("bf16", encode("bf16", {"x": torch.tensor([1e30])}), {"x": torch.zeros(1)})
+    assert abs(out["x"].item() / 1e30 - 1) <= 2**-8
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_non_finite_input_is_refused(codec):
+    with pytest.raises(ValueError, match="'x'"):
+        encode(codec, {"x": torch.tensor([1.0, float("nan"), 2.0])})
+
+
+def blockmax(x: torch.Tensor) -> torch.Tensor:
+    """Per-element absmax of its int8 block."""
+    flat = x.reshape(-1)
+    nb = -(-flat.numel() // BLOCK)
+    padded = torch.cat([flat.abs(), flat.new_zeros(nb * BLOCK - flat.numel())])
+    return padded.view(nb, BLOCK).amax(1).repeat_interleave(BLOCK)[: flat.numel()].view(x.shape)
+
+
+def test_int8_error_is_at_most_half_a_step_of_its_block():
+    delta = sample_delta()
+    delta["big"] = torch.randn(100_003, generator=torch.Generator().manual_seed(2))
+    wire = encode("int8", delta)
+    out = decode("int8", wire, delta)
+    for name, x in delta.items():
+        nb = -(-x.numel() // BLOCK)
+        assert wire[name].shape == (nb, BLOCK) and wire[name].dtype == torch.int8
+        scale = wire[f"{name}#scale"]
+        assert scale.shape == (nb,) and scale.dtype == torch.float32
+        bm = blockmax(x)
+        err = (out[name] - x).abs()
+        assert bool((err <= bm / 254 * (1 + 1e-5) + 1e-30).all()), (name, err.max().item())
+    # the all-zero block has scale 0 and decodes to exact zeros; so does an all-zero tensor
+    assert wire["zero_block#scale"][1].item() == 0.0
+    assert bool((out["zero_block"][BLOCK : 2 * BLOCK] == 0).all())
+    assert bool((out["all_zero"] == 0).all()) and bool((wire["all_zero#scale"] == 0).all())
+    # small values in blocks without outliers keep their precision
+    o = delta["outliers"]
+    assert (out["outliers"][512:768] - o[512:768]).abs().max() <= o[512:768].abs().max() / 254
+    # the extremes of each block are exact up to rounding
+    assert out["outliers"][999].item() == pytest.approx(2e3, rel=1e-6)
+
+
+def test_int8_matches_the_documented_formula():
+    x = torch.tensor([0.5, -1.0, 0.25, 0.0, 0.1])
+    wire = encode("int8", {"x": x})
+    assert wire["x#scale"].tolist() == [1.0]
+    q = wire["x"][0, :5].tolist()
+    assert q == [round(v * 127) for v in x.tolist()]
+    assert bool((wire["x"][0, 5:] == 0).all())  # zero padding
+
+
+def test_wire_sizes():
+    x = {"w": torch.randn(1 << 20)}
+    full = wire_bytes(encode("lossless", x))
+    assert full == 4 << 20
+    assert wire_bytes(encode("fp16", x)) == full // 2
+    assert wire_bytes(encode("bf16", x)) == full // 2
+    ratio = wire_bytes(encode("int8", x)) / full
+    assert 0.25 < ratio < 0.27, ratio
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_wire_tensors_survive_a_dipaco_frame(codec):
+    delta = sample_delta()
+    sent = encode(codec, delta)
+    received = w.decode(w.encode(w.Frame("Delta", {"codec": codec}, sent))).tensors
+    a, b = decode(codec, sent, delta), decode(codec, received, delta)
+    for name in delta:
+        assert torch.equal(a[name], b[name]), name
+
+
+# ---- error feedback ---------------------------------------------------------------------------
+
+
+def run_stream(steps: int, use_ef: bool, codec: str = "int8"):
+    g = torch.Generator().manual_seed(3)
+    like = {"a": torch.zeros(1000), "b": torch.zeros(33, 17)}
+    ef = ErrorFeedback()
+    true_sum = {n: torch.zeros_like(t) for n, t in like.items()}
+    sent_sum = {n: torch.zeros_like(t) for n, t in like.items()}
+    for _ in range(steps):
+        delta = {n: torch.randn(t.shape, generator=g) * 0.01 for n, t in like.items()}
+        wire = ef.compress(codec, "P3", delta) if use_ef else encode(codec, delta)
+        got = decode(codec, wire, like)
+        for n in like:
+            true_sum[n] += delta[n]
+            sent_sum[n] += got[n]
+    err = math.sqrt(sum(((sent_sum[n] - true_sum[n]) ** 2).sum().item() for n in like))
+    return err, ef, true_sum, sent_sum
+
+
+def test_error_feedback_keeps_the_accumulated_error_bounded():
+    steps = 50
+    err_ef, ef, true_sum, sent_sum = run_stream(steps, use_ef=True)
+    err_plain, *_ = run_stream(steps, use_ef=False)
+    err_one, *_ = run_stream(1, use_ef=False)
+    # the accumulated error is exactly the final residual ...
+    state = ef.state_tensors()
+    assert set(state) == {"P3|a", "P3|b"}
+    for n in ("a", "b"):
+        torch.testing.assert_close(true_sum[n] - sent_sum[n], state[f"P3|{n}"], rtol=0, atol=1e-5)
+    # ... which stays at about one step's quantisation error, while without feedback it grows
+    # roughly like sqrt(steps)
+    assert err_ef < 2 * err_one
+    assert err_plain > 0.5 * math.sqrt(steps) * err_one
+    assert err_ef < err_plain / 3
+
+
+def test_error_feedback_lossless_stores_nothing_and_flushes_residuals():
+    ef = ErrorFeedback()
+    delta = {"a": torch.randn(300)}
+    assert torch.equal(ef.compress("lossless", "P1", delta)["a"], delta["a"])
+    assert ef.state_tensors() == {}
+    ef.compress("int8", "P1", delta)
+    residual = ef.state_tensors()["P1|a"]
+    assert residual.abs().max() > 0
+    sent = ef.compress("lossless", "P1", delta)
+    assert torch.equal(sent["a"], delta["a"] + residual)
+    assert ef.state_tensors() == {}
+
+
+def test_error_feedback_streams_are_independent_and_resettable():
+    ef = ErrorFeedback()
+    delta = {"a": torch.randn(300)}
+    ef.compress("int8", "P1", delta)
+    ef.compress("bf16", "P2", delta)
+    assert set(ef.state_tensors()) == {"P1|a", "P2|a"}
+    ef.reset("P1")
+    assert set(ef.state_tensors()) == {"P2|a"}
+    # after a reset the stream starts fresh: same output as a brand-new ErrorFeedback
+    assert torch.equal(ef.compress("int8", "P1", delta)["a"], encode("int8", delta)["a"])
+    with pytest.raises(ValueError, match="shape"):
+        ef.compress("int8", "P1", {"a": torch.randn(301)})
+    with pytest.raises(ValueError):
+        ef.compress("int8", "bad|key", delta)
+
+
+def test_error_feedback_state_round_trip_gives_identical_outputs(tmp_path):
+    g = torch.Generator().manual_seed(4)
+    steps = [{"a": torch.randn(700, generator=g), "b": torch.randn(5, 9, generator=g)}]
+    steps += [{k: torch.randn(v.shape, generator=g) for k, v in steps[0].items()} for _ in range(5)]
+    ef = ErrorFeedback()
+    for delta in steps[:3]:
+        ef.compress("int8", "P3", delta)
+        ef.compress("fp16", "P7", delta)
+    path = tmp_path / "ef.dpco"
+    w.write_tensor_file(path, w.Frame("ErrorFeedback", {}, ef.state_tensors()))
+    restored = ErrorFeedback()
+    restored.load_state_tensors(w.read_tensor_file(path).tensors)
+    for delta in steps[3:]:
+        for codec, key in (("int8", "P3"), ("fp16", "P7")):
+            a, b = ef.compress(codec, key, delta), restored.compress(codec, key, delta)
+            assert set(a) == set(b)
+            for n in a:
+                assert torch.equal(a[n], b[n]), (key, n)
+    with pytest.raises(ValueError):
+        restored.load_state_tensors({"no-separator": torch.zeros(3)})
+
+
+# ---- decode never trusts the wire -------------------------------------------------------------
+
+
+def good(codec: str = "int8"):
+    like = {"w": torch.zeros(10, 30), "b": torch.zeros(7)}
+    g = torch.Generator().manual_seed(5)
+    return like, encode(codec, {n: torch.randn(t.shape, generator=g) for n, t in like.items()})
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_decode_rejects_wrong_names(codec):
+    like, wire = good(codec)
+    missing = dict(wire)
+    del missing["w"]
+    with pytest.raises(WireError, match="missing.*'w'"):
+        decode(codec, missing, like)
+    extra = dict(wire, intruder=torch.zeros(3))
+    with pytest.raises(WireError, match="unexpected.*'intruder'"):
+        decode(codec, extra, like)
+
+
+def test_decode_rejects_missing_scale():
+    like, wire = good()
+    del wire["b#scale"]
+    with pytest.raises(WireError, match="b#scale"):
+        decode("int8", wire, like)
+
+
+@pytest.mark.parametrize(
+    "codec,name,bad",
+    [
+        ("lossless", "w", torch.zeros(10, 30, dtype=torch.float16)),
+        ("fp16", "w", torch.zeros(10, 30, dtype=torch.bfloat16)),
+        ("bf16", "w", torch.zeros(10, 30)),
+        ("int8", "w", torch.zeros(2, BLOCK, dtype=torch.uint8)),
+        ("int8", "w#scale", torch.zeros(2, dtype=torch.float16)),
+    ],
+)
+def test_decode_rejects_wrong_dtype(codec, name, bad):
+    like, wire = good(codec)
+    wire[name] = bad
+    with pytest.raises(WireError, match=f"'{name}'.*dtype"):
+        decode(codec, wire, like)
+
+
+@pytest.mark.parametrize(
+    "codec,name,bad",
+    [
+        ("lossless", "w", torch.zeros(30, 10)),
+        ("fp16", "b", torch.zeros(8, dtype=torch.float16)),
+        ("bf16", "w", torch.zeros(300, dtype=torch.bfloat16)),
+        ("int8", "w", torch.zeros(3, BLOCK, dtype=torch.int8)),  # wrong nblocks
+        ("int8", "w", torch.zeros(2, 128, dtype=torch.int8)),  # wrong block size
+        ("int8", "w", torch.zeros(2 * BLOCK, dtype=torch.int8)),  # flat
+        ("int8", "w#scale", torch.zeros(3)),
+        ("int8", "w#scale", torch.zeros(2, 1)),
+    ],
+)
+def test_decode_rejects_wrong_shape(codec, name, bad):
+    like, wire = good(codec)
+    wire[name] = bad
+    with pytest.raises(WireError, match=f"'{name}'.*shape"):
+        decode(codec, wire, like)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_decode_rejects_bad_scales(value):
+    like, wire = good()
+    scale = wire["w#scale"].clone()
+    scale[1] = value
+    wire["w#scale"] = scale
+    with pytest.raises(WireError, match="'w#scale'"):
+        decode("int8", wire, like)
+
+
+def test_decode_rejects_out_of_range_code_and_non_finite_values():
+    like, wire = good()
+    q = wire["b"].clone()
+    q[0, 0] = -128
+    wire["b"] = q
+    with pytest.raises(WireError, match="'b'"):
+        decode("int8", wire, like)
+    for codec in ("lossless", "fp16", "bf16"):
+        like, wire = good(codec)
+        t = wire["w"].clone()
+        t[3, 4] = float("nan")
+        wire["w"] = t
+        with pytest.raises(WireError, match="'w'.*non-finite"):
+            decode(codec, wire, like)
+
+
+def test_decode_rejects_unknown_codec():
+    like, wire = good()
+    with pytest.raises(WireError, match="unknown codec"):
+        decode("zstd", wire, like)
+    with pytest.raises(ValueError, match="unknown codec"):
+        encode("zstd", {"w": torch.zeros(3)})
+    with pytest.raises(ValueError, match="unknown codec"):
+        ErrorFeedback().compress("zstd", "P1", {"w": torch.zeros(3)})
+
+
+def test_int8_encode_decode_is_vectorised():
+    import time
+
+    x = {"w": torch.randn(4_000_000)}
+    start = time.perf_counter()
+    decode("int8", encode("int8", x), x)
+    assert time.perf_counter() - start < 2.0

@@ -1,0 +1,110 @@
+"""Gradient accumulation in the inner loop, and the device memory estimate that picks it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dipaco.errors import ConfigError
+from dipaco.model.optim import InnerSettings, make_optimizer, train_steps
+from dipaco.model.transformer import ModelConfig, new_dense_model
+from dipaco.peer.device import (
+    check_fits,
+    device_memory_bytes,
+    path_memory_bytes,
+    path_parameter_count,
+    pick_micro_batch,
+)
+
+CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=16)
+SETTINGS = InnerSettings(lr=3e-3, warmup_steps=2, total_steps=10)
+STEPS, BATCH, SEQ = 3, 8, 12
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def _train(**kwargs) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = new_dense_model(CFG, seed=3)
+    opt = make_optimizer(model, SETTINGS)
+    losses = train_steps(
+        model, opt, iter(_batches()), SETTINGS, steps=STEPS, step_offset=0, **kwargs
+    )
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def test_micro_batch_matches_full_batch() -> None:
+    full, full_losses = _train()
+    micro, micro_losses = _train(micro_batch=3)  # 8 rows: chunks of 3, 3, 2
+    assert micro_losses == pytest.approx(full_losses, abs=1e-5)
+    for name, tensor in full.items():
+        torch.testing.assert_close(micro[name], tensor, atol=1e-5, rtol=0, msg=name)
+    # The run actually moved the parameters (the comparison is not vacuous).
+    start = new_dense_model(CFG, seed=3).state_dict()
+    assert any(not torch.equal(start[n], t) for n, t in full.items())
+
+
+def test_micro_batch_none_and_large_are_bit_identical() -> None:
+    base, base_losses = _train()
+    for kwargs in ({"micro_batch": None}, {"micro_batch": BATCH}, {"micro_batch": 100}):
+        params, losses = _train(**kwargs)
+        assert losses == base_losses
+        for name, tensor in base.items():
+            assert torch.equal(params[name], tensor), (kwargs, name)
+
+
+def test_micro_batch_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        _train(micro_batch=0)
+
+
+def test_parameter_count_matches_model() -> None:
+    model = new_dense_model(CFG, seed=0)
+    assert path_parameter_count(CFG) == sum(p.numel() for p in model.parameters())
+
+
+def test_memory_estimate_grows_with_batch_and_optimizer() -> None:
+    one = path_memory_bytes(CFG, 1, SEQ)
+    assert path_memory_bytes(CFG, 4, SEQ) > one
+    assert path_memory_bytes(CFG, 1, SEQ, optimizer=False) < one
+    # The logits term alone: B * T * vocab * 4 bytes * 2.
+    assert path_memory_bytes(CFG, 2, SEQ) - one >= SEQ * CFG.vocab_size * 4 * 2
+
+
+def test_pick_micro_batch_shrinks_with_memory() -> None:
+    assert pick_micro_batch(CFG, 64, SEQ, "cpu", memory_bytes=2**40) == 64
+    picks = [
+        pick_micro_batch(
+            CFG, 64, SEQ, "cpu", memory_bytes=int(path_memory_bytes(CFG, mb, SEQ) / 0.8)
+        )
+        for mb in (64, 32, 16, 8, 4, 2, 1)
+    ]
+    assert picks == [64, 32, 16, 8, 4, 2, 1]
+    # Between two sizes: the smaller one, and never below 1.
+    between = (path_memory_bytes(CFG, 16, SEQ) + path_memory_bytes(CFG, 32, SEQ)) // 2
+    assert pick_micro_batch(CFG, 64, SEQ, "cpu", memory_bytes=int(between / 0.8)) == 16
+    assert pick_micro_batch(CFG, 64, SEQ, "cpu", memory_bytes=1) == 1
+    # Non-power-of-two batch: 12, 6, 3, 1.
+    need3 = path_memory_bytes(CFG, 3, SEQ)
+    assert pick_micro_batch(CFG, 12, SEQ, "cpu", memory_bytes=int(need3 / 0.8) + 1) == 3
+
+
+def test_check_fits() -> None:
+    check_fits(CFG, SEQ, "cpu", memory_bytes=2**40)  # plenty: no error
+    with pytest.raises(ConfigError) as err:
+        check_fits(CFG, SEQ, "cuda:0", memory_bytes=1024)
+    message = str(err.value)
+    assert "device cuda:0 has" in message
+    assert "GiB free, one path needs" in message
+    assert "even at micro-batch 1" in message
+    assert err.value.reason == "device-too-small"
+
+
+def test_device_memory_probe() -> None:
+    cpu = device_memory_bytes("cpu")
+    assert cpu is None or cpu > 0
+    assert device_memory_bytes("meta") is None
+    if not torch.cuda.is_available():
+        assert device_memory_bytes("cuda") is None
