@@ -1,18 +1,25 @@
 """``dipaco-peer``: join a run and train its paths until the run finishes.
 
-    dipaco-peer join 127.0.0.1:PORT --authkey-file runs/r1/coordinator/authkey
+    dipaco-peer join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...      (over the internet)
+    dipaco-peer join 127.0.0.1:PORT --authkey-file runs/r1/coordinator/authkey   (this machine)
 
-Ctrl-C stops after releasing the current task, so the coordinator re-issues it at once.
+Over the internet the peer joins the run's DHT in client mode (it only dials out, so it works
+behind NAT), reads and checks the run manifest, downloads the tokenizer and the shards of the
+paths it trains, picks a micro-batch that fits its device, trains, and pushes each module's delta
+to the module's owner. Ctrl-C releases the current task at once, so it is re-issued without
+waiting for its lease to expire; run the same command again (same --state-dir) to resume.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
+import secrets
 import signal
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 from rich.progress import (
     BarColumn,
@@ -25,18 +32,45 @@ from rich.progress import (
 )
 
 from dipaco.cli.common import command_parser, console, dispatch
+from dipaco.errors import ConfigError
 from dipaco.peer.peer import Peer
 from dipaco.protocols.transport import LoopbackTransport
 
 
+def stable_peer_id(state_dir: Path, given: str | None) -> str:
+    """The peer's id: --peer-id, else the one this state folder was given before, else new."""
+    file = state_dir / "peer_id"
+    if given:
+        return given
+    if file.exists():
+        return file.read_text().strip()
+    peer_id = f"{socket.gethostname()}-{secrets.token_hex(3)}"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    file.write_text(peer_id + "\n")
+    return peer_id
+
+
 def cmd_join(args: argparse.Namespace) -> int:
-    key = bytes.fromhex(Path(args.authkey_file).read_text().strip())
-    peer_id = args.peer_id or f"{socket.gethostname()}-{os.getpid()}"
+    state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / "peer")
+    peer_id = stable_peer_id(state_dir, args.peer_id)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    transport = LoopbackTransport(args.address, key)
-    state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / peer_id)
+    extra: dict[str, Any] = {}
+    node = None
+    if args.address.startswith("/"):
+        transport, node, extra = _hivemind(args, peer_id, state_dir)
+    else:
+        if not args.authkey_file:
+            raise ConfigError("a loopback address (host:port) needs --authkey-file")
+        key = bytes.fromhex(Path(args.authkey_file).read_text().strip())
+        transport = LoopbackTransport(args.address, key)
+    acks = state_dir / "acks.jsonl"
+
+    def on_ack(info: dict) -> None:
+        with open(acks, "a") as f:
+            f.write(json.dumps(info) + "\n")
+
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -68,6 +102,9 @@ def cmd_join(args: argparse.Namespace) -> int:
         device=args.device,
         stop=stop,
         on_progress=on_progress,
+        on_ack=on_ack,
+        memory_bytes=int(args.memory_gb * 2**30) if args.memory_gb else None,
+        **{k: v for k, v in extra.items() if k in ("connect", "shard_source")},
     )
     console.print(f"peer {peer_id} ({peer.device}) joined {args.address}")
     try:
@@ -75,15 +112,67 @@ def cmd_join(args: argparse.Namespace) -> int:
             done = peer.run()
     finally:
         transport.close()
+        if node is not None:
+            sent = sum(t.bytes_sent for t in extra["links"])
+            received = sum(t.bytes_received for t in extra["links"])
+            console.print(f"traffic: {sent / 1e6:.1f} MB up, {received / 1e6:.1f} MB down")
+            extra["publisher"].close()
+            node.shutdown()
     console.print(f"peer {peer_id} left after {done} tasks")
     return 0
+
+
+def _hivemind(args: argparse.Namespace, peer_id: str, state_dir: Path):
+    """Join the run's DHT in client mode; the scheduler's transport and the Peer's extras."""
+    from dipaco.peer.download import RunFiles
+    from dipaco.protocols import discovery
+    from dipaco.protocols.hivemind_transport import HivemindNode
+
+    node = HivemindNode(initial_peers=[args.address], client_mode=True)
+    try:
+        run_id, entry, manifest = discovery.find_run(node, args.run)
+        links = []
+
+        def connect(owner: str, addresses: list[str]):
+            link = node.transport(owner, addresses, max_mbps=args.max_mbps)
+            links.append(link)
+            return link
+
+        scheduler = connect(entry["scheduler"], entry.get("addresses", []))
+        files = RunFiles(scheduler, peer_id, manifest["files"], state_dir / "runs" / run_id)
+        files.get("tokenizer.model")
+        info = {"peer": peer_id, "device": args.device, "client_mode": True}
+        publisher = discovery.Publisher(
+            node, lambda: [(discovery.key(run_id, "peers"), info, peer_id)], interval=10.0
+        )
+        publisher.start()
+    except BaseException:
+        node.shutdown()
+        raise
+    console.print(f"run {run_id}: manifest verified (sha256 {entry['manifest'][:12]}...)")
+    extra = {
+        "connect": connect,
+        "shard_source": files.shard,
+        "links": links,
+        "publisher": publisher,
+    }
+    return scheduler, node, extra
 
 
 def main(argv: list[str] | None = None) -> None:
     parser, sub = command_parser("dipaco-peer", __doc__)
     join = sub.add_parser("join", help="join a run at ADDRESS")
-    join.add_argument("address", help="host:port printed by dipaco-coordinator start")
-    join.add_argument("--authkey-file", required=True, help="the run's key file")
+    join.add_argument(
+        "address", help="the address dipaco-coordinator start printed (a multiaddr or host:port)"
+    )
+    join.add_argument("--authkey-file", help="loopback only: the run's key file")
+    join.add_argument("--run", help="the run id, when the DHT announces several")
+    join.add_argument(
+        "--max-mbps", type=float, help="cap this peer's upload and download rate (megabits/s)"
+    )
+    join.add_argument(
+        "--memory-gb", type=float, help="memory to plan micro-batches for (default: probe device)"
+    )
     join.add_argument("--peer-id")
     join.add_argument(
         "--state-dir", help="where inner optimizer state is kept (default ~/.cache/dipaco/<id>)"

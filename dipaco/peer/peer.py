@@ -186,6 +186,7 @@ class Peer:
                 self.stop.wait(self.retry_seconds)
 
     def run_task(self, task: m.TaskOffer) -> None:
+        log.info("peer %s: training %s (path P%d)", self.peer_id, task.task_id, task.path)
         if task.owners:
             self.owners.update(task.owners)
         modules = self.fetch(task)
@@ -340,6 +341,14 @@ class Peer:
                 return self._link(owner).request(make())
             except TransportError as exc:
                 problem: DipacoError = exc
+                # The owner may have restarted elsewhere: ask the scheduler where it is now.
+                link = self._links.pop(owner, None)
+                if link is not None:
+                    link.close()
+                    try:
+                        self._refresh_owners()
+                    except DipacoError as again:
+                        log.warning("peer %s: cannot refresh owners: %s", self.peer_id, again)
             except RejectedError as exc:
                 if exc.reason not in RETRIABLE:
                     raise
@@ -404,6 +413,13 @@ class Peer:
         """Each module's delta to its owner, until every owner has acknowledged; then TaskDone."""
         codec = task.codec or "lossless"
         key = f"P{task.path}"
+        log.info(
+            "peer %s: pushing the deltas of %s (%s) to %d owner(s)",
+            self.peer_id,
+            task.task_id,
+            codec,
+            len(self._by_owner(list(delta))),
+        )
         before = self.feedback.state_tensors()
         wire = self.feedback.compress(
             codec, key, {f"{mid}/{n}": t for mid, ts in delta.items() for n, t in ts.items()}

@@ -68,7 +68,7 @@ def events(root) -> list[dict]:
 def test_a_peer_killed_mid_task_costs_only_its_task(run_copy, tmp_path):
     root = run_copy()
     start = [BIN / "dipaco-coordinator", "start", "--config", run_config(tmp_path),
-             "--run-dir", root, "--no-eval"]  # fmt: skip
+             "--run-dir", root, "--no-eval", "--transport", "loopback"]  # fmt: skip
     procs = []
     try:
         coordinator = subprocess.Popen(
@@ -119,7 +119,7 @@ def test_a_coordinator_killed_mid_run_restarts_and_the_peers_carry_on(run_copy, 
     root = run_copy()
     listen = f"127.0.0.1:{free_port()}"
     start = [BIN / "dipaco-coordinator", "start", "--config", run_config(tmp_path),
-             "--run-dir", root, "--no-eval", "--listen", listen]  # fmt: skip
+             "--run-dir", root, "--no-eval", "--listen", listen, "--transport", "loopback"]  # fmt: skip
     metrics = root / "metrics.jsonl"
     procs = []
     try:

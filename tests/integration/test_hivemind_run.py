@@ -1,0 +1,268 @@
+"""Whole runs over hivemind with real processes on 127.0.0.1: two module owners, four peers.
+
+Faults: a peer SIGKILLed mid-upload, a peer stopped with SIGINT mid-task, a peer that joins
+late, and a module owner SIGKILLed and restarted. The run must finish with every acknowledged
+delta applied exactly once. A second test checks that the hivemind transport, with a lossless
+codec and a deterministic schedule, ends with exactly the local transport's parameters.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dipaco.coordinator.prepare import prepare
+from dipaco.coordinator.run import MetricsLog, build_coordinator, run_local_peers
+from dipaco.protocols.wire import read_tensor_file
+
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.slow
+SECOND = "L1.M0,L1.M1"
+
+
+class Proc:
+    """A command in its own session, its output collected line by line in the background."""
+
+    def __init__(self, *args, name: str):
+        self.name = name
+        self.p = subprocess.Popen(
+            [str(a) for a in args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            self.lines.append(line)
+
+    def saw(self, text: str) -> bool:
+        return any(text in line for line in self.lines)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def kill_group(self):
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.p.wait()
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def config_file(tmp_path, rounds: int = 2, extra: str = "") -> Path:
+    """The session's prepared tiny run has 2 rounds; another count prepares a run of its own."""
+    path = tmp_path / "run.toml"
+    path.write_text(
+        f'preset = "tiny"\n[train]\ninner_steps = 30\nrounds = {rounds}\n'
+        f"[scheduler]\nlease_seconds = 5.0\nheartbeat_seconds = 0.5\n{extra}"
+    )
+    return path
+
+
+def read_events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def start_coordinator(root, config) -> tuple[Proc, str]:
+    proc = Proc(BIN / "dipaco-coordinator", "-v", "start", "--config", config, "--run-dir", root,
+                "--no-eval", "--publish-seconds", "2", name="coordinator")  # fmt: skip
+    address_file = root / "coordinator" / "address"
+    address = wait_for(
+        lambda: proc.saw("another module owner") and address_file.read_text().strip(),
+        180,
+        f"the coordinator's address\n{proc.output}",
+    )
+    return proc, address
+
+
+def start_owner(address, root, owner_dir) -> Proc:
+    return Proc(BIN / "dipaco-coordinator", "-v", "start", "--join", address, "--owns", SECOND,
+                "--owner-key", root / "coordinator" / "owner.key", "--run-dir", owner_dir,
+                "--report-seconds", "0.5", "--publish-seconds", "2", name="owner")  # fmt: skip
+
+
+def start_peer(address, tmp_path, name, *extra) -> Proc:
+    return Proc(BIN / "dipaco-peer", "-v", "join", address, "--peer-id", name,
+                "--state-dir", tmp_path / name, *extra, name=name)  # fmt: skip
+
+
+def helper_pids(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (the DHT process, p2pd, ...), from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for child in Path("/proc").glob(f"{parent}/task/*/children"):
+            try:
+                kids = [int(k) for k in child.read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def final_modules(*roots) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for root in roots:
+        for head in (root / "coordinator" / "modules").glob("*/head.json"):
+            version = json.loads(head.read_text())["version"]
+            out[head.parent.name] = (version, read_tensor_file(head.parent / f"v{version}.dpt"))
+    return out
+
+
+def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, tmp_path):
+    # Four rounds (16 tasks): enough work left after the faults for the late peer.
+    root, owner_dir = tmp_path / "run", tmp_path / "owner"
+    procs: list[Proc] = []
+    try:
+        coordinator, address = start_coordinator(root, config_file(tmp_path, rounds=4))
+        procs.append(coordinator)
+        owner = start_owner(address, root, owner_dir)
+        procs.append(owner)
+        wait_for(lambda: owner.saw("took over"), 120, f"the hand-over\n{owner.output}")
+
+        # peer0's link is slow, so that its upload can be caught half-way.
+        slow = start_peer(address, tmp_path, "peer0", "--max-mbps", "0.3")
+        steady = start_peer(address, tmp_path, "peer1")
+        quitter = start_peer(address, tmp_path, "peer2")
+        procs += [slow, steady, quitter]
+
+        wait_for(lambda: slow.saw("pushing the deltas"), 240, f"peer0's upload\n{slow.output}")
+        time.sleep(1.0)
+        slow.p.send_signal(signal.SIGKILL)  # mid-upload: nothing of this task is acknowledged
+        wait_for(lambda: quitter.saw("training"), 120, "peer2 to start a task")
+        time.sleep(0.5)
+        quitter.p.send_signal(signal.SIGINT)  # Ctrl-C: it releases its lease and leaves
+        assert quitter.p.wait(timeout=60) == 0, quitter.output
+
+        metrics = root / "metrics.jsonl"
+        wait_for(
+            lambda: sum(e["event"] == "delta" for e in read_events(metrics)) >= 5,
+            300,
+            "five finished tasks",
+        )
+        helpers = helper_pids(owner.p.pid)
+        assert helpers, "the owner runs its DHT and p2pd as child processes"
+        owner.p.send_signal(signal.SIGKILL)  # the owner's main process only
+        owner.p.wait()
+        wait_for(lambda: not any(alive(p) for p in helpers), 20, "the owner's helpers to exit")
+        procs.remove(owner)
+        owner = start_owner(address, root, owner_dir)  # restarts from its own folder
+        procs.append(owner)
+        late = start_peer(address, tmp_path, "peer3")
+        procs.append(late)
+
+        assert coordinator.p.wait(timeout=600) == 0, coordinator.output
+        assert owner.p.wait(timeout=120) == 0, owner.output
+        for peer in (steady, late):
+            assert peer.p.wait(timeout=120) == 0, peer.output
+    finally:
+        for proc in procs:
+            proc.kill_group()
+
+    assert "resumed from its folder" in owner.output
+    assert "run finished" in coordinator.output
+    modules = final_modules(root, owner_dir)
+    assert sorted(modules) == ["L0.M0", "L0.M1", "L1.M0", "L1.M1", "S.embed", "S.head"]
+    assert {v for v, _ in modules.values()} == {4}
+    primary_log, owner_log = (
+        read_events(root / "metrics.jsonl"),
+        read_events(owner_dir / "metrics.jsonl"),
+    )
+    assert any(e["event"] == "task_released" for e in primary_log)  # peer2's Ctrl-C
+    assert any(e["event"] == "lease_expired" and e["peer"] == "peer0" for e in primary_log)
+    late_tasks = [e for e in primary_log if e["event"] == "task_issued" and e["peer"] == "peer3"]
+    assert late_tasks, "the late peer got work"
+
+    # Exactly once: each module version was made once, from deltas no task gave twice, and every
+    # delta a peer saw acknowledged is in exactly one outer step of its module.
+    steps = [e for e in primary_log + owner_log if e["event"] == "outer_step"]
+    made = [(e["module"], e["version"]) for e in steps]
+    assert len(made) == len(set(made)) == 6 * 4, sorted(made)
+    applied: dict[str, list[str]] = {}
+    for e in steps:
+        applied.setdefault(e["module"], []).extend(e["tasks"])
+    for mid, tasks in applied.items():
+        assert len(tasks) == len(set(tasks)), (mid, tasks)
+    acks = [
+        json.loads(line)
+        for name in ("peer0", "peer1", "peer2", "peer3")
+        if (tmp_path / name / "acks.jsonl").exists()
+        for line in (tmp_path / name / "acks.jsonl").read_text().splitlines()
+    ]
+    assert len(acks) >= 6 * 4
+    for ack in acks:
+        assert ack["task"] in applied[ack["module"]], ack
+
+
+def test_hivemind_with_a_lossless_codec_matches_the_local_transport(run_copy, tmp_path):
+    config = config_file(tmp_path, extra="quorum = 1.0\n")  # deterministic: rounds wait for all paths
+    local = run_copy("local")
+    prep = prepare(local, _load(config))
+    reference = build_coordinator(prep, MetricsLog(local / "metrics.jsonl"), evaluate=False)
+    stop = threading.Event()
+    for t in run_local_peers(reference, prep, 1, stop=stop):
+        t.join(300)
+    assert reference.finished
+
+    root, owner_dir = run_copy("networked"), tmp_path / "owner"
+    procs: list[Proc] = []
+    try:
+        coordinator, address = start_coordinator(root, config)
+        procs.append(coordinator)
+        owner = start_owner(address, root, owner_dir)
+        procs.append(owner)
+        wait_for(lambda: owner.saw("took over"), 120, f"the hand-over\n{owner.output}")
+        peer = start_peer(address, tmp_path, "only")
+        procs.append(peer)
+        assert coordinator.p.wait(timeout=600) == 0, coordinator.output
+        assert peer.p.wait(timeout=120) == 0, peer.output
+        assert owner.p.wait(timeout=120) == 0, owner.output
+    finally:
+        for proc in procs:
+            proc.kill_group()
+    networked = final_modules(root, owner_dir)
+    assert set(networked) == set(reference.store.modules)
+    for mid, record in reference.store.modules.items():
+        version, frame = networked[mid]
+        assert version == record.version == 2
+        for name, tensor in record.params.items():
+            assert torch.equal(frame.tensors[name], tensor), (mid, name)
+
+
+def _load(path):
+    from dipaco.config import load_config
+
+    return load_config(path)
