@@ -200,7 +200,9 @@ def load_config(path: str | Path) -> RunConfig:
 PRESETS: dict[str, dict] = {
     # Calibrated on 2 CPU cores (shared/reference/calibration.md): width 128, 4 layers, seq 128,
     # batch 16, 60 pretraining steps then 8 rounds of H = 25: about ten minutes in all.
-    "demo": {"name": "demo"},
+    # Local presets: peers are equal threads or processes on one machine, so rounds wait for
+    # every path and every task is H steps: runs are deterministic, bit for bit.
+    "demo": {"name": "demo", "scheduler": {"quorum": 1.0, "min_step_fraction": 1.0}},
     "tiny": {
         "name": "tiny",
         "model": {"vocab_size": 512, "dim": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 64},
@@ -214,7 +216,12 @@ PRESETS: dict[str, dict] = {
             "inner_steps": 8,
             "rounds": 3,
         },
-        "scheduler": {"lease_seconds": 60.0, "heartbeat_seconds": 1.0},
+        "scheduler": {
+            "lease_seconds": 60.0,
+            "heartbeat_seconds": 1.0,
+            "quorum": 1.0,
+            "min_step_fraction": 1.0,
+        },
         "eval": {"max_docs": 40},
     },
 }

@@ -445,7 +445,9 @@ class Coordinator:
         for mid, info in req.modules.items():
             if self.owners.get(mid) != req.owner_id:
                 self._reject(
-                    req.owner_id, "not-owner", f"{req.owner_id} reports {mid}, which it does not own"
+                    req.owner_id,
+                    "not-owner",
+                    f"{req.owner_id} reports {mid}, which it does not own",
                 )
             if not isinstance(info, dict) or not isinstance(info.get("version"), int):
                 self._reject(req.owner_id, "bad-message", f"report for {mid} lacks a version")
@@ -459,7 +461,9 @@ class Coordinator:
     def hand_over(self, req: m.HandOver) -> m.ModuleState:
         self._need_scheduler(req.owner_id)
         if not tickets.check(self.secret, req.proof, "handover", req.owner_id, req.modules):
-            self._reject(req.owner_id, "bad-proof", "handover request not signed with the run's key")
+            self._reject(
+                req.owner_id, "bad-proof", "handover request not signed with the run's key"
+            )
         modules, tensors = {}, {}
         for mid in req.modules:
             if not self.owns(mid):
@@ -761,7 +765,9 @@ class Coordinator:
             if task is None:
                 self._reject(peer_id, "bad-ticket", f"task {task_id}: ticket does not verify")
             if task.get("task") != task_id:
-                self._reject(peer_id, "bad-ticket", f"the ticket is for another task than {task_id}")
+                self._reject(
+                    peer_id, "bad-ticket", f"the ticket is for another task than {task_id}"
+                )
             if task.get("peer") != peer_id:
                 self._reject(peer_id, "not-your-task", f"task {task_id} is leased to another peer")
             return task

@@ -56,7 +56,7 @@ class Scheduler:
         self.expired = 0
         self.epoch = 0  # bumped on every coordinator restart, so task ids are never reused
         self.durations: deque[float] = deque(maxlen=64)  # seconds from lease to done
-        self.step_seconds: dict[str, float] = {}  # per peer, measured from heartbeats
+        self.paces: dict[str, deque[float]] = {}  # per peer: seconds per step of its last tasks
 
     def expire(self) -> list[Lease]:
         now = self.clock()
@@ -130,8 +130,11 @@ class Scheduler:
 
     def steps_for(self, peer_id: str, steps: int) -> int:
         """H, or fewer for a peer too slow to finish H steps within the task deadline."""
-        deadline, per_step = self.task_deadline(), self.step_seconds.get(peer_id)
-        if deadline is None or per_step is None or per_step * steps <= deadline:
+        deadline, paces = self.task_deadline(), self.paces.get(peer_id, ())
+        if deadline is None or len(paces) < 2:  # judge a peer on more than one task
+            return steps
+        per_step = statistics.median(paces)
+        if per_step * steps <= deadline:
             return steps
         floor = max(1, math.ceil(self.min_step_fraction * steps))
         return max(floor, min(steps, int(deadline / per_step)))
@@ -140,16 +143,17 @@ class Scheduler:
         lease = self.leases.get(task_id)
         if lease is None or lease.peer_id != peer_id:
             return None
-        now = self.clock()
-        lease.deadline = now + self.lease_seconds
-        if step > 0:
-            self.step_seconds[peer_id] = (now - lease.issued_at) / step
+        lease.deadline = self.clock() + self.lease_seconds
         return lease
 
     def finish(self, task_id: str) -> None:
         lease = self.leases.pop(task_id, None)
         if lease is not None:
-            self.durations.append(self.clock() - lease.issued_at)
+            took = self.clock() - lease.issued_at
+            self.durations.append(took)
+            # The peer's pace over whole tasks (fetch and push included), for its next offers.
+            pace = self.paces.setdefault(lease.peer_id, deque(maxlen=3))
+            pace.append(took / max(1, lease.steps))
 
     def release(self, task_id: str, peer_id: str) -> bool:
         lease = self.leases.get(task_id)

@@ -202,7 +202,9 @@ class ModuleStore:
             write_tensor_file(
                 self.root / "deltas" / mid / f"v{version}" / name, Frame("Delta", meta, tensors)
             )
-        write_json_atomic(folder / "head.json", {"version": version, "hash": tensors_sha256(params)})
+        write_json_atomic(
+            folder / "head.json", {"version": version, "hash": tensors_sha256(params)}
+        )
         self.load([mid])
 
     def owned_on_disk(self) -> list[str]:
