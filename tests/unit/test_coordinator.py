@@ -230,3 +230,26 @@ def test_outer_step_weights_paths_by_their_shard_tokens(tmp_path):
     name = "layers.0.self_attn.q_proj.weight"
     moved = before[name] - co.store.params("L0.M0")[name]
     assert torch.allclose(moved, torch.full_like(moved, 0.04 * 2**0.5 * 0.7 * 1.9), atol=1e-6)
+
+
+def test_encoded_deltas_are_decoded_checked_and_applied(tmp_path):
+    from dipaco.protocols import codecs
+
+    co = make(tmp_path)
+    tr = LocalTransport(co.handle)
+    task = claim(tr, "a")
+    plain = delta_for(co, task)
+    bad = delta_for(co, task, codec="int8")
+    bad.tensors = codecs.encode("int8", plain.tensors)
+    del bad.tensors[next(k for k in bad.tensors if k.endswith("#scale"))]
+    with pytest.raises(RejectedError) as err:
+        tr.request(bad)
+    assert err.value.reason == "bad-encoding"
+    with pytest.raises(RejectedError) as err:
+        tr.request(delta_for(co, task, codec="zip"))
+    assert err.value.reason == "bad-codec"
+    good = delta_for(co, task, codec="int8")
+    good.tensors = codecs.encode("int8", plain.tensors)
+    assert tr.request(good).accepted
+    stored = co.store.delta_tensors(co.store.modules["S.embed"].pending[task.path])
+    assert torch.allclose(stored["embed_tokens.weight"], torch.full((64, 16), 0.01), atol=1e-4)
