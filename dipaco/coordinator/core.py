@@ -229,6 +229,12 @@ class Coordinator:
         self._seen(req.peer_id)
         if self.finished:
             return m.NoTask(reason="run finished", retry_after=0.0, finished=True)
+        for held in self.scheduler.leases_of(req.peer_id):
+            # A peer back from a restart gets its task again, unless its round has moved on
+            # without it: then the task cannot be trained from its base any more; drop it.
+            if any(self.version(mid) != v for mid, v in held.module_versions.items()):
+                self.scheduler.release(held.task_id, req.peer_id)
+                self.metrics({"event": "task_dropped", "task": held.task_id, "peer": req.peer_id})
         fresh = not self.scheduler.leases_of(req.peer_id)
         lease = self.scheduler.claim(
             req.peer_id, self.open_paths(), req.prefer_path, self.inner_steps
@@ -341,6 +347,8 @@ class Coordinator:
                 )
             lateness = record.version - base
             if not 0 <= lateness <= self.policy.max_staleness:
+                if self.is_scheduler:  # the task can never be applied: free its path
+                    self.scheduler.release(req.task_id, req.peer_id)
                 self._reject(
                     req.peer_id,
                     "stale",

@@ -158,6 +158,13 @@ class Peer:
                 self.run_task(offer)
             except TaskAborted as exc:
                 log.warning("peer %s: task %s aborted: %s", self.peer_id, offer.task_id, exc)
+                if not self.stop.is_set():  # hand it back so that it is re-issued at once
+                    try:
+                        self.transport.request(
+                            m.ReleaseTask(peer_id=self.peer_id, task_id=offer.task_id)
+                        )
+                    except DipacoError as again:
+                        log.warning("peer %s: release failed: %s", self.peer_id, again)
             except TransportError as exc:
                 log.warning("peer %s: task %s lost: %s", self.peer_id, offer.task_id, exc)
             except RejectedError as exc:

@@ -1,0 +1,667 @@
+"""Rounds under a fake clock: deadlines, quorums, late deltas, tickets, slow peers, hand-over.
+
+Every request goes through :class:`LocalTransport`, so through the wire encoding, as a transport
+would drive the coordinator.
+"""
+
+import math
+
+import pytest
+import torch
+
+from dipaco.config import SchedulerSection
+from dipaco.coordinator import tickets
+from dipaco.coordinator.core import Coordinator
+from dipaco.coordinator.outer import OuterSettings
+from dipaco.coordinator.owner import take_over
+from dipaco.coordinator.scheduler import robust_deadline
+from dipaco.errors import RejectedError
+from dipaco.model.topology import Topology
+from dipaco.model.transformer import ModelConfig, new_dense_model
+from dipaco.protocols import messages as m
+from dipaco.protocols.transport import LocalTransport
+
+CFG = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=16)
+TOPO = Topology.parse("2x2", 2)
+INIT = TOPO.init_modules(new_dense_model(CFG, 0).state_dict())
+SHARDS = [1000, 2000, 3000, 4000]
+SECRET = b"test-secret"
+LEASE = 10.0
+# Path 3 is S.embed, L0.M1, L1.M1, S.head; the other two modules never see it.
+PATH3 = set(TOPO.path_modules(3))
+NOT_PATH3 = set(TOPO.module_ids()) - PATH3
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def make(root, clock=None, *, inner_steps=5, lease=LEASE, events=None, **policy):
+    co = Coordinator(
+        root,
+        TOPO,
+        rounds=4,
+        inner_steps=inner_steps,
+        step_offset=0,
+        total_steps=100,
+        seed=0,
+        outer=OuterSettings(),
+        lease_seconds=lease,
+        run_id="test",
+        peer_config={},
+        shard_tokens=SHARDS,
+        metrics=events.append if events is not None else None,
+        clock=clock or Clock(),
+        policy=SchedulerSection(lease_seconds=lease, **policy),
+        owner_id="a",
+        secret=SECRET,
+    )
+    co.start(INIT)
+    return co
+
+
+def make_owner(root, owner_id="b"):
+    co = Coordinator(
+        root,
+        TOPO,
+        rounds=4,
+        inner_steps=5,
+        step_offset=0,
+        total_steps=100,
+        seed=0,
+        outer=OuterSettings(),
+        lease_seconds=LEASE,
+        run_id="test",
+        peer_config={},
+        shard_tokens=SHARDS,
+        owner_id=owner_id,
+        secret=SECRET,
+        is_scheduler=False,
+    )
+    co.start(None)
+    return co
+
+
+def claim(tr, peer, prefer=None):
+    return tr.request(m.ClaimTask(peer_id=peer, prefer_path=prefer))
+
+
+def delta_for(task, peer, mids=None, scale=0.01, **override):
+    """A delta for ``task``'s modules (all of the path's, or ``mids``), shaped like version 0."""
+    tensors = {
+        f"{mid}/{k}": torch.full_like(v, scale)
+        for mid in (mids or TOPO.path_modules(task.path))
+        for k, v in INIT[mid].items()
+    }
+    msg = m.SubmitDelta(
+        peer_id=peer,
+        task_id=task.task_id,
+        path=task.path,
+        base_versions=dict(task.module_versions),
+        tokens=100,
+        losses=[1.0],
+        tensors=tensors,
+        ticket=task.ticket,
+    )
+    for k, v in override.items():
+        setattr(msg, k, v)
+    return msg
+
+
+def versions(co):
+    return {mid: co.store.version(mid) for mid in TOPO.module_ids()}
+
+
+def rejected(call):
+    with pytest.raises(RejectedError) as err:
+        call()
+    return err.value.reason
+
+
+def full_round(tr, clock, seconds=10.0):
+    """Every path trained by its own peer p<i>, each taking ``seconds`` of fake time."""
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
+    assert [t.path for t in tasks] == [0, 1, 2, 3]
+    clock.now += seconds
+    for p, task in enumerate(tasks):
+        tr.request(delta_for(task, f"p{p}"))
+
+
+def straggling_round(co, tr, clock):
+    """Round 0 in full (4 durations of 10 s: deadline 10 + 0.5 * 10 = 15 s); then in round 1
+    paths 0-2 report after 2 s while p3 keeps heartbeating its task. Returns p3's task; the
+    clock is at 24 s, 14 s after round 1's tasks were issued: not yet past the deadline."""
+    full_round(tr, clock)
+    assert set(versions(co).values()) == {1}
+    assert co.scheduler.task_deadline() == pytest.approx(15.0)
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
+    assert [(t.path, t.round) for t in tasks] == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    clock.now += 2
+    for p in range(3):
+        tr.request(delta_for(tasks[p], f"p{p}"))
+    clock.now = 20.0
+    assert tr.request(m.Heartbeat(peer_id="p3", task_id=tasks[3].task_id, step=3)).lease_ok
+    clock.now = 24.0
+    tr.request(m.GetStatus())
+    assert co.scheduler.task_deadline() == pytest.approx(15.0)
+    assert {mid: v for mid, v in versions(co).items() if mid in PATH3} == dict.fromkeys(PATH3, 1)
+    return tasks[3]
+
+
+# ---- 1. the deadline rule ---------------------------------------------------------------------
+
+
+def test_robust_deadline_is_median_plus_the_larger_of_mads_and_slack():
+    sample = [10.0, 12.0, 11.0, 30.0, 9.0]  # median 11, MAD 1
+    assert robust_deadline(sample, mads=4.0, slack=0.5, min_observations=6) is None
+    assert robust_deadline(sample[:3], mads=4.0, slack=0.5, min_observations=4) is None
+    assert robust_deadline(sample, 4.0, 0.5, 5) == pytest.approx(11 + 5.5)  # slack wins
+    assert robust_deadline(sample, 10.0, 0.5, 5) == pytest.approx(11 + 10)  # MADs win
+    assert robust_deadline(sample, 0.0, 0.0, 1) == pytest.approx(11)
+    # An even sample: median 2.5, MAD median(1.5, .5, .5, 1.5) = 1.
+    assert robust_deadline([1.0, 2.0, 3.0, 4.0], 3.0, 0.1, 4) == pytest.approx(2.5 + 3)
+
+
+def test_before_enough_observations_a_round_waits_for_every_path(tmp_path):
+    clock = Clock()
+    co = make(tmp_path, clock, min_observations=8)
+    tr = LocalTransport(co.handle)
+    full_round(tr, clock)
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
+    for p in range(3):
+        tr.request(delta_for(tasks[p], f"p{p}"))
+    assert len(co.scheduler.durations) == 7 and co.scheduler.task_deadline() is None
+    for _ in range(20):  # 100 s of a straggler that keeps its lease alive
+        clock.now += 5
+        assert tr.request(m.Heartbeat(peer_id="p3", task_id=tasks[3].task_id, step=1)).lease_ok
+        co.tick()
+    assert {versions(co)[mid] for mid in PATH3} == {1}
+    assert co.status().state["overdue"] == []
+    assert sorted(tr.request(delta_for(tasks[3], "p3")).closed) == sorted(PATH3)
+    assert co.scheduler.task_deadline() is not None  # the 8th duration
+
+
+# ---- 2. quorum at the deadline, late deltas -----------------------------------------------------
+
+
+@pytest.mark.parametrize("poke", ["status", "heartbeat", "tick"])
+def test_deadline_closes_the_rounds_a_straggler_is_missing_from(tmp_path, poke):
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, events=events, stale_damping=0.25)
+    tr = LocalTransport(co.handle)
+    task3 = straggling_round(co, tr, clock)
+    # Paths 0-2 were all of L0.M0's and L1.M0's paths: those closed without a deadline.
+    assert {mid: versions(co)[mid] for mid in NOT_PATH3} == dict.fromkeys(NOT_PATH3, 2)
+    clock.now = 26.0  # 16 s after issue: past the 15 s deadline (the lease lives until 30 s)
+    if poke == "status":
+        tr.request(m.GetStatus())
+    elif poke == "heartbeat":
+        assert tr.request(m.Heartbeat(peer_id="p3", task_id=task3.task_id, step=4)).lease_ok
+    else:
+        co.tick()
+    assert set(versions(co).values()) == {2}
+    steps = {e["module"]: e for e in events if e["event"] == "outer_step" and e["version"] == 2}
+    assert {mid: e["closed_by"] for mid, e in steps.items()} == {
+        **dict.fromkeys(PATH3, "deadline"),
+        **dict.fromkeys(NOT_PATH3, "all"),
+    }
+    assert steps["S.embed"]["paths"] == [0, 1, 2] and steps["L0.M1"]["paths"] == [2]
+    assert [e["round"] for e in events if e["event"] == "round"] == [1, 2]
+    status = tr.request(m.GetStatus()).state
+    assert status["round"] == 2 and status["overdue"] == [[3, 1]]
+
+    # p3's delta against version 1 arrives late: kept for version 2's step, damped once.
+    ack = tr.request(delta_for(task3, "p3"))
+    assert sorted(ack.accepted) == sorted(PATH3) and ack.closed == []
+    for mid in PATH3:
+        record = co.store.modules[mid]
+        assert list(record.late) == [3] and not record.pending
+        late = record.late[3]
+        assert late.weight == pytest.approx(SHARDS[3] * 0.25**1)
+        assert late.base_version == 1 and late.task_id == task3.task_id and late.file.exists()
+    late_events = [e for e in events if e["event"] == "late_delta"]
+    assert sorted(e["module"] for e in late_events) == sorted(PATH3)
+    assert all(e["late_by"] == 1 and e["weight"] == SHARDS[3] * 0.25 for e in late_events)
+    assert tr.request(m.GetStatus()).state["modules"]["S.embed"]["late"] == [3]
+
+    # The late delta finished p3's task: path 3 is open for round 2 again.
+    assert co.open_paths() == {0: 2, 1: 2, 2: 2, 3: 2}
+    again = claim(tr, "p3", prefer=3)
+    assert (again.path, again.round) == (3, 2), "path 3 must be trained again for round 2"
+    assert again.module_versions == dict.fromkeys(TOPO.path_modules(3), 2)
+
+    # The late delta joins version 2's step (it is listed there, not as path 3's report).
+    others = [claim(tr, f"p{p}", prefer=p) for p in range(3)]
+    for p, task in enumerate([*others, again]):
+        tr.request(delta_for(task, f"p{p}" if p < 3 else "p3"))
+    step3 = {e["module"]: e for e in events if e["event"] == "outer_step" and e["version"] == 3}
+    assert step3["S.embed"]["late_paths"] == [3] and step3["S.embed"]["paths"] == [0, 1, 2, 3]
+    assert step3["L0.M0"]["late_paths"] == []
+    assert task3.task_id in step3["L1.M1"]["tasks"]
+
+
+def test_with_quorum_one_the_round_waits_for_the_straggler(tmp_path):
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, events=events, quorum=1.0)
+    tr = LocalTransport(co.handle)
+    task3 = straggling_round(co, tr, clock)
+    for now in (26.0, 29.0, 38.0, 47.0):
+        clock.now = now
+        assert tr.request(m.Heartbeat(peer_id="p3", task_id=task3.task_id, step=4)).lease_ok
+        co.tick()
+        assert {versions(co)[mid] for mid in PATH3} == {1}, f"closed early at {now} s"
+    assert tr.request(m.GetStatus()).state["overdue"] == [[3, 1]]
+    ack = tr.request(delta_for(task3, "p3"))
+    assert sorted(ack.closed) == sorted(PATH3)
+    assert set(versions(co).values()) == {2}
+    closed_by = {e["closed_by"] for e in events if e["event"] == "outer_step"}
+    assert closed_by == {"all"}
+    assert not any(e["event"] == "late_delta" for e in events)
+
+
+def test_a_quorum_is_counted_per_module(tmp_path):
+    """quorum 0.75: S.embed (3 of 4 paths reported) closes at the deadline, L0.M1 (1 of 2) not."""
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, events=events, quorum=0.75)
+    tr = LocalTransport(co.handle)
+    task3 = straggling_round(co, tr, clock)
+    clock.now = 26.0
+    co.tick()
+    assert versions(co) == {
+        "S.embed": 2,
+        "S.head": 2,
+        "L0.M0": 2,
+        "L0.M1": 1,
+        "L1.M0": 2,
+        "L1.M1": 1,
+    }
+    assert claim(tr, "p9").path == 0  # only path 0 has all its modules at one version
+    ack = tr.request(delta_for(task3, "p3"))  # late for the shared modules, on time for the rest
+    assert sorted(ack.closed) == ["L0.M1", "L1.M1"]
+    assert list(co.store.modules["S.embed"].late) == [3]
+    assert set(versions(co).values()) == {2}
+
+
+def test_a_round_closes_only_when_every_missing_path_is_overdue(tmp_path):
+    """Round 1: p0 straggles from 10 s; path 3 is only claimed at 20 s. At 26 s path 0 is
+    overdue, path 3 is not: only the modules missing nothing but path 0 may close."""
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, events=events)
+    tr = LocalTransport(co.handle)
+    full_round(tr, clock)
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(3)]
+    clock.now = 12.0
+    for p in (1, 2):
+        tr.request(delta_for(tasks[p], f"p{p}"))
+    clock.now = 20.0
+    assert tr.request(m.Heartbeat(peer_id="p0", task_id=tasks[0].task_id, step=1)).lease_ok
+    task3 = claim(tr, "p3", prefer=3)
+    clock.now = 26.0
+    co.tick()
+    assert tr.request(m.GetStatus()).state["overdue"] == [[0, 1]]
+    assert versions(co) == {
+        "S.embed": 1,  # missing paths 0 and 3; 3 is not overdue
+        "S.head": 1,
+        "L0.M0": 2,  # missing path 0 only
+        "L0.M1": 1,  # missing path 3
+        "L1.M0": 2,  # missing path 0 only
+        "L1.M1": 1,  # missing path 3
+    }
+    # p0's delta is late for L0.M0 and L1.M0, on time for the shared modules.
+    tr.request(delta_for(tasks[0], "p0"))
+    assert list(co.store.modules["L0.M0"].late) == [0] and not co.store.modules["L0.M0"].pending
+    assert sorted(co.store.modules["S.embed"].pending) == [0, 1, 2]
+    assert sorted(e["module"] for e in events if e["event"] == "late_delta") == [
+        "L0.M0",
+        "L1.M0",
+    ]
+    clock.now = 28.0
+    assert tr.request(m.Heartbeat(peer_id="p3", task_id=task3.task_id, step=1)).lease_ok
+    clock.now = 36.0  # 16 s after path 3's task was issued
+    co.tick()
+    assert set(versions(co).values()) == {2}
+    steps = [e for e in events if e["event"] == "outer_step" and e["version"] == 2]
+    assert {e["module"]: e["closed_by"] for e in steps} == dict.fromkeys(
+        TOPO.module_ids(), "deadline"
+    )
+
+
+# ---- 3. stale and wrong-base deltas ------------------------------------------------------------
+
+
+def test_a_delta_more_than_max_staleness_late_is_rejected_stale(tmp_path):
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, events=events, max_staleness=0)
+    tr = LocalTransport(co.handle)
+    task3 = straggling_round(co, tr, clock)
+    clock.now = 26.0
+    co.tick()
+    assert set(versions(co).values()) == {2}
+    assert rejected(lambda: tr.request(delta_for(task3, "p3"))) == "stale"
+    assert all(not r.late and not r.pending for r in co.store.modules.values())
+    assert not any(e["event"] == "late_delta" for e in events)
+    assert co.status().state["rejections_by_peer"]["p3"] == {"stale": 1}
+
+
+def test_a_late_delta_cannot_claim_the_current_version_as_its_base(tmp_path):
+    clock = Clock()
+    co = make(tmp_path, clock)
+    tr = LocalTransport(co.handle)
+    task3 = straggling_round(co, tr, clock)
+    clock.now = 26.0
+    co.tick()
+    forged = dict.fromkeys(task3.module_versions, 2)  # pretend it trained on version 2
+    assert rejected(lambda: tr.request(delta_for(task3, "p3", base_versions=forged))) == (
+        "wrong-base"
+    )
+    one_off = {**task3.module_versions, "L0.M1": 0}
+    assert rejected(lambda: tr.request(delta_for(task3, "p3", base_versions=one_off))) == (
+        "wrong-base"
+    )
+    assert all(not r.late and not r.pending for r in co.store.modules.values())
+    tr.request(delta_for(task3, "p3"))  # the honest base is accepted
+    assert all(list(co.store.modules[mid].late) == [3] for mid in PATH3)
+
+
+def test_a_two_versions_late_delta_is_stale_with_max_staleness_one(tmp_path):
+    """Round 1 closes without p3, whose lease then expires; p4 takes path 3 for round 2 and
+    straggles too; round 2 closes at its deadline; p3's round-1 delta is then 2 versions late."""
+    clock = Clock()
+    co = make(tmp_path, clock)
+    tr = LocalTransport(co.handle)
+    task3 = straggling_round(co, tr, clock)
+    clock.now = 26.0
+    co.tick()
+    clock.now = 41.0  # p3's lease (last heartbeat at 20 s) has expired
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(3)] + [claim(tr, "p4", prefer=3)]
+    assert [(t.path, t.round) for t in tasks] == [(0, 2), (1, 2), (2, 2), (3, 2)]
+    for p in range(3):
+        tr.request(delta_for(tasks[p], f"p{p}"))
+    # Durations 10, 10, 10, 10, 2, 2, 2, 0, 0, 0: median 2, MAD 2, deadline 2 + 4 * 2 = 10 s.
+    assert co.scheduler.task_deadline() == pytest.approx(10.0)
+    clock.now = 50.0
+    assert tr.request(m.Heartbeat(peer_id="p4", task_id=tasks[3].task_id, step=1)).lease_ok
+    clock.now = 52.0
+    co.tick()
+    assert set(versions(co).values()) == {3}
+    assert rejected(lambda: tr.request(delta_for(task3, "p3"))) == "stale"
+    tr.request(delta_for(tasks[3], "p4"))  # one version late: accepted
+    assert all(list(co.store.modules[mid].late) == [3] for mid in PATH3)
+
+
+# ---- 4. tickets --------------------------------------------------------------------------------
+
+
+def tampered(ticket):
+    """Forgeries of a genuine ticket: none verifies under the run's secret."""
+    body, _, mac = ticket.partition(".")
+    payload = tickets.read_ticket(SECRET, ticket)
+    forged = tickets.sign_ticket(b"not-the-secret", {**payload, "path": 1})
+    return [
+        body + "." + ("0" if mac[0] != "0" else "1") + mac[1:],  # one digit of the MAC changed
+        forged.partition(".")[0] + "." + mac,  # another payload under the genuine MAC
+        forged,  # signed with another key
+        "garbage",
+    ]
+
+
+def test_tampered_or_borrowed_tickets_are_refused(tmp_path):
+    co = make(tmp_path)
+    tr = LocalTransport(co.handle)
+    mine, theirs = claim(tr, "a", prefer=0), claim(tr, "b", prefer=1)
+    for bad in tampered(mine.ticket):
+        fetch = m.FetchModules(peer_id="a", task_id=mine.task_id, ticket=bad)
+        assert rejected(lambda fetch=fetch: tr.request(fetch)) == "bad-ticket"
+        submit = delta_for(mine, "a", ticket=bad)
+        assert rejected(lambda submit=submit: tr.request(submit)) == "bad-ticket"
+    # A valid ticket for another task than the one named.
+    fetch = m.FetchModules(peer_id="a", task_id=mine.task_id, ticket=theirs.ticket)
+    assert rejected(lambda: tr.request(fetch)) == "bad-ticket"
+    # Another peer's valid ticket, for that peer's task.
+    fetch = m.FetchModules(peer_id="a", task_id=theirs.task_id, ticket=theirs.ticket)
+    assert rejected(lambda: tr.request(fetch)) == "not-your-task"
+    borrowed = delta_for(theirs, "a")
+    assert rejected(lambda: tr.request(borrowed)) == "not-your-task"
+    assert all(not r.pending for r in co.store.modules.values())
+    # The genuine tickets still work.
+    got = tr.request(m.FetchModules(peer_id="a", task_id=mine.task_id, ticket=mine.ticket))
+    assert set(got.versions) == set(TOPO.path_modules(0))
+    assert tr.request(delta_for(mine, "a")).accepted
+
+
+def test_an_owner_that_is_not_the_scheduler_needs_tickets_and_leases_nothing(tmp_path):
+    primary = make(tmp_path / "a")
+    owner = make_owner(tmp_path / "b")
+    take_over(owner, LocalTransport(primary.handle), ["L1.M0"])
+    tr = LocalTransport(owner.handle)
+    task = claim(LocalTransport(primary.handle), "p0", prefer=0)
+    no_ticket = m.FetchModules(peer_id="p0", task_id=task.task_id)
+    assert rejected(lambda: tr.request(no_ticket)) == "bad-ticket"
+    unsigned = delta_for(task, "p0", mids=["L1.M0"], ticket="")
+    assert rejected(lambda: tr.request(unsigned)) == "bad-ticket"
+    assert rejected(lambda: claim(tr, "p0")) == "not-scheduler"
+    beat = m.Heartbeat(peer_id="p0", task_id=task.task_id)
+    assert rejected(lambda: tr.request(beat)) == "not-scheduler"
+    # With the scheduler's ticket the owner serves and accepts its own module of the path.
+    got = tr.request(m.FetchModules(peer_id="p0", task_id=task.task_id, ticket=task.ticket))
+    assert got.versions == {"L1.M0": 0}
+    ack = tr.request(delta_for(task, "p0", mids=["L1.M0"]))
+    assert ack.accepted == ["L1.M0"] and ack.task_done is False
+    assert list(owner.store.modules["L1.M0"].pending) == [0]
+
+
+# ---- 5. a restarted peer ----------------------------------------------------------------------
+
+
+def test_a_peer_claiming_again_with_a_live_lease_gets_the_same_task(tmp_path):
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, events=events)
+    tr = LocalTransport(co.handle)
+    first = claim(tr, "a", prefer=2)
+    clock.now = 9.0
+    again = claim(tr, "a", prefer=0)  # it restarted and prefers another path now
+    assert again.task_id == first.task_id and again.path == 2
+    assert again.ticket == first.ticket and again.module_versions == first.module_versions
+    assert [e["task"] for e in events if e["event"] == "task_issued"] == [first.task_id]
+    # The claim renewed the lease: at 15 s (past the first 10 s) it is still alive.
+    clock.now = 15.0
+    assert tr.request(m.Heartbeat(peer_id="a", task_id=first.task_id)).lease_ok
+    assert claim(tr, "b", prefer=2).path != 2
+
+
+# ---- 6. slow peers get fewer steps --------------------------------------------------------------
+
+
+def paced_round(tr, clock, paces):
+    """Peer p<i> trains path i at ``paces[i]`` seconds a step (heartbeating its progress) and
+    reports when done; the rounds wait for every path. Returns the offers."""
+    start = clock.now
+    offers = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
+    for p in sorted(range(4), key=lambda p: paces[p] * offers[p].inner_steps):
+        task = offers[p]
+        clock.now = start + paces[p] * task.inner_steps
+        beat = m.Heartbeat(peer_id=f"p{p}", task_id=task.task_id, step=task.inner_steps)
+        assert tr.request(beat).lease_ok
+        tr.request(delta_for(task, f"p{p}"))
+    return offers
+
+
+def test_slow_peers_are_offered_fewer_inner_steps(tmp_path):
+    H, clock = 8, Clock()
+    floor = math.ceil(0.25 * H)
+    co = make(
+        tmp_path, clock, inner_steps=H, lease=1000.0, quorum=1.0, deadline_mads=0.0
+    )  # deadline = 1.5 x the median task duration
+    tr = LocalTransport(co.handle)
+    paces = [1.0, 1.0, 4.0, 20.0]  # seconds a step: two fast peers, a slow one, a very slow one
+    first = paced_round(tr, clock, paces)
+    assert [o.inner_steps for o in first] == [H] * 4  # no durations known yet: everybody gets H
+    second = paced_round(tr, clock, paces)
+    assert [o.inner_steps for o in second[:2]] == [H, H]
+    offers = {p: claim(tr, f"p{p}", prefer=p) for p in range(4)}
+    deadline = co.scheduler.task_deadline()
+    assert deadline is not None and 4.0 * H > deadline > 1.0 * H
+    assert offers[0].inner_steps == offers[1].inner_steps == H, "fast peers get H"
+    assert offers[2].inner_steps == int(deadline / 4.0), "a slow peer gets what fits in time"
+    assert floor < offers[2].inner_steps < H
+    assert offers[3].inner_steps == floor, "a very slow peer gets the floor, not fewer"
+    assert {o.step_offset for o in offers.values()} == {2 * H}  # the offset follows the round
+
+
+# ---- 7. hand-over ------------------------------------------------------------------------------
+
+
+def test_hand_over_moves_a_module_with_its_pending_delta(tmp_path):
+    events = []
+    primary = make(tmp_path / "a", events=events)
+    sched = LocalTransport(primary.handle)
+    task0 = claim(sched, "p0", prefer=0)
+    sched.request(delta_for(task0, "p0"))
+    assert list(primary.store.modules["L1.M0"].pending) == [0]
+
+    second = make_owner(tmp_path / "b")
+    assert second.owned_modules() == []
+    assert take_over(second, sched, ["L1.M0"]) == ["L1.M0"]
+    moved = second.store.modules["L1.M0"]
+    assert moved.version == 0 and list(moved.pending) == [0]
+    assert moved.pending[0].file.exists() and tmp_path / "b" in moved.pending[0].file.parents
+    assert moved.pending[0].weight == SHARDS[0] and moved.pending[0].task_id == task0.task_id
+    assert primary.owners["L1.M0"] == "b" and "L1.M0" not in primary.store.modules
+    assert primary.remote["L1.M0"]["pending"] == [0]
+    assert [e for e in events if e["event"] == "owner_changed"] == [
+        {"event": "owner_changed", "module": "L1.M0", "owner": "b"}
+    ]
+    assert take_over(second, sched, ["L1.M0"]) == []  # already owned: nothing to do
+
+    # The primary refuses L1.M0's deltas now; the new owner accepts them with the ticket.
+    task2 = claim(sched, "p2", prefer=2)
+    assert task2.owners["L1.M0"] == "b" and task2.owners["S.embed"] == "a"
+    assert rejected(lambda: sched.request(delta_for(task2, "p2"))) == "not-owner"
+    rest = [mid for mid in TOPO.path_modules(2) if mid != "L1.M0"]
+    ack = sched.request(delta_for(task2, "p2", mids=rest))
+    assert sorted(ack.accepted) == sorted(rest) and ack.task_done is False
+    ack = LocalTransport(second.handle).request(delta_for(task2, "p2", mids=["L1.M0"]))
+    assert ack.closed == ["L1.M0"]  # paths 0 and 2 both reported: the new owner stepped
+    assert second.store.version("L1.M0") == 1
+    sched.request(second.report())
+    assert primary.version("L1.M0") == 1
+
+    # A restarted owner finds its module on disk, at the same version.
+    again = make_owner(tmp_path / "b")
+    assert again.owned_modules() == ["L1.M0"]
+    assert again.store.version("L1.M0") == 1
+    assert again.store.modules["L1.M0"].hash == second.store.modules["L1.M0"].hash
+
+
+def test_a_restarted_new_owner_keeps_the_handed_over_pending_delta(tmp_path):
+    primary = make(tmp_path / "a")
+    sched = LocalTransport(primary.handle)
+    task0 = claim(sched, "p0", prefer=0)
+    sched.request(delta_for(task0, "p0"))
+    second = make_owner(tmp_path / "b")
+    take_over(second, sched, ["L1.M0"])
+    digest = second.store.modules["L1.M0"].hash
+    again = make_owner(tmp_path / "b")
+    assert again.owned_modules() == ["L1.M0"] and again.epoch == 1
+    record = again.store.modules["L1.M0"]
+    assert record.version == 0 and record.hash == digest
+    assert list(record.pending) == [0] and record.pending[0].task_id == task0.task_id
+    assert take_over(again, sched, ["L1.M0"]) == []  # no second hand-over after a restart
+
+
+def test_owner_reports_and_hand_overs_need_a_valid_proof_and_ownership(tmp_path):
+    primary = make(tmp_path / "a")
+    sched = LocalTransport(primary.handle)
+    second = make_owner(tmp_path / "b")
+    take_over(second, sched, ["L1.M0"])
+
+    report = second.report()
+    assert isinstance(sched.request(report), m.ReportAck)
+    forged = m.OwnerReport(owner_id="b", proof="0" * 64, modules=report.modules)
+    assert rejected(lambda: sched.request(forged)) == "bad-proof"
+    other_key = tickets.prove(b"wrong", "report", "b", report.modules)
+    forged = m.OwnerReport(owner_id="b", proof=other_key, modules=report.modules)
+    assert rejected(lambda: sched.request(forged)) == "bad-proof"
+    # "b" signs a report about L0.M0, which the primary still owns.
+    claim_l0 = {"L0.M0": {"version": 9, "hash": "x", "pending": [0, 1]}}
+    grab = m.OwnerReport(
+        owner_id="b", proof=tickets.prove(SECRET, "report", "b", claim_l0), modules=claim_l0
+    )
+    assert rejected(lambda: sched.request(grab)) == "not-owner"
+    assert primary.version("L0.M0") == 0
+
+    bad = m.HandOver(owner_id="c", proof="f" * 64, modules=["L0.M0"])
+    assert rejected(lambda: sched.request(bad)) == "bad-proof"
+    wrong_purpose = m.HandOver(
+        owner_id="c", proof=tickets.prove(SECRET, "report", "c", ["L0.M0"]), modules=["L0.M0"]
+    )
+    assert rejected(lambda: sched.request(wrong_purpose)) == "bad-proof"
+    assert primary.handing == {}  # nothing is held for a refused hand-over
+    task = claim(sched, "p0", prefer=0)
+    rest = [mid for mid in TOPO.path_modules(0) if mid != "L1.M0"]
+    assert sorted(sched.request(delta_for(task, "p0", mids=rest)).accepted) == sorted(rest)
+    # A module another owner holds cannot be handed over by the primary.
+    stolen = m.HandOver(
+        owner_id="c", proof=tickets.prove(SECRET, "handover", "c", ["L1.M0"]), modules=["L1.M0"]
+    )
+    assert rejected(lambda: sched.request(stolen)) == "not-owner"
+
+
+# ---- a straggler's lease outliving its round ----------------------------------------------------
+
+
+def peer_attempt(tr, peer):
+    """What dipaco.peer does with an offer: claim, fetch, and abort (without releasing the task)
+    when the modules are no longer at the task's versions. Returns the offer."""
+    offer = claim(tr, peer, prefer=3)
+    got = tr.request(m.FetchModules(peer_id=peer, task_id=offer.task_id, ticket=offer.ticket))
+    return offer, got.versions == offer.module_versions
+
+
+def test_a_stale_rejected_task_gives_its_path_back(tmp_path):
+    """After "stale", the task can never be accepted; its path must be trainable for the current
+    round again: otherwise the peer's next claim would return the same dead task, path 3 would
+    never be trained for round 2 and its modules would never close round 2."""
+    clock = Clock()
+    co = make(tmp_path, clock, max_staleness=0)
+    tr = LocalTransport(co.handle)
+    task3 = straggling_round(co, tr, clock)
+    clock.now = 26.0
+    co.tick()
+    assert rejected(lambda: tr.request(delta_for(task3, "p3"))) == "stale"
+    offer = claim(tr, "p3", prefer=3)
+    assert (offer.path, offer.round) == (3, 2), (
+        f"after its delta was rejected as stale, p3 is offered {offer.task_id} "
+        f"(round {offer.round}, modules at {versions(co)}) again instead of round 2 of path 3"
+    )
+
+
+def test_a_restarted_straggler_is_not_stuck_on_a_closed_round(tmp_path):
+    """Round 1 closed at its deadline while p3 held path 3's task; p3 restarts (dipaco.peer
+    fetches before it resumes from a checkpoint). Its dead round-1 task must be dropped, not
+    given back on every claim (a fetch for it serves version 2, so the peer could never train
+    it, and round 2 of S.embed, S.head, L0.M1, L1.M1 would never close)."""
+    clock = Clock()
+    co = make(tmp_path, clock)
+    tr = LocalTransport(co.handle)
+    straggling_round(co, tr, clock)
+    clock.now = 26.0
+    co.tick()
+    others = [claim(tr, f"p{p}", prefer=p) for p in range(3)]
+    for p, task in enumerate(others):
+        tr.request(delta_for(task, f"p{p}"))
+    offers = []
+    for i in range(30):  # p3 is back at 27 s (its lease lives until 30 s), retries every 5 s
+        clock.now = 27.0 + 5 * i
+        offer, usable = peer_attempt(tr, "p3")
+        offers.append((offer.task_id, offer.round, usable))
+        if usable:
+            break
+    assert offers[-1][2], (
+        f"p3 was offered only tasks whose modules have moved on: {sorted(set(offers))}; "
+        f"modules at {versions(co)}, round 2 never closes"
+    )
