@@ -244,8 +244,9 @@ def start_owner(args: argparse.Namespace) -> int:
 
 def serve_loopback(args, prep, metrics) -> int:
     run_dir = Path(args.run_dir)
-    coordinator = build_coordinator(prep, metrics, evaluate=not args.no_eval)
     key, key_path = authkey(run_dir)
+    # The key file is also the secret that signs task tickets.
+    coordinator = build_coordinator(prep, metrics, evaluate=not args.no_eval, secret=key)
     host, port = _split(args.listen)
     server = LoopbackServer(coordinator.handle, key, host=host, port=port)
     console.print(f"coordinator for run {prep.run_id} listening on [bold]{server.address}[/]")

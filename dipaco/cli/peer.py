@@ -65,6 +65,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             raise ConfigError("a loopback address (host:port) needs --authkey-file")
         key = bytes.fromhex(Path(args.authkey_file).read_text().strip())
         transport = LoopbackTransport(args.address, key)
+    state_dir.mkdir(parents=True, exist_ok=True)
     acks = state_dir / "acks.jsonl"
 
     def on_ack(info: dict) -> None:
@@ -104,7 +105,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         on_progress=on_progress,
         on_ack=on_ack,
         memory_bytes=int(args.memory_gb * 2**30) if args.memory_gb else None,
-        **{k: v for k, v in extra.items() if k in ("connect", "shard_source")},
+        **{k: v for k, v in extra.items() if k in ("connect", "shard_source", "manifest_sha256")},
     )
     console.print(f"peer {peer_id} ({peer.device}) joined {args.address}")
     try:
@@ -155,6 +156,7 @@ def _hivemind(args: argparse.Namespace, peer_id: str, state_dir: Path):
         "shard_source": files.shard,
         "links": links,
         "publisher": publisher,
+        "manifest_sha256": entry["manifest"],
     }
     return scheduler, node, extra
 

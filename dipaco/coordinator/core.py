@@ -345,6 +345,9 @@ class Coordinator:
                     f"delta for {mid} claims base {req.base_versions.get(mid)}, "
                     f"the task was issued against {base}",
                 )
+            if req.task_id in record.applied:
+                already.append(mid)  # applied in an earlier step; its ack was lost: ack again
+                continue
             lateness = record.version - base
             if not 0 <= lateness <= self.policy.max_staleness:
                 if self.is_scheduler:  # the task can never be applied: free its path

@@ -2,7 +2,9 @@
 
 Layout under the store folder, per module id ``mid``::
 
-    modules/<mid>/head.json          {"version": v, "hash": ...}   the commit point
+    modules/<mid>/head.json          {"version": v, "hash": ..., "applied": [task ids]}
+                                     the commit point; "applied" lists the tasks of the last
+                                     steps, so a retried delta is acknowledged, not applied twice
     modules/<mid>/v<v>.dpt           parameters at version v
     modules/<mid>/m<v>.dpt           outer momentum after producing version v (absent for v0)
     deltas/<mid>/v<v>/P<p>.dpt       a path's delta against version v, durable before it is acked
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
 KEEP_VERSIONS = 2
+APPLIED_KEPT = 512  # task ids remembered per module (many rounds' worth)
 
 
 @dataclass
@@ -56,6 +59,7 @@ class ModuleRecord:
     hash: str
     params: Tensors
     momentum: Tensors | None
+    applied: list[str] = field(default_factory=list)  # task ids of the last outer steps
     pending: dict[int, PendingDelta] = field(default_factory=dict)  # on time: base == version
     late: dict[int, PendingDelta] = field(default_factory=dict)  # late: base < version, damped
 
@@ -96,7 +100,7 @@ class ModuleStore:
                     f"{folder / f'v{v}.dpt'}: content hash differs from head.json"
                 )
             momentum = read_tensor_file(folder / f"m{v}.dpt").tensors if v > 0 else None
-            record = ModuleRecord(v, head["hash"], params, momentum)
+            record = ModuleRecord(v, head["hash"], params, momentum, list(head.get("applied", [])))
             self._discard_uncommitted(mid, folder, v)
             record.pending, record.late = self._load_pending(mid, v)
             self.modules[mid] = record
@@ -228,10 +232,11 @@ class ModuleStore:
             folder / f"m{v}.dpt", Frame("OuterMomentum", {"module": mid, "version": v}, momentum)
         )
         digest = tensors_sha256(params)
-        write_json_atomic(folder / "head.json", {"version": v, "hash": digest})
+        applied = (record.applied + [p.task_id for p in included])[-APPLIED_KEPT:]
+        write_json_atomic(folder / "head.json", {"version": v, "hash": digest, "applied": applied})
         old_deltas = self.root / "deltas" / mid / f"v{record.version}"
         paths, late = sorted(record.pending), sorted(record.late)
-        self.modules[mid] = ModuleRecord(v, digest, params, momentum)
+        self.modules[mid] = ModuleRecord(v, digest, params, momentum, applied)
         shutil.rmtree(old_deltas, ignore_errors=True)
         for stale in (f"v{v - KEEP_VERSIONS}.dpt", f"m{v - KEEP_VERSIONS}.dpt"):
             (folder / stale).unlink(missing_ok=True)

@@ -1,6 +1,6 @@
 """HMAC tickets and proofs between coordinators, so that module owners need not ask the scheduler.
 
-The scheduler signs each task it leases (task id, peer, path, round, module versions, steps) with
+The scheduler signs each task it leases (task id, peer, path, round, module versions) with
 the run's coordinator secret; a module owner accepts the task's fetches and deltas when the
 ticket verifies and names the caller. Owners prove themselves to the scheduler the same way
 (``prove``/``check``: an HMAC over the purpose, the owner id and the payload). Issue 5 replaces

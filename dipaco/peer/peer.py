@@ -25,7 +25,13 @@ from typing import Any
 import torch
 
 from dipaco.data.shards import TokenShard, window_batches
-from dipaco.errors import CorruptFileError, DipacoError, RejectedError, TransportError
+from dipaco.errors import (
+    ConfigError,
+    CorruptFileError,
+    DipacoError,
+    RejectedError,
+    TransportError,
+)
 from dipaco.fileio import write_json_atomic
 from dipaco.model.optim import (
     InnerSettings,
@@ -40,6 +46,7 @@ from dipaco.model.transformer import ModelConfig
 from dipaco.peer import device as devices
 from dipaco.protocols import codecs
 from dipaco.protocols import messages as m
+from dipaco.protocols.discovery import manifest_sha256
 from dipaco.protocols.transport import Transport
 from dipaco.protocols.wire import Frame, read_tensor_file, tensors_sha256, write_tensor_file
 
@@ -79,7 +86,9 @@ class Peer:
         memory_bytes: int | None = None,
         checkpoint_seconds: float = 20.0,
         on_ack: Callable[[dict[str, Any]], None] | None = None,
+        manifest_sha256: str | None = None,
     ) -> None:
+        self.manifest_sha256 = manifest_sha256
         self.transport = transport
         self.peer_id = peer_id
         self.state_dir = Path(state_dir)
@@ -109,6 +118,10 @@ class Peer:
         welcome = self._patient(
             lambda: self.transport.request(m.Hello(peer_id=self.peer_id, device=self.device))
         )
+        if self.manifest_sha256 and manifest_sha256(welcome.config) != self.manifest_sha256:
+            raise ConfigError(
+                "the scheduler's run manifest differs from the one announced in the DHT"
+            )
         self.config = welcome.config
         self.model_cfg = ModelConfig(**self.config["model"])
         self.topology = Topology.from_dict(self.config["topology"])

@@ -7,7 +7,7 @@ Keys (values are JSON-like; every record has a TTL and is refreshed while its wr
                                    is the "manifest" field above, and its run_id the subkey
     dipaco.<run id>.owners         subkey <owner id>: {"modules", "addresses", "scheduler"}
     dipaco.<run id>.progress       {"round", "rounds", "modules": {mid: version}, "finished"}
-    dipaco.<run id>.peers          subkey <peer id>: {"device", "micro_batch", "task", ...}
+    dipaco.<run id>.peers          subkey <peer id>: {"peer", "device", "client_mode"}
 
 The DHT has no compare-and-swap, so it never decides anything: the scheduler stays the authority
 for task claims and module ownership; the DHT only helps find it, and shows progress.

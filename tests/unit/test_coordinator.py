@@ -253,3 +253,22 @@ def test_encoded_deltas_are_decoded_checked_and_applied(tmp_path):
     assert tr.request(good).accepted
     stored = co.store.delta_tensors(co.store.modules["S.embed"].pending[task.path])
     assert torch.allclose(stored["embed_tokens.weight"], torch.full((64, 16), 0.01), atol=1e-4)
+
+
+def test_a_retry_after_its_round_closed_is_acknowledged_not_applied_again(tmp_path):
+    co = make(tmp_path, rounds=3)
+    tr = LocalTransport(co.handle)
+    tasks = [claim(tr, f"p{i}") for i in range(4)]
+    deltas = [delta_for(co, t, peer=f"p{i}") for i, t in enumerate(tasks)]
+    for d in deltas:
+        tr.request(d)
+    after = {mid: co.store.version(mid) for mid in TOPO.module_ids()}
+    assert set(after.values()) == {1}
+    ack = tr.request(deltas[0])  # the first ack was lost; the round has closed since
+    assert sorted(ack.accepted) == sorted(TOPO.path_modules(tasks[0].path))
+    assert all(not r.pending and not r.late for r in co.store.modules.values())
+    restarted = make(tmp_path, rounds=3)  # the applied task ids survive a restart
+    ack = LocalTransport(restarted.handle).request(
+        delta_for(restarted, tasks[0], peer="p0", ticket=tasks[0].ticket)
+    )
+    assert ack.accepted and not any(r.late for r in restarted.store.modules.values())
