@@ -86,6 +86,7 @@ class SchedulerSection(_Section):
     # once there are enough observations; before that a round waits for every path.
     deadline_mads: float = Field(4.0, ge=0)
     deadline_slack: float = Field(0.5, ge=0)
+    deadline_floor: float = Field(10.0, ge=0)  # never a deadline shorter than this (seconds)
     min_observations: int = Field(4, ge=1)
     # At its deadline a module's round closes if this fraction of its paths has reported.
     quorum: float = Field(0.5, gt=0, le=1)

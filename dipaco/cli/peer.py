@@ -54,8 +54,6 @@ def cmd_join(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / "peer")
     peer_id = stable_peer_id(state_dir, args.peer_id)
     stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     extra: dict[str, Any] = {}
     node = None
     if args.address.startswith("/"):
@@ -65,6 +63,9 @@ def cmd_join(args: argparse.Namespace) -> int:
             raise ConfigError("a loopback address (host:port) needs --authkey-file")
         key = bytes.fromhex(Path(args.authkey_file).read_text().strip())
         transport = LoopbackTransport(args.address, key)
+    # Installed once the hivemind node runs: Ctrl-C then stops the peer, which releases its task.
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     state_dir.mkdir(parents=True, exist_ok=True)
     acks = state_dir / "acks.jsonl"
 

@@ -83,7 +83,13 @@ class Coordinator:
         self.policy = policy or SchedulerSection(lease_seconds=lease_seconds)
         self.store = ModuleStore(self.root)
         self.scheduler = Scheduler(lease_seconds, clock)
-        for name in ("deadline_mads", "deadline_slack", "min_observations", "min_step_fraction"):
+        for name in (
+            "deadline_mads",
+            "deadline_slack",
+            "deadline_floor",
+            "min_observations",
+            "min_step_fraction",
+        ):
             setattr(self.scheduler, name, getattr(self.policy, name))
         self.lock = threading.RLock()
         self.clock = clock
@@ -101,7 +107,8 @@ class Coordinator:
         self.remote: dict[str, dict[str, Any]] = {}  # other owners' modules, from their reports
         self.handing: dict[str, tuple[str, float]] = {}  # module -> (new owner, since)
         self.done: set[tuple[int, int]] = set()  # (path, round) whose task every owner acked
-        self.overdue: set[tuple[int, int]] = set()  # (path, round) past the task deadline
+        # (path, round) whose task ran past the deadline: rounds may close without them.
+        self.overdue: set[tuple[int, int]] = set()
         self.files = files or {}
         self.last_round = 0
         self.changed = threading.Event()  # set on every change an owner must report
@@ -357,6 +364,12 @@ class Coordinator:
                     "stale",
                     f"delta for {mid} is against version {base}, module is at "
                     f"{record.version} (at most {self.policy.max_staleness} late is applied)",
+                )
+            if path in record.reported.get(base, []):
+                self._reject(
+                    req.peer_id,
+                    "duplicate",
+                    f"path {path} already reported for {mid} version {base} (another task)",
                 )
             table = record.pending if lateness == 0 else record.late
             if path in table:
@@ -640,7 +653,10 @@ class Coordinator:
                 log.warning("handover of %s to %s timed out; keeping it", mid, owner)
                 del self.handing[mid]
         if self.is_scheduler:
-            self.overdue = self.scheduler.overdue()
+            # Once overdue, a (path, round) stays skipped until the round is over everywhere: a
+            # module that closed without it must not leave the path's other modules waiting.
+            self.overdue |= self.scheduler.overdue()
+            self.overdue = {(p, r) for p, r in self.overdue if r >= self.round}
         if not self.overdue:
             return
         stepped = False

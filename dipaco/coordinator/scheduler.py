@@ -108,13 +108,15 @@ class Scheduler:
     # Set by the coordinator from its policy (config ``scheduler``).
     deadline_mads = 4.0
     deadline_slack = 0.5
+    deadline_floor = 10.0
     min_observations = 4
     min_step_fraction = 0.25
 
     def task_deadline(self) -> float | None:
-        return robust_deadline(
+        deadline = robust_deadline(
             self.durations, self.deadline_mads, self.deadline_slack, self.min_observations
         )
+        return None if deadline is None else max(deadline, self.deadline_floor)
 
     def overdue(self) -> set[tuple[int, int]]:
         """(path, round) of live leases that have run past the task deadline."""

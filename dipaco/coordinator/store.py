@@ -2,9 +2,12 @@
 
 Layout under the store folder, per module id ``mid``::
 
-    modules/<mid>/head.json          {"version": v, "hash": ..., "applied": [task ids]}
+    modules/<mid>/head.json          {"version": v, "hash": ..., "applied": [task ids],
+                                      "reported": {base version: [paths]}}
                                      the commit point; "applied" lists the tasks of the last
-                                     steps, so a retried delta is acknowledged, not applied twice
+                                     steps, so a retried delta is acknowledged, not applied twice,
+                                     and "reported" the paths each step had on time, so a second
+                                     task of the same path and round is not applied late
     modules/<mid>/v<v>.dpt           parameters at version v
     modules/<mid>/m<v>.dpt           outer momentum after producing version v (absent for v0)
     deltas/<mid>/v<v>/P<p>.dpt       a path's delta against version v, durable before it is acked
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 KEEP_VERSIONS = 2
 APPLIED_KEPT = 512  # task ids remembered per module (many rounds' worth)
+REPORTED_KEPT = 8  # versions for which the paths that reported on time are remembered
 
 
 @dataclass
@@ -60,6 +64,7 @@ class ModuleRecord:
     params: Tensors
     momentum: Tensors | None
     applied: list[str] = field(default_factory=list)  # task ids of the last outer steps
+    reported: dict[int, list[int]] = field(default_factory=dict)  # base version -> on-time paths
     pending: dict[int, PendingDelta] = field(default_factory=dict)  # on time: base == version
     late: dict[int, PendingDelta] = field(default_factory=dict)  # late: base < version, damped
 
@@ -100,7 +105,10 @@ class ModuleStore:
                     f"{folder / f'v{v}.dpt'}: content hash differs from head.json"
                 )
             momentum = read_tensor_file(folder / f"m{v}.dpt").tensors if v > 0 else None
-            record = ModuleRecord(v, head["hash"], params, momentum, list(head.get("applied", [])))
+            reported = {int(b): list(ps) for b, ps in head.get("reported", {}).items()}
+            record = ModuleRecord(
+                v, head["hash"], params, momentum, list(head.get("applied", [])), reported
+            )
             self._discard_uncommitted(mid, folder, v)
             record.pending, record.late = self._load_pending(mid, v)
             self.modules[mid] = record
@@ -233,10 +241,20 @@ class ModuleStore:
         )
         digest = tensors_sha256(params)
         applied = (record.applied + [p.task_id for p in included])[-APPLIED_KEPT:]
-        write_json_atomic(folder / "head.json", {"version": v, "hash": digest, "applied": applied})
+        reported = {**record.reported, record.version: sorted(record.pending)}
+        reported = {b: ps for b, ps in reported.items() if b > record.version - REPORTED_KEPT}
+        write_json_atomic(
+            folder / "head.json",
+            {
+                "version": v,
+                "hash": digest,
+                "applied": applied,
+                "reported": {str(b): ps for b, ps in reported.items()},
+            },
+        )
         old_deltas = self.root / "deltas" / mid / f"v{record.version}"
         paths, late = sorted(record.pending), sorted(record.late)
-        self.modules[mid] = ModuleRecord(v, digest, params, momentum, applied)
+        self.modules[mid] = ModuleRecord(v, digest, params, momentum, applied, reported)
         shutil.rmtree(old_deltas, ignore_errors=True)
         for stale in (f"v{v - KEEP_VERSIONS}.dpt", f"m{v - KEEP_VERSIONS}.dpt"):
             (folder / stale).unlink(missing_ok=True)

@@ -206,6 +206,24 @@ class Peer:
                 self.stop.wait(self.retry_seconds)
 
     def run_task(self, task: m.TaskOffer) -> None:
+        """Fetch, train and push one task, heartbeating all along (downloads can be slow)."""
+        progress: dict[str, Any] = {"step": 0}
+        lease_lost = threading.Event()
+        beats_done = threading.Event()
+        beats = threading.Thread(
+            target=self._heartbeats,
+            args=(task, progress, lease_lost, beats_done),
+            name=f"{self.peer_id}-heartbeat",
+            daemon=True,
+        )
+        beats.start()
+        try:
+            self._run_task(task, progress, lease_lost)
+        finally:
+            beats_done.set()
+            beats.join()
+
+    def _run_task(self, task: m.TaskOffer, progress: dict, lease_lost: threading.Event) -> None:
         log.info("peer %s: training %s (path P%d)", self.peer_id, task.task_id, task.path)
         if task.owners:
             self.owners.update(task.owners)
@@ -237,8 +255,7 @@ class Peer:
         for _ in range(done_steps):  # a resumed task skips the windows it already trained on
             next(batches)
         start = time.monotonic()
-        progress = {"step": done_steps, "saved": time.monotonic()}
-        lease_lost = threading.Event()
+        progress.update(step=done_steps, saved=time.monotonic())
 
         def on_step(step: int, loss: float) -> None:
             if self.stop.is_set():
@@ -261,49 +278,35 @@ class Peer:
                 self._checkpoint(task, model, optimizer, names, progress["step"], losses)
                 progress["saved"] = time.monotonic()
 
-        beats_done = threading.Event()
-        beats = threading.Thread(
-            target=self._heartbeats,
-            args=(task, progress, lease_lost, beats_done),
-            name=f"{self.peer_id}-heartbeat",
-            daemon=True,
-        )
-        beats.start()
         try:
-            try:
-                train_steps(
-                    model,
-                    optimizer,
-                    batches,
-                    settings,
-                    steps=task.inner_steps - done_steps,
-                    step_offset=task.step_offset + done_steps,
-                    on_step=on_step,
-                    micro_batch=self.micro_batch,
-                )
-            except TaskAborted:
-                if self.stop.is_set():
-                    # Leave cleanly: hand the task back at once rather than let it expire.
-                    self.transport.request(
-                        m.ReleaseTask(peer_id=self.peer_id, task_id=task.task_id)
-                    )
-                self._drop_checkpoint()
-                raise
-            trained = self.topology.split_path_state(
-                task.path, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+            train_steps(
+                model,
+                optimizer,
+                batches,
+                settings,
+                steps=task.inner_steps - done_steps,
+                step_offset=task.step_offset + done_steps,
+                on_step=on_step,
+                micro_batch=self.micro_batch,
             )
-            delta = {
-                mid: {
-                    name: (modules[mid][name] - trained[mid][name]).contiguous()
-                    for name in modules[mid]
-                }
-                for mid in modules
+        except TaskAborted:
+            if self.stop.is_set():
+                # Leave cleanly: hand the task back at once rather than let it expire.
+                self.transport.request(m.ReleaseTask(peer_id=self.peer_id, task_id=task.task_id))
+            self._drop_checkpoint()
+            raise
+        trained = self.topology.split_path_state(
+            task.path, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        )
+        delta = {
+            mid: {
+                name: (modules[mid][name] - trained[mid][name]).contiguous()
+                for name in modules[mid]
             }
-            tokens = task.inner_steps * tc["batch_size"] * tc["seq_len"]
-            self.push(task, delta, tokens, losses)
-        finally:
-            beats_done.set()
-            beats.join()
+            for mid in modules
+        }
+        tokens = task.inner_steps * tc["batch_size"] * tc["seq_len"]
+        self.push(task, delta, tokens, losses)
         self._save_inner_state(task.path, optimizer, names)
         self._drop_checkpoint()
         self.tasks_done += 1

@@ -155,19 +155,21 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
         procs.append(owner)
         wait_for(lambda: owner.saw("took over"), 120, f"the hand-over\n{owner.output}")
 
-        # peer0's link is slow, so that its upload can be caught half-way.
+        # peer0 alone first, on a slow link, so that its upload can be caught half-way.
         slow = start_peer(address, tmp_path, "peer0", "--max-mbps", "0.3")
-        steady = start_peer(address, tmp_path, "peer1")
-        quitter = start_peer(address, tmp_path, "peer2")
-        procs += [slow, steady, quitter]
-
+        procs.append(slow)
         wait_for(lambda: slow.saw("pushing the deltas"), 240, f"peer0's upload\n{slow.output}")
         time.sleep(1.0)
         slow.p.send_signal(signal.SIGKILL)  # mid-upload: nothing of this task is acknowledged
-        wait_for(lambda: quitter.saw("training"), 120, "peer2 to start a task")
+
+        steady = start_peer(address, tmp_path, "peer1")
+        quitter = start_peer(address, tmp_path, "peer2")
+        procs += [steady, quitter]
+        wait_for(lambda: quitter.saw("training"), 120, f"peer2 to start a task\n{quitter.output}")
         time.sleep(0.5)
         quitter.p.send_signal(signal.SIGINT)  # Ctrl-C: it releases its lease and leaves
         assert quitter.p.wait(timeout=60) == 0, quitter.output
+        assert "left after 0 tasks" in quitter.output, quitter.output
 
         metrics = root / "metrics.jsonl"
         wait_for(

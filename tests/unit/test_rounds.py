@@ -212,7 +212,7 @@ def test_deadline_closes_the_rounds_a_straggler_is_missing_from(tmp_path, poke):
     assert steps["S.embed"]["paths"] == [0, 1, 2] and steps["L0.M1"]["paths"] == [2]
     assert [e["round"] for e in events if e["event"] == "round"] == [1, 2]
     status = tr.request(m.GetStatus()).state
-    assert status["round"] == 2 and status["overdue"] == [[3, 1]]
+    assert status["round"] == 2 and status["overdue"] == []  # round 1 is over everywhere: forgotten
 
     # p3's delta against version 1 arrives late: kept for version 2's step, damped once.
     ack = tr.request(delta_for(task3, "p3"))
@@ -328,6 +328,32 @@ def test_a_round_closes_only_when_every_missing_path_is_overdue(tmp_path):
     assert {e["module"]: e["closed_by"] for e in steps} == dict.fromkeys(
         TOPO.module_ids(), "deadline"
     )
+
+
+def test_a_path_skipped_by_one_module_is_not_waited_for_by_the_others(tmp_path):
+    """Round 1: p0 straggles; L0.M0 and L1.M0 close without it at the deadline while S.embed
+    and S.head still wait for path 3. p0 then gives its task up (its modules moved on). The
+    shared modules must not wait for path 0 forever: it stays skipped for round 1."""
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, events=events)
+    tr = LocalTransport(co.handle)
+    full_round(tr, clock)
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(3)]
+    clock.now = 12.0
+    for p in (1, 2):
+        tr.request(delta_for(tasks[p], f"p{p}"))
+    clock.now = 20.0
+    tr.request(m.Heartbeat(peer_id="p0", task_id=tasks[0].task_id, step=1))
+    task3 = claim(tr, "p3", prefer=3)
+    clock.now = 26.0
+    co.tick()
+    assert versions(co)["L0.M0"] == 2 and versions(co)["S.embed"] == 1
+    tr.request(m.ReleaseTask(peer_id="p0", task_id=tasks[0].task_id))  # p0 gives up
+    clock.now = 27.0
+    tr.request(delta_for(task3, "p3"))
+    co.tick()
+    assert set(versions(co).values()) == {2}, versions(co)
+    assert claim(tr, "p9", prefer=0).round == 2  # path 0 goes on with round 2
 
 
 # ---- 3. stale and wrong-base deltas ------------------------------------------------------------
