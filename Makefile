@@ -31,6 +31,7 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/wire.py
+	$(PY) bench/communication.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
