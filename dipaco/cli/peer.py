@@ -85,6 +85,10 @@ def cmd_join(args: argparse.Namespace) -> int:
     current: dict[str, TaskID] = {}
 
     def on_progress(info: dict) -> None:
+        if "announce" in extra:  # what the DHT shows of this peer: its task and progress
+            extra["announce"].update(
+                task=info["task"], step=info["step"], steps=info["steps"], loss=info["loss"]
+            )
         if info["task"] not in current:
             for old in current.values():
                 progress.update(old, visible=False)
@@ -143,7 +147,13 @@ def _hivemind(args: argparse.Namespace, peer_id: str, state_dir: Path):
         scheduler = connect(entry["scheduler"], entry.get("addresses", []))
         files = RunFiles(scheduler, peer_id, manifest["files"], state_dir / "runs" / run_id)
         files.get("tokenizer.model")
-        info = {"peer": peer_id, "device": args.device, "client_mode": True}
+        info = {
+            "peer": peer_id,
+            "device": args.device,
+            "memory_gb": args.memory_gb,
+            "max_mbps": args.max_mbps,
+            "client_mode": True,
+        }
         publisher = discovery.Publisher(
             node, lambda: [(discovery.key(run_id, "peers"), info, peer_id)], interval=10.0
         )
@@ -158,6 +168,7 @@ def _hivemind(args: argparse.Namespace, peer_id: str, state_dir: Path):
         "links": links,
         "publisher": publisher,
         "manifest_sha256": entry["manifest"],
+        "announce": info,
     }
     return scheduler, node, extra
 

@@ -7,7 +7,8 @@ Keys (values are JSON-like; every record has a TTL and is refreshed while its wr
                                    is the "manifest" field above, and its run_id the subkey
     dipaco.<run id>.owners         subkey <owner id>: {"modules", "addresses", "scheduler"}
     dipaco.<run id>.progress       {"round", "rounds", "modules": {mid: version}, "finished"}
-    dipaco.<run id>.peers          subkey <peer id>: {"peer", "device", "client_mode"}
+    dipaco.<run id>.peers          subkey <peer id>: {"peer", "device", "memory_gb", "max_mbps",
+                                   "client_mode", "task", "step", "steps", "loss"}
 
 The DHT has no compare-and-swap, so it never decides anything: the scheduler stays the authority
 for task claims and module ownership; the DHT only helps find it, and shows progress.

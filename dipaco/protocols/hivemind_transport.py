@@ -628,6 +628,8 @@ class HivemindTransport(Transport):
         except Exception as exc:
             raise TransportError(f"bad hivemind address for {target_peer_id}: {exc}") from None
         self.timeout = timeout
+        self.max_mbps = max_mbps
+        self._reply_seconds = 0.0
         self.max_reply_bytes = max_reply_bytes
         self._up = _TokenBucket(max_mbps) if max_mbps else None
         self._down = _TokenBucket(max_mbps) if max_mbps else None
@@ -685,6 +687,7 @@ class HivemindTransport(Transport):
                             f"{self.max_reply_bytes} bytes",
                             reason="too-large",
                         )
+                    self._reply_seconds = self._transfer_seconds(size)
                     if size == 0:
                         break
                     continue
@@ -708,16 +711,40 @@ class HivemindTransport(Transport):
             raise TransportError(f"reply truncated: got {got} of {size} bytes", reason="truncated")
         return chunks, size, reply_header["sha256"]
 
+    def _transfer_seconds(self, nbytes: int) -> float:
+        """How long ``nbytes`` take at this link's rate cap (0 without one)."""
+        return nbytes * 8 / (self.max_mbps * 1e6) if self.max_mbps else 0.0
+
+    async def _within_budget(self, data: bytes, header: str):
+        """``_call`` with a time budget: the timeout, plus what the rate cap makes the request,
+        and once its header says how big it is, the reply, take."""
+        loop = asyncio.get_running_loop()
+        self._reply_seconds = 0.0
+        began = loop.time()
+        budget = self.timeout + self._transfer_seconds(len(data))
+        task = asyncio.ensure_future(self._call(data, header))
+        while True:
+            remaining = began + budget + self._reply_seconds - loop.time()
+            if remaining <= 0:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise TimeoutError
+            done, _ = await asyncio.wait({task}, timeout=min(remaining, 1.0))
+            if done:
+                return task.result()
+
     async def _call_with_timeout(self, data: bytes, header: str):
         try:
-            return await asyncio.wait_for(self._call(data, header), self.timeout)
+            return await self._within_budget(data, header)
         except (TransportError, RejectedError):
             self._dialed = not self._maddrs
             raise
         except TimeoutError:
             self._dialed = not self._maddrs
             raise TransportError(
-                f"no complete reply from {self.target} within {self.timeout:g} s", reason="timeout"
+                f"no complete reply from {self.target} within {self.timeout:g} s "
+                "(plus the transfer time at the rate cap)",
+                reason="timeout",
             ) from None
         except Exception as exc:
             self._dialed = not self._maddrs
@@ -734,8 +761,8 @@ class HivemindTransport(Transport):
         header = _header(len(data), hashlib.sha256(data).hexdigest())
         try:
             chunks, size, digest = self.node._submit(
-                self._call_with_timeout(data, header), self.timeout + 10.0
-            )
+                self._call_with_timeout(data, header), None
+            )  # the call keeps its own time budget
         except (TransportError, RejectedError):
             raise
         except (TimeoutError, concurrent.futures.CancelledError, asyncio.CancelledError):

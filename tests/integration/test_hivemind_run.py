@@ -20,6 +20,8 @@ import torch
 
 from dipaco.coordinator.prepare import prepare
 from dipaco.coordinator.run import MetricsLog, build_coordinator, run_local_peers
+from dipaco.protocols import discovery
+from dipaco.protocols.hivemind_transport import HivemindNode
 from dipaco.protocols.wire import read_tensor_file
 
 BIN = Path(sys.executable).parent
@@ -253,6 +255,18 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(run_copy, tm
         wait_for(lambda: owner.saw("took over"), 120, f"the hand-over\n{owner.output}")
         peer = start_peer(address, tmp_path, "only")
         procs.append(peer)
+        # Anyone on the DHT sees the run, its verified manifest, its owners and its peers.
+        with HivemindNode(initial_peers=[address], client_mode=True) as watcher:
+            run_id, entry, manifest = discovery.find_run(watcher)
+            assert manifest["run_id"] == run_id and entry["scheduler"] in address
+
+            def owned():  # the DHT is eventually consistent: wait for the hand-over to show
+                owners = watcher.get(discovery.key(run_id, "owners")) or {}
+                return sorted(m for o in owners.values() for m in o["modules"])
+
+            wait_for(lambda: owned() == sorted(reference.store.modules), 30, "the owners")
+            peers = wait_for(lambda: watcher.get(discovery.key(run_id, "peers")), 60, "peers")
+            assert peers["only"]["client_mode"] is True
         assert coordinator.p.wait(timeout=600) == 0, coordinator.output
         assert peer.p.wait(timeout=120) == 0, peer.output
         assert owner.p.wait(timeout=120) == 0, owner.output

@@ -261,6 +261,10 @@ def test_max_mbps(nodes):
     assert elapsed >= 1.8  # 10 MB at 40 Mbit/s = 5 MB/s is 2 s
     assert transport.bytes_sent == len(data)
     assert transport.bytes_received == 2
+    # The timeout is for a stalled call, not for a transfer the rate cap makes long: 2 s of
+    # upload on a link whose timeout is 1 s still arrives.
+    patient = client.transport(server.peer_id, timeout=1.0, max_mbps=40)
+    assert patient._roundtrip(data) == b"ok"
 
 
 # ---- 2. a server process, killed mid-transfer -------------------------------------------------
