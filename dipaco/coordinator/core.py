@@ -355,6 +355,14 @@ class Coordinator:
             if req.task_id in record.applied:
                 already.append(mid)  # applied in an earlier step; its ack was lost: ack again
                 continue
+            if record.version >= self.rounds:
+                # The module made its last step without this delta: nothing would apply it, so
+                # acknowledging it would be a lie.
+                self._reject(
+                    req.peer_id,
+                    "finished",
+                    f"{mid} has made all its {self.rounds} rounds; late deltas are not applied",
+                )
             lateness = record.version - base
             if not 0 <= lateness <= self.policy.max_staleness:
                 if self.is_scheduler:  # the task can never be applied: free its path

@@ -40,11 +40,11 @@ class Clock:
         return self.now
 
 
-def make(root, clock=None, *, inner_steps=5, lease=LEASE, events=None, **policy):
+def make(root, clock=None, *, inner_steps=5, lease=LEASE, events=None, rounds=4, **policy):
     co = Coordinator(
         root,
         TOPO,
-        rounds=4,
+        rounds=rounds,
         inner_steps=inner_steps,
         step_offset=0,
         total_steps=100,
@@ -691,3 +691,18 @@ def test_a_restarted_straggler_is_not_stuck_on_a_closed_round(tmp_path):
         f"p3 was offered only tasks whose modules have moved on: {sorted(set(offers))}; "
         f"modules at {versions(co)}, round 2 never closes"
     )
+
+
+def test_a_late_delta_after_the_last_round_is_refused_not_acknowledged(tmp_path):
+    """rounds=2: round 1 (the last) closes at the deadline without path 3; p3's delta must be
+    refused ("finished"), since no later step would ever apply it."""
+    clock = Clock()
+    co = make(tmp_path, clock, rounds=2)
+    assert co.rounds == 2
+    tr = LocalTransport(co.handle)
+    task3 = straggling_round(co, tr, clock)
+    clock.now = 26.0
+    co.tick()
+    assert {co.store.version(mid) for mid in PATH3} == {2}
+    assert rejected(lambda: tr.request(delta_for(task3, "p3"))) == "finished"
+    assert not any(r.late or r.pending for r in co.store.modules.values())
