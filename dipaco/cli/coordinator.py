@@ -79,10 +79,12 @@ class Ticker(threading.Thread):
             self.coordinator.tick()
 
 
-def wait_finished(coordinator: Coordinator, linger: float) -> None:
+def wait_finished(coordinator: Coordinator, linger: float, publisher=None) -> None:
     while not coordinator.finished_event.wait(1.0):
         pass
     console.print(f"run finished: every module at version {coordinator.round}")
+    if publisher is not None:
+        publisher.publish()  # "finished" in the DHT now: peers that cannot reach us stop
     # Stay a moment so that peers asking for work hear "finished" rather than a closed socket.
     time.sleep(linger)
 
@@ -166,7 +168,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         )
         if args.local_peers:
             threads = run_local_peers(coordinator, prep, args.local_peers, stop=stop)
-        wait_finished(coordinator, args.linger)
+        wait_finished(coordinator, args.linger, publisher)
     finally:
         stop.set()
         for t in threads:
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     start.add_argument(
         "--linger",
         type=float,
-        default=3.0,
+        default=5.0,
         help="seconds to keep answering peers after the run finished",
     )
     start.add_argument("--publish-seconds", type=float, default=10.0, help=argparse.SUPPRESS)

@@ -110,7 +110,11 @@ def cmd_join(args: argparse.Namespace) -> int:
         on_progress=on_progress,
         on_ack=on_ack,
         memory_bytes=int(args.memory_gb * 2**30) if args.memory_gb else None,
-        **{k: v for k, v in extra.items() if k in ("connect", "shard_source", "manifest_sha256")},
+        **{
+            k: v
+            for k, v in extra.items()
+            if k in ("connect", "shard_source", "manifest_sha256", "run_over")
+        },
     )
     console.print(f"peer {peer_id} ({peer.device}) joined {args.address}")
     try:
@@ -158,6 +162,18 @@ def _hivemind(args: argparse.Namespace, peer_id: str, state_dir: Path):
             node, lambda: [(discovery.key(run_id, "peers"), info, peer_id)], interval=10.0
         )
         publisher.start()
+        run_over = threading.Event()
+
+        def watch_progress() -> None:  # the DHT says when the run is over, even if no one answers
+            while not run_over.wait(2.0):
+                try:
+                    progress = node.get(discovery.key(run_id, "progress"))
+                except Exception:  # the DHT is best effort
+                    continue
+                if isinstance(progress, dict) and progress.get("finished"):
+                    run_over.set()
+
+        threading.Thread(target=watch_progress, name="dipaco-progress", daemon=True).start()
     except BaseException:
         node.shutdown()
         raise
@@ -169,6 +185,7 @@ def _hivemind(args: argparse.Namespace, peer_id: str, state_dir: Path):
         "publisher": publisher,
         "manifest_sha256": entry["manifest"],
         "announce": info,
+        "run_over": run_over,
     }
     return scheduler, node, extra
 

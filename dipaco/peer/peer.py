@@ -57,6 +57,10 @@ class TaskAborted(Exception):
     """The lease was lost (expired and handed to another peer); drop the work."""
 
 
+class RunOver(Exception):
+    """The run finished while this peer could not reach its coordinators: stop retrying."""
+
+
 def resolve_device(name: str) -> str:
     """``auto`` is the first CUDA GPU when there is one, else the CPU."""
     if name == "auto":
@@ -87,8 +91,11 @@ class Peer:
         checkpoint_seconds: float = 20.0,
         on_ack: Callable[[dict[str, Any]], None] | None = None,
         manifest_sha256: str | None = None,
+        run_over: threading.Event | None = None,
     ) -> None:
         self.manifest_sha256 = manifest_sha256
+        # Set from outside (the DHT's progress record) once the run has finished.
+        self.run_over = run_over or threading.Event()
         self.transport = transport
         self.peer_id = peer_id
         self.state_dir = Path(state_dir)
@@ -155,6 +162,9 @@ class Peer:
                 )
                 last_contact = time.monotonic()
             except TransportError as exc:
+                if self.run_over.is_set():
+                    log.info("peer %s: the run has finished", self.peer_id)
+                    break
                 # The coordinator may be restarting: it keeps everything it acknowledged.
                 if time.monotonic() - last_contact > self.give_up_seconds:
                     raise
@@ -169,6 +179,9 @@ class Peer:
                 continue
             try:
                 self.run_task(offer)
+            except RunOver:
+                log.info("peer %s: the run finished during task %s", self.peer_id, offer.task_id)
+                break
             except TaskAborted as exc:
                 log.warning("peer %s: task %s aborted: %s", self.peer_id, offer.task_id, exc)
                 if not self.stop.is_set():  # hand it back so that it is re-issued at once
@@ -200,6 +213,8 @@ class Peer:
             try:
                 return call()
             except TransportError as exc:
+                if self.run_over.is_set():
+                    raise RunOver() from None
                 if time.monotonic() - began > self.give_up_seconds or self.stop.is_set():
                     raise
                 log.warning("peer %s: %s; retrying", self.peer_id, exc)
@@ -376,6 +391,8 @@ class Peer:
                 if exc.reason not in RETRIABLE:
                     raise
                 problem = exc
+            if self.run_over.is_set():
+                raise RunOver() from None
             if time.monotonic() - began > self.give_up_seconds:
                 raise problem
             log.warning("peer %s: owner %s: %s; retrying", self.peer_id, owner, problem)

@@ -48,6 +48,15 @@ class Proc:
         for line in self.p.stdout:
             self.lines.append(line)
 
+    def finish(self, timeout: float) -> int:
+        """Its exit code; on a timeout, an assertion that shows what it printed."""
+        try:
+            return self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{self.name} still running after {timeout} s:\n{self.output}"
+            ) from None
+
     def saw(self, text: str) -> bool:
         return any(text in line for line in self.lines)
 
@@ -170,7 +179,7 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
         wait_for(lambda: quitter.saw("training"), 120, f"peer2 to start a task\n{quitter.output}")
         time.sleep(0.5)
         quitter.p.send_signal(signal.SIGINT)  # Ctrl-C: it releases its lease and leaves
-        assert quitter.p.wait(timeout=60) == 0, quitter.output
+        assert quitter.finish(60) == 0, quitter.output
         assert "left after 0 tasks" in quitter.output, quitter.output
 
         metrics = root / "metrics.jsonl"
@@ -190,10 +199,10 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
         late = start_peer(address, tmp_path, "peer3")
         procs.append(late)
 
-        assert coordinator.p.wait(timeout=600) == 0, coordinator.output
-        assert owner.p.wait(timeout=120) == 0, owner.output
+        assert coordinator.finish(600) == 0, coordinator.output
+        assert owner.finish(120) == 0, owner.output
         for peer in (steady, late):
-            assert peer.p.wait(timeout=120) == 0, peer.output
+            assert peer.finish(120) == 0, peer.output
     finally:
         for proc in procs:
             proc.kill_group()
@@ -267,9 +276,9 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(run_copy, tm
             wait_for(lambda: owned() == sorted(reference.store.modules), 30, "the owners")
             peers = wait_for(lambda: watcher.get(discovery.key(run_id, "peers")), 60, "peers")
             assert peers["only"]["client_mode"] is True
-        assert coordinator.p.wait(timeout=600) == 0, coordinator.output
-        assert peer.p.wait(timeout=120) == 0, peer.output
-        assert owner.p.wait(timeout=120) == 0, owner.output
+        assert coordinator.finish(600) == 0, coordinator.output
+        assert peer.finish(120) == 0, peer.output
+        assert owner.finish(120) == 0, owner.output
     finally:
         for proc in procs:
             proc.kill_group()
