@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dipaco.config import load_config_dict
+from dipaco.config import RunConfig, load_config_dict
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.prepare import PreparedRun, inner_settings
@@ -80,6 +80,24 @@ def shard_tokens(prep: PreparedRun) -> list[int]:
     return json.loads((prep.shards_dir / "stats.json").read_text())["train"]["tokens"]
 
 
+def coordinator_for(c: RunConfig, root: Path, **kwargs: Any) -> Coordinator:
+    """A coordinator core with the run config's schedule, outer step, policy and codec."""
+    return Coordinator(
+        root,
+        c.build_topology(),
+        rounds=c.train.rounds,
+        inner_steps=c.train.inner_steps,
+        step_offset=c.train.pretrain_steps,
+        total_steps=c.total_steps,
+        seed=c.train.seed,
+        outer=OuterSettings(**c.outer.model_dump()),
+        lease_seconds=c.scheduler.lease_seconds,
+        policy=c.scheduler,
+        codec=c.network.codec,
+        **kwargs,
+    )
+
+
 def build_owner(
     root: str | Path,
     manifest: dict[str, Any],
@@ -106,26 +124,17 @@ def build_owner(
     else:
         write_json_atomic(saved, manifest)
     c = load_config_dict(manifest["run"], origin=str(saved))
-    coordinator = Coordinator(
+    coordinator = coordinator_for(
+        c,
         root / "coordinator",
-        c.build_topology(),
-        rounds=c.train.rounds,
-        inner_steps=c.train.inner_steps,
-        step_offset=c.train.pretrain_steps,
-        total_steps=c.total_steps,
-        seed=c.train.seed,
-        outer=OuterSettings(**c.outer.model_dump()),
-        lease_seconds=c.scheduler.lease_seconds,
         run_id=manifest["run_id"],
         peer_config=manifest,
         shard_tokens=manifest["shard_tokens"],
         metrics=metrics,
         clock=clock,
-        policy=c.scheduler,
         owner_id=owner_id,
         secret=secret,
         is_scheduler=False,
-        codec=c.network.codec,
     )
     coordinator.start(None)
     return coordinator
@@ -192,26 +201,17 @@ def build_coordinator(
             }
         )
 
-    coordinator = Coordinator(
+    coordinator = coordinator_for(
+        c,
         prep.root / "coordinator",
-        c.build_topology(),
-        rounds=c.train.rounds,
-        inner_steps=c.train.inner_steps,
-        step_offset=c.train.pretrain_steps,
-        total_steps=c.total_steps,
-        seed=c.train.seed,
-        outer=OuterSettings(**c.outer.model_dump()),
-        lease_seconds=c.scheduler.lease_seconds,
         run_id=prep.run_id,
         peer_config=peer_config(prep),
         shard_tokens=shard_tokens(prep),
         on_round=on_round if evaluate and c.eval.every_round else None,
         metrics=metrics,
         clock=clock,
-        policy=c.scheduler,
         owner_id=owner_id,
         secret=secret,
-        codec=c.network.codec,
         files=run_files(prep),
     )
     coordinator.start(c.build_topology().init_modules(prep.initial_state()))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _waiting import wait_for
 
 from dipaco.coordinator.prepare import prepare
 from dipaco.coordinator.run import MetricsLog, build_coordinator, run_local_peers
@@ -70,16 +71,6 @@ class Proc:
         except ProcessLookupError:
             pass
         self.p.wait()
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def config_file(tmp_path, rounds: int = 2, extra: str = "") -> Path:

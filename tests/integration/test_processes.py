@@ -6,10 +6,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from _waiting import wait_for
 
 from dipaco.errors import TransportError
 from dipaco.protocols import messages as m
@@ -18,16 +18,6 @@ from dipaco.protocols.transport import LoopbackTransport
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
 DELTA = '"event": "delta"'
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def run_config(tmp_path) -> Path:
