@@ -53,10 +53,9 @@ def one_run(prepared: Path, work: Path, codec: str, h: int, steps: int, n_peers:
     def timed(data: bytes) -> bytes:
         began = time.perf_counter()
         reply = coordinator.handle(data)
-        if m.decode_message(reply).__class__ is m.DeltaAck:
-            ack = m.decode_message(reply)
-            if ack.closed:  # this delta closed a round: the new versions are committed now
-                overheads.append(time.perf_counter() - began)
+        ack = m.decode_message(reply)
+        if isinstance(ack, m.DeltaAck) and ack.closed:  # the round closed: versions committed
+            overheads.append(time.perf_counter() - began)
         return reply
 
     server = HivemindNode()
