@@ -38,6 +38,8 @@ class TopologySection(_Section):
     private_blocks_before: int = Field(0, ge=0)
     private_blocks_after: int = Field(0, ge=0)
     blocks_per_level: list[int] | None = None
+    # Workers per module combination, each with its own shard: "1" with 4 replicas is DiLoCo-4.
+    replicas: int = Field(1, ge=1)
 
 
 class DataSection(_Section):
@@ -51,9 +53,20 @@ class DataSection(_Section):
 
 
 class RoutingSection(_Section):
-    method: Literal["kmeans", "product"] = "kmeans"
+    # kmeans / product: generative routing on prefix features (§2.4.1, §7.3); iid: documents
+    # spread by a hash of their id (the i.i.d. shards of DiLoCo's baseline).
+    method: Literal["kmeans", "product", "iid"] = "kmeans"
     balance: float = Field(0.5, ge=0, le=1)
     prefix_tokens: int = Field(32, gt=0)
+    # Overlapping shards (§2.4.4): each training document goes to its top-n paths; never at eval.
+    overlap: int = Field(1, ge=1)
+    # Discriminative phases (§2.4.2): after each listed round, score the router documents under
+    # every path, fit a logistic-regression router on their best paths, and re-shard.
+    discriminative_after: list[int] = []
+    # Training documents reserved (by a hash of their id) as the router documents: never trained on.
+    router_fraction: float = Field(0.05, ge=0, lt=0.5)
+    # Score only each router document's top-c generative candidates (None: every path).
+    candidates: int | None = Field(None, ge=1)
 
 
 class TrainSection(_Section):
@@ -105,6 +118,11 @@ class NetworkSection(_Section):
 class EvalSection(_Section):
     max_docs: int | None = Field(None, gt=0)
     every_round: bool = True
+    # Per-path early stopping: after every round each path's loss on its shard's held-out slice
+    # is measured and the path's parameters at its lowest loss are kept (paper Table 3).
+    early_stopping: bool = False
+    # Final evaluations that re-route every W tokens (§2.4.3), e.g. [64, 32].
+    reroute_windows: list[int] = []
 
 
 class RunConfig(_Section):
@@ -128,6 +146,25 @@ class RunConfig(_Section):
             )
         if self.routing.prefix_tokens >= self.train.seq_len:
             raise ValueError("routing.prefix_tokens must be shorter than train.seq_len")
+        paths = self.build_topology().num_paths
+        if self.routing.overlap > paths:
+            raise ValueError(f"routing.overlap ({self.routing.overlap}) exceeds the {paths} paths")
+        bad = [r for r in self.routing.discriminative_after if not 0 < r < self.train.rounds]
+        if bad or len(set(self.routing.discriminative_after)) != len(
+            self.routing.discriminative_after
+        ):
+            raise ValueError(
+                f"routing.discriminative_after must list distinct rounds between 1 and "
+                f"train.rounds - 1 ({self.train.rounds - 1}), got {self.routing.discriminative_after}"
+            )
+        if self.routing.discriminative_after and self.routing.method == "iid":
+            raise ValueError("discriminative phases need feature routing, not routing.method iid")
+        if self.routing.discriminative_after and self.routing.router_fraction == 0:
+            raise ValueError(
+                "discriminative phases need router documents: routing.router_fraction > 0"
+            )
+        if any(w < 1 for w in self.eval.reroute_windows):
+            raise ValueError("eval.reroute_windows must be positive token counts")
         self.build_model_config()
         self.build_topology()
         return self
@@ -144,6 +181,7 @@ class RunConfig(_Section):
             private_blocks_before=t.private_blocks_before,
             private_blocks_after=t.private_blocks_after,
             blocks_per_level=t.blocks_per_level,
+            replicas=t.replicas,
         )
 
     @property

@@ -6,11 +6,13 @@ even if the writer crashes or the machine loses power.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 
 class AtomicFile:
@@ -65,3 +67,12 @@ def write_atomic(path: str | Path, data: bytes) -> None:
 
 def write_json_atomic(path: str | Path, obj: object) -> None:
     write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def file_info(path: str | Path) -> dict[str, Any]:
+    """A file's size and SHA-256, as run manifests and task offers list them."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"size": Path(path).stat().st_size, "sha256": digest.hexdigest()}

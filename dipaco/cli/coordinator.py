@@ -26,7 +26,7 @@ from dipaco.cli.common import choose_config, command_parser, console, dispatch
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.prepare import prepare
 from dipaco.coordinator.run import MetricsLog, build_coordinator, build_owner, run_local_peers
-from dipaco.errors import ConfigError
+from dipaco.errors import ConfigError, DipacoError
 from dipaco.protocols.transport import LoopbackServer
 
 
@@ -82,6 +82,8 @@ class Ticker(threading.Thread):
 def wait_finished(coordinator: Coordinator, linger: float, publisher=None) -> None:
     while not coordinator.finished_event.wait(1.0):
         pass
+    if coordinator.failure:
+        raise DipacoError(coordinator.failure)
     console.print(f"run finished: every module at version {coordinator.round}")
     if publisher is not None:
         publisher.publish()  # "finished" in the DHT now: peers that cannot reach us stop

@@ -108,6 +108,8 @@ def run_demo(run_dir: Path, config, n_peers: int) -> int:
             for t in threads:
                 t.join(30)
             metrics.listeners.clear()
+        if coordinator.failure:
+            raise DipacoError(coordinator.failure)
 
     baseline = None
     if c.baseline:

@@ -33,7 +33,7 @@ from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.scheduler import Lease, Scheduler
 from dipaco.coordinator.store import ModuleStore
 from dipaco.errors import CorruptFileError, DipacoError, RejectedError, WireError
-from dipaco.fileio import write_json_atomic
+from dipaco.fileio import file_info, write_json_atomic
 from dipaco.model.topology import Topology
 from dipaco.protocols import codecs
 from dipaco.protocols import messages as m
@@ -69,6 +69,7 @@ class Coordinator:
         is_scheduler: bool = True,
         codec: str = "lossless",
         files: dict[str, Path] | None = None,
+        phase_rounds: list[int] | tuple[int, ...] = (),
     ) -> None:
         self.root = Path(root)
         self.topology = topology
@@ -98,6 +99,7 @@ class Coordinator:
         self.peers: dict[str, dict[str, Any]] = {}
         self.epoch = 0
         self.finished_event = threading.Event()
+        self.failure: str | None = None  # set when the run cannot go on (finished_event too)
         # Ownership: module id -> owner id. The scheduler knows every module's owner; an owner
         # that is not the scheduler lists only its own modules.
         self.owner_id, self.is_scheduler, self.codec = owner_id, is_scheduler, codec
@@ -110,6 +112,12 @@ class Coordinator:
         # (path, round) whose task ran past the deadline: rounds may close without them.
         self.overdue: set[tuple[int, int]] = set()
         self.files = files or {}
+        # Routing phases (DiPaCo Algorithm 1, line 2): tasks whose base round is at or past
+        # phase_rounds[k - 1] train on phase k's shards, and wait until that phase is ready.
+        self.phase_rounds = sorted(phase_rounds)
+        self.phases: dict[int, dict[str, Any]] = {}
+        if self.is_scheduler:
+            self.phases[0] = {"prefix": "shards", "tokens": shard_tokens, "files": {}}
         self.last_round = 0
         self.changed = threading.Event()  # set on every change an owner must report
 
@@ -213,6 +221,22 @@ class Coordinator:
     def finished(self) -> bool:
         return self.round >= self.rounds
 
+    def phase_of(self, base_round: int) -> int:
+        """The routing phase whose shards a task of this base round trains on."""
+        return sum(1 for r in self.phase_rounds if r <= base_round)
+
+    def add_phase(self, phase: int, prefix: str, tokens: list[int], files: dict[str, Path]) -> None:
+        """Make a routing phase's shards available: its tasks open and its files are served."""
+        with self.lock:
+            infos = {name: file_info(path) for name, path in files.items()}
+            self.files.update(files)
+            self.phases[phase] = {"prefix": prefix, "tokens": tokens, "files": infos}
+            self.metrics({"event": "phase_ready", "phase": phase, "shard_tokens": tokens})
+
+    def _weight(self, path: int, base_round: int) -> float | None:
+        tokens = self.phases.get(self.phase_of(base_round), {}).get("tokens") or self.shard_tokens
+        return float(tokens[path]) if tokens else None
+
     def open_paths(self) -> dict[int, int]:
         out = {}
         for p in range(self.topology.num_paths):
@@ -222,7 +246,7 @@ class Coordinator:
                 continue  # some module of the path is still waiting for other paths
             (v,) = versions
             reported = (p, v) in self.done or all(p in self.reported(mid) for mid in mids)
-            if v < self.rounds and not reported:
+            if v < self.rounds and not reported and self.phase_of(v) in self.phases:
                 out[p] = v
         return out
 
@@ -264,17 +288,21 @@ class Coordinator:
                     "path": lease.path,
                     "round": lease.round,
                     "steps": lease.steps,
+                    "phase": self.phase_of(lease.round),
                 }
             )
         self.peers[req.peer_id]["task"] = lease.task_id
         step_offset = self.step_offset + lease.round * self.inner_steps
+        phase = self.phases[self.phase_of(lease.round)]
         payload = {
             "task": lease.task_id,
             "peer": req.peer_id,
             "path": lease.path,
             "round": lease.round,
             "versions": lease.module_versions,
+            "weight": self._weight(lease.path, lease.round),
         }
+        shard = f"{phase['prefix']}/P{lease.path}/train"
         return m.TaskOffer(
             task_id=lease.task_id,
             path=lease.path,
@@ -288,6 +316,8 @@ class Coordinator:
             ticket=tickets.sign_ticket(self.secret, payload),
             owners={mid: self.owners[mid] for mid in lease.module_versions},
             codec=self.codec,
+            shard=shard,
+            shard_files={k: v for k, v in phase["files"].items() if k.startswith(shard + ".")},
         )
 
     def fetch(self, req: m.FetchModules) -> m.Modules:
@@ -340,7 +370,8 @@ class Coordinator:
                 self._reject(
                     req.peer_id, "handover", f"{mid} is moving to another owner; retry shortly"
                 )
-        weight = self.shard_tokens[path] if self.shard_tokens else req.tokens
+        weight = task.get("weight") or (self.shard_tokens[path] if self.shard_tokens else None)
+        weight = weight or req.tokens
         plan, already = [], []
         for mid in mids:
             record = self.store.modules[mid]
@@ -587,6 +618,7 @@ class Coordinator:
                 "scheduler": self.is_scheduler,
                 "round": self.round,
                 "rounds": self.rounds,
+                "phase": max(self.phases, default=0),
                 "finished": self.finished,
                 "modules": modules,
                 "leases": {
@@ -815,6 +847,7 @@ class Coordinator:
             "path": lease.path,
             "round": lease.round,
             "versions": lease.module_versions,
+            "weight": self._weight(lease.path, lease.round),
         }
 
     def _need_scheduler(self, who: str) -> None:

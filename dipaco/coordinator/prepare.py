@@ -8,27 +8,33 @@ again after an interruption continues where it stopped.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from dipaco.config import RunConfig
+from dipaco.config import RunConfig, load_config_dict
 from dipaco.data.corpus import split_train_val
 from dipaco.data.shards import ShardWriter, TokenShard, window_batches
 from dipaco.data.sources import open_source
 from dipaco.data.tokenizer import Tokenizer
-from dipaco.errors import ConfigError, DataError
-from dipaco.fileio import write_json_atomic
+from dipaco.errors import ConfigError, CorruptFileError, DataError
+from dipaco.fileio import write_atomic, write_json_atomic
 from dipaco.model.optim import InnerSettings, make_optimizer, train_steps
 from dipaco.model.transformer import PathModel, new_dense_model
 from dipaco.protocols.wire import Frame, read_tensor_file, write_tensor_file
+from dipaco.routing.discriminative import best_paths, fit_logistic_router, score_documents
 from dipaco.routing.features import prefix_features
-from dipaco.routing.kmeans import KMeansRouter, fit_router, routing_stats
+from dipaco.routing.kmeans import fit_router, routing_stats
+from dipaco.routing.routers import Router, load_router
 from dipaco.routing.sharding import write_path_shards
 
 log = logging.getLogger(__name__)
@@ -39,16 +45,45 @@ OPERATIONAL = {"name", "scheduler", "eval", "baseline"}
 
 
 @dataclass
+class Routing:
+    """One routing phase: its router, where its shards live, and the validation routes."""
+
+    phase: int
+    method: str
+    router: Router | None  # None for i.i.d. shards
+    val_paths: np.ndarray
+    prefix: str  # shard folder relative to the run folder: "shards", "shards/phase1", ...
+    stats: dict[str, Any]
+
+
+@dataclass
 class PreparedRun:
     root: Path
     config: RunConfig
     tokenizer: Tokenizer
-    router: KMeansRouter
-    val_paths: np.ndarray
+    routings: list[Routing]
 
     @property
     def shards_dir(self) -> Path:
         return self.root / "shards"
+
+    @property
+    def routing(self) -> Routing:
+        """The latest routing phase that is ready."""
+        return self.routings[-1]
+
+    @property
+    def router(self) -> Router | None:
+        return self.routing.router
+
+    @property
+    def val_paths(self) -> np.ndarray:
+        return self.routing.val_paths
+
+    def refresh(self) -> PreparedRun:
+        """Pick up routing phases written since this object was made."""
+        self.routings = load_routings(self.root)
+        return self
 
     def val_docs(self) -> list[np.ndarray]:
         shard = TokenShard(self.root / "data" / "val")
@@ -59,6 +94,12 @@ class PreparedRun:
         )
         return [shard[i] for i in range(n)]
 
+    def heldout_docs(self, path: int, phase: int | None = None) -> list[np.ndarray]:
+        """Path ``path``'s held-out slice in a routing phase (the latest by default)."""
+        routing = self.routing if phase is None else self.routings[phase]
+        shard = TokenShard(self.root / routing.prefix / f"P{path}" / "heldout")
+        return [shard[i] for i in range(len(shard))]
+
     def initial_state(self) -> dict[str, torch.Tensor]:
         return read_tensor_file(self.root / "initial.dpt").tensors
 
@@ -67,9 +108,18 @@ class PreparedRun:
         model.load_state_dict(self.initial_state())
         return model
 
+    def features(self, part: str) -> np.ndarray:
+        """Prefix features of ``data/<part>`` under the initial model, computed once and kept."""
+        return _features(self.root, self.config, part)
+
     @property
     def run_id(self) -> str:
-        parts = [self.config.content_hash(), self.tokenizer.sha256, self.router.sha256]
+        first = self.routings[0].router
+        parts = [
+            self.config.content_hash(),
+            self.tokenizer.sha256,
+            first.sha256 if first is not None else "iid",
+        ]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -90,7 +140,14 @@ def prepare(
     config: RunConfig,
     stage: Stage = lambda s: None,
     on_step: Callable[[int, float], None] | None = None,
+    reuse: str | Path | None = None,
 ) -> PreparedRun:
+    """Prepare (or finish preparing) the run folder ``root``.
+
+    ``reuse`` names another prepared run folder: its tokenizer and token files are linked in when
+    both runs read the same data, and its pretrained model too when they also pretrain alike
+    (benchmarks compare many models that start from one pretraining).
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     seed = config.train.seed
@@ -109,6 +166,8 @@ def prepare(
                 f"resume it with the same settings, or start a new run folder (or pass --fresh)"
             )
     write_json_atomic(config_file, config.to_dict())
+    if reuse is not None:
+        _reuse(Path(reuse), root, config)
 
     tok_path = root / "tokenizer.model"
     if not (TokenShard.exists(data_dir / "train") and TokenShard.exists(data_dir / "val")):
@@ -132,11 +191,18 @@ def prepare(
                 seed=seed,
             )
         tokenizer = Tokenizer.load(tok_path)
-        stage(f"tokenizing {len(train_docs)} + {len(val_docs)} documents")
-        for name, part in (
-            ("val", val_docs),
-            ("train", train_docs),
-        ):  # train last: it marks completion
+        # The router documents (section 7.2.1's "router data") are held out of training.
+        router_docs = [
+            d for d in train_docs if is_router_doc(d.doc_id, config.routing.router_fraction, seed)
+        ]
+        train_docs = [
+            d
+            for d in train_docs
+            if not is_router_doc(d.doc_id, config.routing.router_fraction, seed)
+        ]
+        stage(f"tokenizing {len(train_docs)} + {len(val_docs)} + {len(router_docs)} documents")
+        parts = [("val", val_docs), ("router", router_docs), ("train", train_docs)]
+        for name, part in parts:  # train last: it marks completion
             kept = 0
             with ShardWriter(data_dir / name, tokenizer.vocab_size) as writer:
                 for doc, ids in zip(
@@ -145,7 +211,7 @@ def prepare(
                     if len(ids) + 1 >= config.data.min_doc_tokens:
                         writer.add(ids + [tokenizer.eos_id], doc.doc_id)
                         kept += 1
-            if kept == 0:
+            if kept == 0 and name != "router":
                 raise DataError(
                     f"no {name} document has {config.data.min_doc_tokens} tokens or more"
                 )
@@ -181,49 +247,269 @@ def prepare(
             ),
         )
 
-    router_path = root / "router.json"
-    routing_path = root / "routing.json"
-    if not routing_path.exists():
-        model = PathModel(config.build_model_config())
-        model.load_state_dict(read_tensor_file(root / "initial.dpt").tensors)
-        val = TokenShard(data_dir / "val")
-        p = config.routing.prefix_tokens
-        stage("prefix features and router")
-        train_docs = [train[i] for i in range(len(train))]
-        feats = prefix_features(model, train_docs, p)
+    if not (root / _routing_file(0)).exists():
         topology = config.build_topology()
-        router = fit_router(
-            feats,
-            list(topology.levels),
-            method=config.routing.method,
-            balance=config.routing.balance,
-            seed=seed,
-        )
-        router.save(router_path)
+        val = TokenShard(data_dir / "val")
+        train_docs = [train[i] for i in range(len(train))]
+        n = config.routing.overlap
+        router: Router | None = None
+        if config.routing.method == "iid":
+            stage(f"spreading documents over {topology.num_paths} i.i.d. shards")
+            train_choice = _hash_paths(train.doc_ids, topology.num_paths, n, seed)
+            val_paths = _hash_paths(val.doc_ids, topology.num_paths, 1, seed)[:, 0]
+        else:
+            stage("prefix features and router")
+            feats = _features(root, config, "train")
+            router = fit_router(
+                feats,
+                topology.routing_levels,
+                method=config.routing.method,
+                balance=config.routing.balance,
+                seed=seed,
+            )
+            router.save(root / _router_file(0))
+            train_choice = router.top_paths(feats, n) if n > 1 else router.assign(feats)
+            val_paths = router.assign(_features(root, config, "val"))
         stage(f"writing shards for {topology.num_paths} paths")
-        train_paths = router.assign(feats)
-        stats = write_path_shards(
-            root / "shards",
-            train_docs,
-            train.doc_ids,
-            train_paths,
-            topology.num_paths,
-            tokenizer.vocab_size,
-            heldout_fraction=config.data.heldout_fraction,
-            seed=seed,
-            min_train_tokens=config.train.seq_len + 1,
+        _write_phase(root, config, 0, train, train_docs, train_choice, val, val_paths, {})
+    return PreparedRun(root, config, tokenizer, load_routings(root))
+
+
+def discriminative_phase(
+    prep: PreparedRun,
+    phase: int,
+    load_path: Callable[[int], PathModel],
+    stage: Stage = lambda s: None,
+    device: str = "cpu",
+) -> Routing:
+    """One EM-like phase of discriminative routing (DiPaCo section 2.4.2, 7.2.1).
+
+    Score every router document under every path (summed log-likelihood; only each document's
+    top ``routing.candidates`` paths of the current router when set), label it with its best
+    path, fit a K-class logistic-regression router on the prefix features with a bias that keeps
+    every path's share in the balance band, and re-shard train and validation data with it.
+    ``load_path(p)`` gives path p's current model; paths are loaded one at a time.
+    """
+    root, config = prep.root, prep.config
+    if (root / _routing_file(phase)).exists():
+        return prep.refresh().routings[phase]
+    if phase != len(prep.refresh().routings):
+        raise ConfigError(f"routing phase {phase} needs phase {phase - 1} first")
+    router_shard = root / "data" / "router"
+    if not TokenShard.exists(router_shard) or len(TokenShard(router_shard)) == 0:
+        raise DataError(
+            "discriminative routing needs router documents: raise routing.router_fraction "
+            "or use more data"
         )
-        val_paths = router.assign(prefix_features(model, [val[i] for i in range(len(val))], p))
-        write_json_atomic(
-            routing_path,
-            {
-                "train": routing_stats(train_paths, train.doc_lengths, topology.num_paths),
-                "shards": stats,
-                "val": routing_stats(val_paths, val.doc_lengths, topology.num_paths),
-                "val_paths": [int(x) for x in val_paths],
-            },
-        )
-    routing = json.loads(routing_path.read_text())
-    return PreparedRun(
-        root, config, tokenizer, KMeansRouter.load(router_path), np.array(routing["val_paths"])
+    topology = config.build_topology()
+    shard = TokenShard(router_shard)
+    router_docs = [shard[i] for i in range(len(shard))]
+    router_feats = prep.features("router")
+    candidates = None
+    current = prep.router
+    if config.routing.candidates is not None and current is not None:
+        c = min(config.routing.candidates, topology.num_paths)
+        candidates = current.top_paths(router_feats, c)
+    stage(f"phase {phase}: scoring {len(router_docs)} router documents under each path")
+    scores = score_documents(
+        load_path,
+        router_docs,
+        topology.num_paths,
+        seq_len=config.train.seq_len,
+        prefix_tokens=config.routing.prefix_tokens,
+        candidates=candidates,
+        device=device,
     )
+    labels = best_paths(scores)
+    train = TokenShard(root / "data" / "train")
+    train_feats = prep.features("train")
+    stage(f"phase {phase}: fitting the discriminative router")
+    router = fit_logistic_router(
+        router_feats,
+        labels,
+        topology.routing_levels,
+        balance=config.routing.balance,
+        assign_features=train_feats,
+        seed=config.train.seed,
+    )
+    router.save(root / _router_file(phase))
+    n = config.routing.overlap
+    train_choice = router.top_paths(train_feats, n) if n > 1 else router.assign(train_feats)
+    val = TokenShard(root / "data" / "val")
+    val_paths = router.assign(prep.features("val"))
+    extra = {
+        "router_docs": len(router_docs),
+        "label_counts": np.bincount(labels, minlength=topology.num_paths).tolist(),
+        "label_accuracy": float(np.mean(router.assign(router_feats) == labels)),
+        "candidates": None if candidates is None else int(candidates.shape[1]),
+    }
+    stage(f"phase {phase}: writing shards for {topology.num_paths} paths")
+    _write_phase(
+        root,
+        config,
+        phase,
+        train,
+        [train[i] for i in range(len(train))],
+        train_choice,
+        val,
+        val_paths,
+        extra,
+    )
+    return prep.refresh().routings[phase]
+
+
+def is_router_doc(doc_id: str, fraction: float, seed: int) -> bool:
+    if fraction <= 0:
+        return False
+    digest = hashlib.sha256(f"{seed}:router:{doc_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64 < fraction
+
+
+def phase_prefix(phase: int) -> str:
+    return "shards" if phase == 0 else f"shards/phase{phase}"
+
+
+def _routing_file(phase: int) -> str:
+    return "routing.json" if phase == 0 else f"routing-phase{phase}.json"
+
+
+def _router_file(phase: int) -> str:
+    return "router.json" if phase == 0 else f"router-phase{phase}.json"
+
+
+def load_routings(root: Path) -> list[Routing]:
+    """Every routing phase that is ready in ``root`` (its routing file, written last, marks it)."""
+    out = []
+    phase = 0
+    while (root / _routing_file(phase)).exists():
+        info = json.loads((root / _routing_file(phase)).read_text())
+        router_path = root / _router_file(phase)
+        router = load_router(router_path) if info.get("method") != "iid" else None
+        out.append(
+            Routing(
+                phase,
+                info.get("method", "kmeans"),
+                router,
+                np.array(info["val_paths"], dtype=np.int64),
+                phase_prefix(phase),
+                info,
+            )
+        )
+        phase += 1
+    if not out:
+        raise ConfigError(f"{root} is not a prepared run (no routing.json)")
+    return out
+
+
+def _write_phase(
+    root: Path,
+    config: RunConfig,
+    phase: int,
+    train: TokenShard,
+    train_docs: list[np.ndarray],
+    train_choice: np.ndarray,
+    val: TokenShard,
+    val_paths: np.ndarray,
+    extra: dict[str, Any],
+) -> None:
+    topology = config.build_topology()
+    stats = write_path_shards(
+        root / phase_prefix(phase),
+        train_docs,
+        train.doc_ids,
+        train_choice,
+        topology.num_paths,
+        train.vocab_size,
+        heldout_fraction=config.data.heldout_fraction,
+        seed=config.train.seed,
+        min_train_tokens=config.train.seq_len + 1,
+    )
+    first = train_choice if train_choice.ndim == 1 else train_choice[:, 0]
+    write_json_atomic(
+        root / _routing_file(phase),
+        {
+            "phase": phase,
+            "method": config.routing.method if phase == 0 else "discriminative",
+            "train": routing_stats(first, train.doc_lengths, topology.num_paths),
+            "shards": stats,
+            "val": routing_stats(val_paths, val.doc_lengths, topology.num_paths),
+            "val_paths": [int(x) for x in val_paths],
+            **extra,
+        },
+    )
+
+
+def _hash_paths(doc_ids: list[str], num_paths: int, n: int, seed: int) -> np.ndarray:
+    """I.i.d. shards: each document's paths from a hash of its id, (N, n)."""
+    first = np.array(
+        [
+            int.from_bytes(hashlib.sha256(f"{seed}:iid:{d}".encode()).digest()[:8], "little")
+            % num_paths
+            for d in doc_ids
+        ],
+        dtype=np.int64,
+    )
+    return (first[:, None] + np.arange(n)[None, :]) % num_paths
+
+
+def _features(root: Path, config: RunConfig, part: str) -> np.ndarray:
+    path = root / "features" / f"{part}.npy"
+    if path.exists():
+        try:
+            return np.load(path, allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise CorruptFileError(f"{path}: unreadable features: {exc}") from None
+    model = PathModel(config.build_model_config())
+    model.load_state_dict(read_tensor_file(root / "initial.dpt").tensors)
+    shard = TokenShard(root / "data" / part)
+    feats = prefix_features(
+        model, [shard[i] for i in range(len(shard))], config.routing.prefix_tokens
+    )
+    buffer = io.BytesIO()
+    np.save(buffer, feats, allow_pickle=False)
+    write_atomic(path, buffer.getvalue())
+    return feats
+
+
+def _data_key(c: RunConfig) -> dict[str, Any]:
+    return {
+        "data": c.data.model_dump(),
+        "vocab": c.model.vocab_size,
+        "seed": c.train.seed,
+        "router_fraction": c.routing.router_fraction,
+    }
+
+
+def _pretrain_key(c: RunConfig) -> dict[str, Any]:
+    return {
+        **_data_key(c),
+        "model": c.model.model_dump(),
+        "train": c.train.model_dump(),
+        "total_steps": c.total_steps,
+        "prefix": c.routing.prefix_tokens,
+    }
+
+
+def _reuse(base: Path, root: Path, config: RunConfig) -> None:
+    """Link another prepared run's tokenizer, token files, pretrained model and features."""
+    if base.resolve() == root.resolve() or not (base / "config.json").exists():
+        return
+    other = load_config_dict(json.loads((base / "config.json").read_text()), str(base))
+    names: list[str] = []
+    if _data_key(other) == _data_key(config):
+        names += ["tokenizer.model"]
+        names += [
+            f"data/{part}{suffix}"
+            for part in ("train", "val", "router")
+            for suffix in (".tokens", ".index.npy", ".json")
+        ]
+    if _pretrain_key(other) == _pretrain_key(config):
+        names += ["initial.dpt"] + [f"features/{part}.npy" for part in ("train", "val", "router")]
+    for name in names:
+        src, dest = base / name, root / name
+        if src.exists() and not dest.exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dest)
+            except OSError:
+                shutil.copyfile(src, dest)

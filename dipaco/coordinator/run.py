@@ -6,8 +6,8 @@ the run folder, so stopping at any point and starting again continues the run.
 
 from __future__ import annotations
 
-import hashlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -19,11 +19,17 @@ import torch
 
 from dipaco.config import RunConfig, load_config_dict
 from dipaco.coordinator.core import Coordinator
+from dipaco.coordinator.early_stopping import EarlyStopping
 from dipaco.coordinator.outer import OuterSettings
-from dipaco.coordinator.prepare import PreparedRun, inner_settings
+from dipaco.coordinator.prepare import (
+    PreparedRun,
+    discriminative_phase,
+    inner_settings,
+    phase_prefix,
+)
 from dipaco.data.shards import TokenShard, window_batches
 from dipaco.errors import ConfigError
-from dipaco.fileio import write_json_atomic
+from dipaco.fileio import file_info, write_json_atomic
 from dipaco.model.optim import (
     load_optimizer_state_tensors,
     make_optimizer,
@@ -35,7 +41,14 @@ from dipaco.model.transformer import PathModel
 from dipaco.peer.peer import Peer
 from dipaco.protocols.transport import LocalTransport
 from dipaco.protocols.wire import Frame, read_tensor_file, write_tensor_file
-from dipaco.routing.evaluate import routed_perplexity
+from dipaco.routing.evaluate import (
+    chunk_routes,
+    heldout_loss,
+    rerouted_perplexity,
+    routed_perplexity,
+)
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLog:
@@ -77,7 +90,8 @@ def peer_config(prep: PreparedRun) -> dict[str, Any]:
 
 
 def shard_tokens(prep: PreparedRun) -> list[int]:
-    return json.loads((prep.shards_dir / "stats.json").read_text())["train"]["tokens"]
+    """Phase 0's training tokens per path: the outer step's weights (later phases bring theirs)."""
+    return prep.routings[0].stats["shards"]["train"]["tokens"]
 
 
 def coordinator_for(c: RunConfig, root: Path, **kwargs: Any) -> Coordinator:
@@ -94,6 +108,7 @@ def coordinator_for(c: RunConfig, root: Path, **kwargs: Any) -> Coordinator:
         lease_seconds=c.scheduler.lease_seconds,
         policy=c.scheduler,
         codec=c.network.codec,
+        phase_rounds=c.routing.discriminative_after,
         **kwargs,
     )
 
@@ -150,29 +165,110 @@ def run_files(prep: PreparedRun) -> dict[str, Path]:
     return files
 
 
-def file_info(path: Path) -> dict[str, Any]:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
-
-
-def evaluate_modules(prep: PreparedRun, modules: Callable[[str], dict[str, torch.Tensor]]) -> dict:
-    """Routed validation perplexity of the modular model whose module tensors ``modules`` gives."""
+def path_loader(
+    prep: PreparedRun,
+    modules: Callable[[str], dict[str, torch.Tensor]],
+    early: EarlyStopping | None = None,
+    device: str = "cpu",
+) -> Callable[[int], PathModel]:
+    """Path p's model from module tensors, or (``early``) from its early-stopping snapshot."""
     cfg, topology = prep.config.build_model_config(), prep.config.build_topology()
-    docs = prep.val_docs()
 
     def load(p: int) -> PathModel:
-        return topology.build_path(cfg, p, {mid: modules(mid) for mid in topology.path_modules(p)})
+        if early is not None and early.best(p) is not None:
+            model = PathModel(cfg)
+            model.load_state_dict(early.state(p))
+            return model.to(device)
+        mids = topology.path_modules(p)
+        return topology.build_path(cfg, p, {mid: modules(mid) for mid in mids}).to(device)
 
-    return routed_perplexity(
-        load,
+    return load
+
+
+def evaluate_modules(
+    prep: PreparedRun,
+    modules: Callable[[str], dict[str, torch.Tensor]],
+    *,
+    early: EarlyStopping | None = None,
+    window: int | None = None,
+    device: str = "cpu",
+) -> dict:
+    """Routed validation perplexity of the modular model whose module tensors ``modules`` gives.
+
+    Documents go to the latest routing phase's paths. ``early`` evaluates each path's
+    early-stopping snapshot instead; ``window`` re-routes every ``window`` tokens (section 2.4.3).
+    """
+    c = prep.config
+    docs = prep.val_docs()
+    load = path_loader(prep, modules, early, device)
+    seq_len, prefix = c.train.seq_len, c.routing.prefix_tokens
+    if window is None:
+        return routed_perplexity(
+            load, docs, prep.val_paths[: len(docs)], seq_len=seq_len, prefix_tokens=prefix
+        )
+    if prep.router is None:
+        raise ConfigError("re-routing needs a feature router; this run's shards are i.i.d.")
+    routes = chunk_routes(
+        prep.initial_model().to(device),
+        prep.router.assign,
         docs,
-        prep.val_paths[: len(docs)],
-        seq_len=prep.config.train.seq_len,
-        prefix_tokens=prep.config.routing.prefix_tokens,
+        window=window,
+        seq_len=seq_len,
+        prefix_tokens=prefix,
     )
+    return rerouted_perplexity(
+        load, docs, routes, window=window, seq_len=seq_len, prefix_tokens=prefix
+    )
+
+
+def phase_files(prep: PreparedRun, phase: int) -> dict[str, Path]:
+    """A routing phase's training shard files, by the names peers fetch them under."""
+    prefix = phase_prefix(phase)
+    return {
+        f"{prefix}/P{p}/train{suffix}": prep.root / prefix / f"P{p}" / f"train{suffix}"
+        for p in range(prep.config.build_topology().num_paths)
+        for suffix in (".tokens", ".index.npy", ".json")
+    }
+
+
+def track_early_stopping(
+    prep: PreparedRun,
+    early: EarlyStopping,
+    modules: Callable[[str], dict[str, torch.Tensor]],
+    rnd: int,
+    device: str = "cpu",
+) -> dict[int, float]:
+    """Measure every path on its held-out slice and keep its best parameters (paper Table 3).
+
+    A snapshot kept under an earlier routing phase is measured again on the current phase's
+    slice first, so that a path compares losses on the same documents.
+    """
+    c = prep.config
+    cfg, topology = c.build_model_config(), c.build_topology()
+    phase = prep.routing.phase
+    losses = {}
+    for p in range(topology.num_paths):
+        docs = prep.heldout_docs(p)
+        if not docs:
+            continue
+        kept = early.best(p)
+        if kept is not None and kept.get("phase", 0) != phase:
+            model = PathModel(cfg)
+            model.load_state_dict(early.state(p))
+            model.to(device)
+            loss, tokens = heldout_loss(
+                model, docs, seq_len=c.train.seq_len, prefix_tokens=c.routing.prefix_tokens
+            )
+            early.rescore(p, loss, tokens, phase=phase)
+        mids = topology.path_modules(p)
+        model = topology.build_path(cfg, p, {mid: modules(mid) for mid in mids}).to(device)
+        loss, tokens = heldout_loss(
+            model, docs, seq_len=c.train.seq_len, prefix_tokens=c.routing.prefix_tokens
+        )
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        early.update(p, rnd, loss, state, tokens, phase=phase)
+        losses[p] = loss
+    return losses
 
 
 def build_coordinator(
@@ -183,23 +279,74 @@ def build_coordinator(
     clock: Callable[[], float] = time.monotonic,
     owner_id: str = "local",
     secret: bytes | None = None,
+    device: str = "cpu",
 ) -> Coordinator:
+    """The scheduling coordinator of a prepared run; ``device`` runs its evaluation, held-out
+    measurements and routing phases."""
     c = prep.config
     coordinator: Coordinator
+    early = EarlyStopping(prep.root / "early_stopping") if c.eval.early_stopping else None
+    phase_rounds = sorted(c.routing.discriminative_after)
+    running: dict[int, threading.Thread] = {}
+
+    def start_phase(phase: int) -> None:
+        """Run a discriminative phase in the background; its tasks open when it is ready."""
+        if phase in running or phase in coordinator.phases:
+            return
+
+        def work() -> None:
+            try:
+                t0 = time.monotonic()
+                routing = discriminative_phase(
+                    prep,
+                    phase,
+                    path_loader(prep, coordinator.store.params, device=device),
+                    stage=lambda s: metrics({"event": "stage", "stage": s}),
+                    device=device,
+                )
+                tokens = routing.stats["shards"]["train"]["tokens"]
+                coordinator.add_phase(phase, routing.prefix, tokens, phase_files(prep, phase))
+                metrics(
+                    {
+                        "event": "routing_phase",
+                        "phase": phase,
+                        "seconds": round(time.monotonic() - t0, 2),
+                        "label_counts": routing.stats.get("label_counts"),
+                        "label_accuracy": routing.stats.get("label_accuracy"),
+                        "shard_tokens": tokens,
+                    }
+                )
+            except Exception as exc:  # the run cannot go on without its shards: say why
+                log.exception("routing phase %d failed", phase)
+                metrics({"event": "routing_phase_failed", "phase": phase, "error": str(exc)})
+                coordinator.failure = f"routing phase {phase} failed: {exc}"
+                coordinator.finished_event.set()
+
+        running[phase] = threading.Thread(target=work, name=f"routing-phase-{phase}", daemon=True)
+        running[phase].start()
 
     def on_round(rnd: int) -> None:
-        result = evaluate_modules(prep, coordinator.store.params)
-        metrics(
-            {
-                "event": "eval",
-                "model": "dipaco",
-                "round": rnd,
-                "steps_per_path": c.train.pretrain_steps + rnd * c.train.inner_steps,
-                "ppl": result["ppl"],
-                "loss": result["loss"],
-                "per_path": {str(p): v["ppl"] for p, v in result["per_path"].items()},
-            }
-        )
+        if early is not None:
+            losses = track_early_stopping(prep, early, coordinator.store.params, rnd, device)
+            metrics(
+                {"event": "heldout", "round": rnd, "losses": {str(p): v for p, v in losses.items()}}
+            )
+        if evaluate and c.eval.every_round:
+            result = evaluate_modules(prep, coordinator.store.params, device=device)
+            metrics(
+                {
+                    "event": "eval",
+                    "model": "dipaco",
+                    "round": rnd,
+                    "steps_per_path": c.train.pretrain_steps + rnd * c.train.inner_steps,
+                    "ppl": result["ppl"],
+                    "loss": result["loss"],
+                    "per_path": {str(p): v["ppl"] for p, v in result["per_path"].items()},
+                }
+            )
+        for k, after in enumerate(phase_rounds, start=1):
+            if rnd >= after:
+                start_phase(k)
 
     coordinator = coordinator_for(
         c,
@@ -207,7 +354,7 @@ def build_coordinator(
         run_id=prep.run_id,
         peer_config=peer_config(prep),
         shard_tokens=shard_tokens(prep),
-        on_round=on_round if evaluate and c.eval.every_round else None,
+        on_round=on_round if (evaluate and c.eval.every_round) or early or phase_rounds else None,
         metrics=metrics,
         clock=clock,
         owner_id=owner_id,
@@ -215,6 +362,17 @@ def build_coordinator(
         files=run_files(prep),
     )
     coordinator.start(c.build_topology().init_modules(prep.initial_state()))
+    for routing in prep.refresh().routings[1:]:
+        coordinator.add_phase(
+            routing.phase,
+            routing.prefix,
+            routing.stats["shards"]["train"]["tokens"],
+            phase_files(prep, routing.phase),
+        )
+    # A restart after a phase's round but before its shards were written runs it now.
+    for k, after in enumerate(phase_rounds, start=1):
+        if coordinator.round >= after:
+            start_phase(k)
     return coordinator
 
 
@@ -225,6 +383,7 @@ def run_local_peers(
     *,
     stop: threading.Event,
     on_progress: Callable[[dict], None] | None = None,
+    device: str = "cpu",
 ) -> list[threading.Thread]:
     """Start ``n_peers`` peers in threads over the local transport; they stop when the run ends.
 
@@ -239,6 +398,7 @@ def run_local_peers(
             prep.root / "peers",
             stop=stop,
             on_progress=on_progress,
+            device=device,
         )
         t = threading.Thread(target=peer.run, name=f"peer-{i}", daemon=True)
         t.start()

@@ -8,6 +8,12 @@ through the outer optimizer (paper footnote 1) but are never mixed with another 
 
 Module ids: ``L{level}.M{index}`` for level modules, ``S.embed`` / ``S.head`` for shared parts,
 ``P{path}.embed`` / ``P{path}.head`` / ``P{path}.pre`` / ``P{path}.post`` for private parts.
+
+``replicas`` > 1 gives every module combination that many workers, each with its own data shard
+and its own task per round, all pushing into the same modules: topology ``1`` with 4 replicas is
+DiLoCo with 4 workers on one dense model (DiLoCo is DiPaCo with one path and k data shards).
+Replicas of a combination share everything, private parts included; with replicas, path ``p``
+(a worker) takes the module combination ``p // replicas``.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class Topology:
     shared: tuple[str, ...] = PARTS
     private_blocks_before: int = 0
     private_blocks_after: int = 0
+    replicas: int = 1
     _segments: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +59,8 @@ class Topology:
             raise ConfigError(f"topology.shared may name {list(PARTS)}, got {sorted(unknown)}")
         if self.private_blocks_before < 0 or self.private_blocks_after < 0:
             raise ConfigError("private block counts must be >= 0")
+        if self.replicas < 1:
+            raise ConfigError(f"topology replicas must be >= 1, got {self.replicas}")
         segments, start = [], 0
         if self.private_blocks_before:
             segments.append(("pre", start, self.private_blocks_before))
@@ -74,6 +83,7 @@ class Topology:
         private_blocks_before: int = 0,
         private_blocks_after: int = 0,
         blocks_per_level: tuple[int, ...] | list[int] | None = None,
+        replicas: int = 1,
     ) -> Topology:
         """``"2x2"``, ``"4x4"``, ``"16x16"``; ``"1"`` is dense; ``"8"`` is one level of 8."""
         try:
@@ -101,11 +111,18 @@ class Topology:
             tuple(shared),
             private_blocks_before,
             private_blocks_after,
+            replicas,
         )
 
     @property
     def spec(self) -> str:
-        return "x".join(str(k) for k in self.levels)
+        spec = "x".join(str(k) for k in self.levels)
+        return spec if self.replicas == 1 else f"{spec} ({self.replicas} replicas)"
+
+    @property
+    def routing_levels(self) -> list[int]:
+        """What a router chooses among: the levels, then the replica as one more choice."""
+        return [*self.levels, self.replicas] if self.replicas > 1 else list(self.levels)
 
     @property
     def n_layers(self) -> int:
@@ -113,7 +130,7 @@ class Topology:
 
     @property
     def num_paths(self) -> int:
-        return math.prod(self.levels)
+        return math.prod(self.levels) * self.replicas
 
     def to_dict(self) -> dict:
         return {
@@ -122,6 +139,7 @@ class Topology:
             "shared": list(self.shared),
             "private_blocks_before": self.private_blocks_before,
             "private_blocks_after": self.private_blocks_after,
+            "replicas": self.replicas,
         }
 
     @classmethod
@@ -132,6 +150,7 @@ class Topology:
             tuple(d["shared"]),
             d.get("private_blocks_before", 0),
             d.get("private_blocks_after", 0),
+            d.get("replicas", 1),
         )
 
     # ---- paths and modules --------------------------------------------------------------------
@@ -142,25 +161,27 @@ class Topology:
         """Module index per level for a path (row-major numbering)."""
         if not 0 <= path < self.num_paths:
             raise ConfigError(f"path {path} out of range for topology {self.spec}")
+        path //= self.replicas
         out = []
         for k in reversed(self.levels):
             out.append(path % k)
             path //= k
         return tuple(reversed(out))
 
-    def path_of(self, choices: tuple[int, ...] | list[int]) -> int:
+    def path_of(self, choices: tuple[int, ...] | list[int], replica: int = 0) -> int:
         p = 0
         for c, k in zip(choices, self.levels, strict=True):
             p = p * k + c
-        return p
+        return p * self.replicas + replica
 
     def path_modules(self, path: int) -> list[str]:
         """Module ids of a path, in model order."""
         choice = self.choices(path)
-        mids = [self._part_id("embed", path)]
+        owner = path // self.replicas  # replicas of a combination share its private parts
+        mids = [self._part_id("embed", owner)]
         for seg, _, _ in self._segments:
-            mids.append(f"P{path}.{seg}" if isinstance(seg, str) else f"L{seg}.M{choice[seg]}")
-        mids.append(self._part_id("head", path))
+            mids.append(f"P{owner}.{seg}" if isinstance(seg, str) else f"L{seg}.M{choice[seg]}")
+        mids.append(self._part_id("head", owner))
         return mids
 
     def module_ids(self) -> list[str]:

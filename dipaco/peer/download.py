@@ -39,8 +39,8 @@ class RunFiles:
         self.folder = Path(folder)
         self.downloaded = 0  # bytes fetched over the network
 
-    def get(self, name: str) -> Path:
-        info = self.files.get(name)
+    def get(self, name: str, info: dict[str, Any] | None = None) -> Path:
+        info = info or self.files.get(name)
         if info is None:
             raise DataError(f"the run manifest has no file {name!r}")
         dest = self.folder / name
@@ -80,8 +80,12 @@ class RunFiles:
         log.info("downloaded %s (%d bytes)", name, offset)
         return dest
 
-    def shard(self, path: int) -> TokenShard:
-        """Path ``path``'s training shard, fetched once (the .json, written last, marks it whole)."""
+    def shard(self, prefix: str, infos: dict[str, Any] | None = None) -> TokenShard:
+        """A task's shard (``shards/P3/train``), fetched once; ``infos`` (from the task offer)
+        give the sizes and hashes of shards the manifest does not list (later routing phases).
+        The .json, written last, marks a shard whole."""
+        if ".." in Path(prefix).parts or Path(prefix).is_absolute():
+            raise DataError(f"refusing shard name {prefix!r} outside the run folder")
         for suffix in (".tokens", ".index.npy", ".json"):
-            self.get(f"shards/P{path}/train{suffix}")
-        return TokenShard(self.folder / "shards" / f"P{path}" / "train")
+            self.get(prefix + suffix, (infos or {}).get(prefix + suffix))
+        return TokenShard(self.folder / prefix)

@@ -86,7 +86,7 @@ class Peer:
         give_up_seconds: float = 300.0,
         retry_seconds: float = 2.0,
         connect: Connect | None = None,
-        shard_source: Callable[[int], TokenShard] | None = None,
+        shard_source: Callable[[str, dict[str, Any]], TokenShard] | None = None,
         memory_bytes: int | None = None,
         checkpoint_seconds: float = 20.0,
         on_ack: Callable[[dict[str, Any]], None] | None = None,
@@ -262,7 +262,7 @@ class Peer:
         done_steps, losses = self._resume(task, model, optimizer, names)
         if done_steps == 0:
             self._load_inner_state(task.path, optimizer, names)
-        shard = self._shard(task.path)
+        shard = self._shard(task)
         # The task's data slice: windows drawn by a generator seeded by (run seed, path, round).
         batches = window_batches(
             shard, [task.seed, task.path, task.round], tc["batch_size"], tc["seq_len"], self.device
@@ -519,10 +519,12 @@ class Peer:
             raise
 
     # ---- data ---------------------------------------------------------------------------------
-    def _shard(self, path: int) -> TokenShard:
+    def _shard(self, task: m.TaskOffer) -> TokenShard:
+        """The task's shard: named by the offer (routing phases re-shard), else the path's."""
+        name = task.shard or f"shards/P{task.path}/train"
         if self.shard_source is not None:
-            return self.shard_source(path)
-        return TokenShard(Path(self.config["shards_dir"]) / f"P{path}" / "train")
+            return self.shard_source(name, task.shard_files)
+        return TokenShard(Path(self.config["shards_dir"]).parent / name)
 
     # ---- a task in progress -------------------------------------------------------------------
     def _task_dir(self) -> Path:

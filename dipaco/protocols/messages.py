@@ -162,6 +162,10 @@ class TaskOffer:
     ticket: str = ""  # signed by the scheduler; module owners accept the task's deltas with it
     owners: dict[str, str] = field(default_factory=dict)  # module id -> owner id
     codec: str = "lossless"
+    # The task's data: a shard prefix in the run folder ("shards/P3/train", or a later routing
+    # phase's "shards/phase1/P3/train") and its files' sizes and SHA-256 for download.
+    shard: str = ""
+    shard_files: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @message

@@ -24,9 +24,10 @@ import logging
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from scipy.sparse.csgraph import csgraph_from_dense, dijkstra
@@ -42,6 +43,8 @@ METHODS = ("kmeans", "product")
 N_INIT = 4
 # Rows scored at once by assign(): bounds the (rows x clusters) score matrix in memory.
 ASSIGN_CHUNK = 65536
+
+_R = TypeVar("_R")
 
 
 @dataclass(eq=False)
@@ -102,6 +105,33 @@ class KMeansRouter:
             return np.zeros(0, dtype=np.int64)
         return np.ravel_multi_index(tuple(choices.T), tuple(self.levels)).astype(np.int64)
 
+    def path_scores(self, features: np.ndarray) -> np.ndarray:
+        """Score of every path for every row of ``features`` (N, D): shape (N, P), higher is better.
+
+        The negated offset squared distance to the path's centroid, ``-(||z - c||^2 + o)``,
+        less the per-row constant ``||z||^2`` (which changes no ranking). For product k-means
+        a path's score is the sum over levels of its modules' per-level scores, laid out
+        row-major over all ``prod(levels)`` paths. ``argmax`` over a row (first index on
+        ties) equals ``assign``.
+        """
+        z = self._standardize(features)
+        per_group = [
+            -(_scores(z[:, start:stop], cents) + offs)
+            for cents, offs, (start, stop) in zip(
+                self.centroids, self.offsets, self.slices, strict=True
+            )
+        ]
+        if self.method != "product":
+            return per_group[0]
+        total = per_group[0]
+        for level in per_group[1:]:
+            total = (total[:, :, None] + level[:, None, :]).reshape(z.shape[0], -1)
+        return total
+
+    def top_paths(self, features: np.ndarray, n: int) -> np.ndarray:
+        """The ``n`` best paths of every row, best first, shape (N, n) int64; column 0 is assign."""
+        return _top_paths(self.path_scores, features, n, self.num_paths)
+
     def to_json_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
@@ -144,19 +174,7 @@ class KMeansRouter:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> KMeansRouter:
-        path = Path(path)
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            raise DataError(f"router file {path} does not exist", reason="missing-file") from None
-        try:
-            obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CorruptFileError(f"router file {path} is not valid JSON: {e}") from None
-        try:
-            return cls._from_json_dict(obj)
-        except (ValueError, TypeError, KeyError, ConfigError) as e:
-            raise CorruptFileError(f"router file {path} is malformed: {e}") from None
+        return _parse_router(path, _read_router_json(path), cls._from_json_dict)
 
     @classmethod
     def _from_json_dict(cls, obj: Any) -> KMeansRouter:
@@ -311,6 +329,42 @@ def routing_stats(
         "min_share": float(shares.min()) if num_paths else 0.0,
         "max_share": float(shares.max()) if num_paths else 0.0,
     }
+
+
+def _read_router_json(path: str | os.PathLike[str]) -> Any:
+    """The parsed JSON of a router file; DataError if missing, CorruptFileError if not JSON."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"router file {path} does not exist", reason="missing-file") from None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptFileError(f"router file {path} is not valid JSON: {e}") from None
+
+
+def _parse_router(path: str | os.PathLike[str], obj: Any, parse: Callable[[Any], _R]) -> _R:
+    """``parse(obj)``, with every validation failure turned into a CorruptFileError naming path."""
+    try:
+        return parse(obj)
+    except (ValueError, TypeError, KeyError, ConfigError) as e:
+        raise CorruptFileError(f"router file {path} is malformed: {e}") from None
+
+
+def _top_paths(
+    path_scores: Callable[[np.ndarray], np.ndarray], features: np.ndarray, n: int, num_paths: int
+) -> np.ndarray:
+    """The ``n`` highest-scoring paths per row, best first (lowest index first on ties)."""
+    if not _is_int(n) or not 1 <= n <= num_paths:
+        raise ConfigError(f"top_paths needs 1 <= n <= {num_paths} paths, got {n!r}")
+    x = _check_features(features)
+    out = np.empty((x.shape[0], int(n)), dtype=np.int64)
+    for i in range(0, x.shape[0], ASSIGN_CHUNK):
+        scores = path_scores(x[i : i + ASSIGN_CHUNK])
+        # A stable sort of the negated scores keeps argmax's tie rule: lowest index first.
+        out[i : i + ASSIGN_CHUNK] = np.argsort(-scores, axis=1, kind="stable")[:, : int(n)]
+    return out
 
 
 def _split_dims(d: int, parts: int) -> list[tuple[int, int]]:

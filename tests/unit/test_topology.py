@@ -98,3 +98,28 @@ def test_init_modules_start_every_module_from_the_dense_weights():
     for p in range(4):
         joined = t.join_modules(p, modules)
         assert all(torch.equal(joined[k], state[k]) for k in state)
+
+
+def test_replicas_make_diloco_workers_that_share_every_module():
+    # DiLoCo-4 is topology "1" with 4 replicas: 4 workers (paths), each with its own data,
+    # all pushing into the same three modules, so the outer step averages all four.
+    t = Topology.parse("1", 4, replicas=4)
+    assert t.num_paths == 4
+    assert t.module_ids() == ["S.embed", "S.head", "L0.M0"]
+    assert all(t.paths_through(mid) == [0, 1, 2, 3] for mid in t.module_ids())
+    assert t.routing_levels == [1, 4]
+    assert Topology.from_dict(t.to_dict()) == t
+    dense = new_dense_model(CFG, seed=0).state_dict()
+    assert {
+        k: v.equal(dense[k])
+        for k, v in t.build_path(CFG, 3, t.init_modules(dense)).state_dict().items()
+    } == {k: True for k in dense}
+
+
+def test_replicas_of_a_flat_moe_share_their_private_parts():
+    t = Topology.parse("2", 4, shared=(), replicas=2)
+    assert t.num_paths == 4
+    assert t.path_modules(0) == t.path_modules(1) == ["P0.embed", "L0.M0", "P0.head"]
+    assert t.path_modules(3) == ["P1.embed", "L0.M1", "P1.head"]
+    with pytest.raises(ConfigError):
+        Topology.parse("2", 4, replicas=0)

@@ -1,0 +1,415 @@
+"""The DiPaCo paper's comparison (its Tables 1 and 3) at small scale, in one command.
+
+Every model is trained and evaluated on the same corpus, through the same code path (prepare ->
+coordinator -> local peers -> routed evaluation), with the same per-path size, the same inner
+steps per path, and the same evaluation (validation perplexity without the first 32 tokens):
+
+    dense                    topology 1; outer step = the delta itself (plain AdamW training)
+    dense, 4x steps          the same, trained four times as many steps
+    dense, 2x2-sized         topology 1 with twice the blocks: as many parameters as DiPaCo 2x2
+    DiLoCo-4 (i.i.d.)        topology 1 with 4 replicas on i.i.d. shards, Nesterov outer step
+    DiLoCo-4 (k-means)       the same on k-means shards
+    flat MoE-4               one level of 4 fully independent paths (nothing shared), k-means
+    DiPaCo 2x2               k-means routing
+    DiPaCo 4x4               k-means routing
+    DiPaCo 4x4 + disc.       one discriminative phase halfway (section 2.4.2)
+      + early stopping       each path's parameters at its lowest held-out loss (Table 3)
+      + re-routing 64        switching path every 64 tokens (section 2.4.3)
+
+All models start from one dense pretraining (as in the paper), except those whose schedule is
+longer or whose shape differs, which pretrain their own. Each model's run folder is kept under
+``--out``; a finished model is not trained again, so an interrupted benchmark continues.
+
+    python bench/paper_table.py --preset tiny            # 2 CPU cores, about 15 minutes
+    python bench/paper_table.py --preset small --device cuda   # a GPU; paths of about 20 M
+
+Writes ``paper_table.md``, ``paper_table.json`` and the bar chart ``paper_table.png`` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from dipaco.config import RunConfig, load_config_dict  # noqa: E402
+from dipaco.coordinator.early_stopping import EarlyStopping  # noqa: E402
+from dipaco.coordinator.prepare import prepare  # noqa: E402
+from dipaco.coordinator.run import (  # noqa: E402
+    MetricsLog,
+    build_coordinator,
+    evaluate_modules,
+    run_local_peers,
+)
+from dipaco.errors import DipacoError  # noqa: E402
+from dipaco.fileio import write_atomic, write_json_atomic  # noqa: E402
+
+# The base of every model in a preset; variants change topology, routing, outer step, rounds.
+PRESETS: dict[str, dict[str, Any]] = {
+    # Two CPU cores, about 15 minutes for every row (see docs/results.md).
+    "tiny": {
+        "model": {"vocab_size": 2048, "dim": 64, "n_layers": 4, "n_heads": 4, "max_seq_len": 128},
+        "data": {"tokenizer_sample_chars": 2_000_000},
+        "train": {
+            "batch_size": 8,
+            "seq_len": 128,
+            "lr": 3e-3,
+            "warmup_steps": 20,
+            "pretrain_steps": 60,
+            "inner_steps": 25,
+            "rounds": 8,
+        },
+        "eval": {"max_docs": 150},
+    },
+    # One GPU: paths of about 20 M parameters (width 384, 8 blocks, vocab 8192), seq 256.
+    "small": {
+        "model": {
+            "vocab_size": 8192,
+            "dim": 384,
+            "n_layers": 8,
+            "n_heads": 6,
+            "max_seq_len": 256,
+        },
+        "data": {"tokenizer_sample_chars": 6_000_000},
+        "train": {
+            "batch_size": 32,
+            "seq_len": 256,
+            "lr": 1e-3,
+            "warmup_steps": 100,
+            "pretrain_steps": 300,
+            "inner_steps": 50,
+            "rounds": 16,
+        },
+        "eval": {"max_docs": 400},
+    },
+    # For the test suite: the smallest model that still has two levels; a minute or two.
+    "smoke": {
+        "model": {"vocab_size": 512, "dim": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 64},
+        "data": {"max_docs": 400, "tokenizer_sample_chars": 300_000, "heldout_fraction": 0.1},
+        "routing": {"router_fraction": 0.1},
+        "train": {
+            "batch_size": 4,
+            "seq_len": 64,
+            "lr": 3e-3,
+            "warmup_steps": 2,
+            "pretrain_steps": 6,
+            "inner_steps": 3,
+            "rounds": 2,
+        },
+        "eval": {"max_docs": 24},
+    },
+}
+
+# Local runs: every peer is a thread of this process, so rounds wait for every path and every
+# task is H steps: results are deterministic.
+LOCAL = {"scheduler": {"quorum": 1.0, "min_step_fraction": 1.0}}
+PLAIN = {"lr": 1.0, "momentum": 0.0, "nesterov": False, "sqrt_rescale": False}  # theta <- theta_i
+DILOCO = {"lr": 0.7, "momentum": 0.9, "nesterov": True, "sqrt_rescale": False}
+
+
+@dataclass
+class Variant:
+    key: str
+    label: str
+    overrides: dict[str, Any]
+    rows: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (label, eval options)
+
+
+def variants(base: RunConfig, only: set[str] | None) -> list[Variant]:
+    rounds = base.train.rounds
+    layers = base.model.n_layers
+    # The paper's re-routing interval is 64 tokens; shorter sequences re-route at their middle.
+    w = 64 if base.train.seq_len > 64 else base.train.seq_len // 2
+    out = [
+        Variant("dense", "dense", {"topology": {"levels": "1"}, "outer": PLAIN}),
+        Variant(
+            "dense_4x_steps",
+            "dense, 4x steps",
+            {"topology": {"levels": "1"}, "outer": PLAIN, "train": {"rounds": 4 * rounds}},
+        ),
+        Variant(
+            "dense_2x2_params",
+            "dense, DiPaCo-2x2 params",
+            {"topology": {"levels": "1"}, "outer": PLAIN, "model": {"n_layers": 2 * layers}},
+        ),
+        Variant(
+            "diloco4_iid",
+            "DiLoCo-4, i.i.d. shards",
+            {"topology": {"levels": "1", "replicas": 4}, "routing": {"method": "iid"}},
+        ),
+        Variant(
+            "diloco4_kmeans",
+            "DiLoCo-4, k-means shards",
+            {"topology": {"levels": "1", "replicas": 4}},
+        ),
+        Variant("flat_moe4", "flat MoE-4 (k-means)", {"topology": {"levels": "4", "shared": []}}),
+        Variant("dipaco2x2", "DiPaCo 2x2 (k-means)", {"topology": {"levels": "2x2"}}),
+        Variant("dipaco4x4", "DiPaCo 4x4 (k-means)", {"topology": {"levels": "4x4"}}),
+        Variant(
+            "dipaco4x4_disc",
+            "DiPaCo 4x4 + discriminative",
+            {
+                "topology": {"levels": "4x4"},
+                "routing": {"discriminative_after": [rounds // 2]},
+                "eval": {"early_stopping": True},
+            },
+            rows=[
+                ("+ early stopping", {"early": True}),
+                (f"+ early stopping + re-routing every {w} tokens", {"early": True, "window": w}),
+                (
+                    f"+ early stopping + re-routing every {w // 2} tokens",
+                    {"early": True, "window": w // 2},
+                ),
+            ],
+        ),
+    ]
+    for v in out:
+        if v.key.startswith("diloco"):
+            v.overrides.setdefault("outer", DILOCO)
+    return [v for v in out if only is None or v.key in only]
+
+
+def variant_config(base: RunConfig, v: Variant) -> RunConfig:
+    data = base.to_dict()
+    for section, values in {**LOCAL, **v.overrides}.items():
+        data[section] = {**data[section], **values}
+    data["name"] = v.key
+    data["baseline"] = False
+    return load_config_dict(data, origin=f"variant {v.key}")
+
+
+def run_variant(
+    out: Path, base_root: Path | None, config: RunConfig, v: Variant, device: str
+) -> list[dict]:
+    root = out / v.key
+    done = root / "bench.json"
+    if done.exists():
+        print(f"[{v.key}] already done", flush=True)
+        return json.loads(done.read_text())["rows"]
+    t0 = time.monotonic()
+    prep = prepare(
+        root, config, stage=lambda s: print(f"[{v.key}] {s}", flush=True), reuse=base_root
+    )
+    prepared_s = time.monotonic() - t0
+    metrics = MetricsLog(root / "metrics.jsonl")
+    topology = config.build_topology()
+    c = config
+
+    def on_event(e: dict) -> None:
+        if e["event"] == "round":
+            print(f"[{v.key}] round {e['round']}/{c.train.rounds}", flush=True)
+        elif e["event"] in ("routing_phase", "routing_phase_failed"):
+            print(f"[{v.key}] {e}", flush=True)
+
+    metrics.listeners.append(on_event)
+    t1 = time.monotonic()
+    coordinator = build_coordinator(prep, metrics, evaluate=False, device=device)
+    stop = threading.Event()
+    threads = run_local_peers(coordinator, prep, 1, stop=stop, device=device)
+    try:
+        while not coordinator.finished_event.wait(0.5):
+            if not any(t.is_alive() for t in threads):
+                raise DipacoError(f"{v.key}: the local peer stopped before the run finished")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    if coordinator.failure:
+        raise DipacoError(coordinator.failure)
+    train_s = time.monotonic() - t1
+    prep.refresh()
+    counts = topology.parameter_counts(c.build_model_config())
+    per_step = c.train.batch_size * c.train.seq_len
+    tokens = per_step * (
+        c.train.pretrain_steps + topology.num_paths * c.train.rounds * c.train.inner_steps
+    )
+    # Training FLOPs ~ 6 x parameters x tokens; a discriminative phase adds its scoring
+    # forward passes (2 x parameters x tokens, every router document under every path).
+    flops = 6.0 * counts["per_path"] * tokens
+    for routing in prep.routings[1:]:
+        scored = routing.stats.get("router_docs", 0) * c.train.seq_len
+        flops += (
+            2.0
+            * counts["per_path"]
+            * scored
+            * (routing.stats.get("candidates") or topology.num_paths)
+        )
+    base_row = {
+        "key": v.key,
+        "params_per_path": counts["per_path"],
+        "total_params": counts["total"],
+        "paths": topology.num_paths,
+        "tokens": tokens,
+        "flops": flops,
+        "train_seconds": round(train_s, 1),
+        "prepare_seconds": round(prepared_s, 1),
+    }
+    rows = []
+    for label, options in [(v.label, {}), *v.rows]:
+        t2 = time.monotonic()
+        early = EarlyStopping(root / "early_stopping") if options.get("early") else None
+        result = evaluate_modules(
+            prep,
+            coordinator.store.params,
+            early=early,
+            window=options.get("window"),
+            device=device,
+        )
+        rows.append(
+            {
+                **base_row,
+                "model": label if label == v.label else f"{v.label} {label}",
+                "ppl": result["ppl"],
+                "loss": result["loss"],
+                "eval_tokens": result["tokens"],
+                "eval_seconds": round(time.monotonic() - t2, 1),
+            }
+        )
+        print(f"[{v.key}] {rows[-1]['model']}: validation ppl {result['ppl']:.2f}", flush=True)
+    write_json_atomic(done, {"rows": rows})
+    return rows
+
+
+ORDERINGS = [
+    # (claim, lower, higher): the paper says ppl(lower) < ppl(higher)
+    ("DiPaCo 2x2 below dense at equal per-path size", "DiPaCo 2x2 (k-means)", "dense"),
+    (
+        "discriminative routing below k-means (4x4)",
+        "DiPaCo 4x4 + discriminative",
+        "DiPaCo 4x4 (k-means)",
+    ),
+    (
+        "early stopping lowers it further",
+        "DiPaCo 4x4 + discriminative + early stopping",
+        "DiPaCo 4x4 + discriminative",
+    ),
+    (
+        "re-routing every 64 tokens lowers it further",
+        "DiPaCo 4x4 + discriminative + early stopping + re-routing every 64 tokens",
+        "DiPaCo 4x4 + discriminative + early stopping",
+    ),
+    ("DiLoCo-4 below dense", "DiLoCo-4, i.i.d. shards", "dense"),
+    ("more paths help: DiPaCo 4x4 below 2x2", "DiPaCo 4x4 (k-means)", "DiPaCo 2x2 (k-means)"),
+]
+
+
+def orderings(rows: list[dict]) -> list[dict]:
+    ppl = {r["model"]: r["ppl"] for r in rows}
+    out = []
+    for claim, lower, higher in ORDERINGS:
+        if lower in ppl and higher in ppl:
+            out.append(
+                {
+                    "claim": claim,
+                    "holds": ppl[lower] < ppl[higher],
+                    "lower": lower,
+                    "higher": higher,
+                    "ratio": ppl[lower] / ppl[higher],
+                }
+            )
+    return out
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f}"
+
+
+def markdown(rows: list[dict], checks: list[dict], preset: str, device: str) -> str:
+    lines = [
+        "| model | params / path | total params | tokens | FLOPs | val ppl | wall time (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {_si(r['params_per_path'])} | {_si(r['total_params'])} | "
+            f"{_si(r['tokens'])} | {_si(r['flops'])} | {r['ppl']:.2f} | {r['train_seconds']:.0f} |"
+        )
+    lines += ["", f"Orderings (preset `{preset}`, device `{device}`):", ""]
+    for ch in checks:
+        mark = "holds" if ch["holds"] else "does not hold"
+        lines.append(f"- {ch['claim']}: **{mark}** (ratio {ch['ratio']:.3f})")
+    return "\n".join(lines) + "\n"
+
+
+def bar_chart(rows: list[dict], path: Path, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
+    names = [r["model"] for r in rows][::-1]
+    values = [r["ppl"] for r in rows][::-1]
+    colors = [
+        "#444444"
+        if n.startswith("dense")
+        else "#1f77b4"
+        if n.startswith("DiLoCo")
+        else "#ff7f0e"
+        if n.startswith("flat")
+        else "#2ca02c"
+        for n in names
+    ]
+    bars = ax.barh(names, values, color=colors)
+    for bar, value in zip(bars, values, strict=True):
+        ax.text(value, bar.get_y() + bar.get_height() / 2, f" {value:.1f}", va="center", fontsize=8)
+    ax.set_xlabel("validation perplexity (first 32 tokens excluded; lower is better)")
+    ax.set_xlim(min(values) * 0.9, max(values) * 1.08)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--out", help="results folder (default runs/paper_table-<preset>)")
+    ap.add_argument("--source", help="corpus: builtin, a text/jsonl/parquet file or folder, hf:...")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
+    ap.add_argument("--only", nargs="*", help="train only these models (keys as in the table)")
+    ap.add_argument("--fresh", action="store_true", help="delete --out first")
+    args = ap.parse_args(argv)
+    out = Path(args.out or f"runs/paper_table-{args.preset}")
+    if args.fresh and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    preset = dict(PRESETS[args.preset])
+    if args.source:
+        preset["data"] = {**preset.get("data", {}), "source": args.source}
+    base = load_config_dict({"name": "paper_table", **preset}, origin=f"preset {args.preset}")
+    t0 = time.monotonic()
+    rows: list[dict] = []
+    base_root: Path | None = None
+    for v in variants(base, set(args.only) if args.only else None):
+        rows += run_variant(out, base_root, variant_config(base, v), v, device)
+        base_root = base_root or out / v.key
+    checks = orderings(rows)
+    text = markdown(rows, checks, args.preset, device)
+    write_atomic(out / "paper_table.md", text.encode())
+    write_json_atomic(
+        out / "paper_table.json", {"preset": args.preset, "rows": rows, "orderings": checks}
+    )
+    bar_chart(rows, out / "paper_table.png", f"dipaco paper table, preset {args.preset} ({device})")
+    print(text)
+    print(
+        f"wrote {out / 'paper_table.md'}, {out / 'paper_table.png'} in {time.monotonic() - t0:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

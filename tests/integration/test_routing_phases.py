@@ -1,0 +1,119 @@
+"""A run with a discriminative routing phase, overlapping shards and early stopping.
+
+Peers here fetch their shards over the protocol (``FetchFile``), as remote peers do, so the
+phase's new shards must reach them through the task offers.
+"""
+
+import json
+import threading
+
+import numpy as np
+
+from dipaco.coordinator.early_stopping import EarlyStopping
+from dipaco.coordinator.prepare import prepare
+from dipaco.coordinator.run import MetricsLog, build_coordinator, evaluate_modules, peer_config
+from dipaco.data.shards import TokenShard
+from dipaco.peer.download import RunFiles
+from dipaco.peer.peer import Peer
+from dipaco.protocols.transport import LocalTransport
+from dipaco.routing.discriminative import LogisticRouter
+from dipaco.routing.routers import load_router
+
+
+def test_discriminative_phase_reshards_mid_run_and_peers_download_the_new_shards(
+    prepared_tiny, tiny_config, tmp_path
+):
+    config = tiny_config.replace(
+        train={"inner_steps": 4, "rounds": 3},
+        routing={"discriminative_after": [1], "overlap": 2},
+        eval={"early_stopping": True, "every_round": False},
+    )
+    root = tmp_path / "run"
+    prep = prepare(root, config, reuse=prepared_tiny)
+    assert (root / "tokenizer.model").samefile(prepared_tiny / "tokenizer.model")
+    metrics = MetricsLog(root / "metrics.jsonl")
+    coordinator = build_coordinator(prep, metrics, evaluate=False)
+    handle = coordinator.handle
+    stop = threading.Event()
+    peers, threads = [], []
+    for i in range(2):
+        files = RunFiles(
+            LocalTransport(handle), f"remote-{i}", peer_config(prep)["files"], tmp_path / f"p{i}"
+        )
+        peer = Peer(
+            LocalTransport(handle),
+            f"remote-{i}",
+            tmp_path / f"state{i}",
+            stop=stop,
+            shard_source=files.shard,
+        )
+        peers.append(files)
+        threads.append(threading.Thread(target=peer.run, daemon=True))
+        threads[-1].start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads)
+    assert coordinator.finished and coordinator.failure is None
+
+    # The phase ran once, after round 1, and round 2 onward trained on its shards.
+    events = metrics.read()
+    phases = [e for e in events if e["event"] == "routing_phase"]
+    assert [e["phase"] for e in phases] == [1]
+    issued = [e for e in events if e["event"] == "task_issued"]
+    assert {e["phase"] for e in issued if e["round"] == 0} == {0}
+    assert {e["phase"] for e in issued if e["round"] >= 1} == {1}
+    # ... which the peers downloaded by name from the offers.
+    assert any((tmp_path / "p0" / "shards" / "phase1").rglob("train.tokens")) or any(
+        (tmp_path / "p1" / "shards" / "phase1").rglob("train.tokens")
+    )
+
+    prep.refresh()
+    assert [r.phase for r in prep.routings] == [0, 1]
+    router = load_router(root / "router-phase1.json")
+    assert isinstance(router, LogisticRouter)
+    stats = json.loads((root / "routing-phase1.json").read_text())
+    assert sum(stats["label_counts"]) == stats["router_docs"] > 0
+    # Every path has data in the new phase (the bias correction), and with overlap 2 every
+    # training document sits in exactly two shards.
+    train = TokenShard(root / "data" / "train")
+    for phase in (0, 1):
+        prefix = root / prep.routings[phase].prefix
+        trained = [d for p in range(4) for d in TokenShard(prefix / f"P{p}" / "train").doc_ids]
+        heldout = [d for p in range(4) for d in TokenShard(prefix / f"P{p}" / "heldout").doc_ids]
+        assert all(TokenShard(prefix / f"P{p}" / "train").n_tokens > 0 for p in range(4))
+        counts = {d: trained.count(d) for d in set(trained)}
+        assert set(counts.values()) == {2}
+        assert len(heldout) == len(set(heldout))
+        assert set(counts) | set(heldout) == set(train.doc_ids)
+    # Evaluation routes with the latest router; the router documents were never trained on.
+    router_ids = set(TokenShard(root / "data" / "router").doc_ids)
+    assert router_ids and not router_ids & set(train.doc_ids)
+    assert np.array_equal(prep.val_paths, router.assign(prep.features("val")))
+
+    # Early stopping kept one snapshot per path, from some round, and evaluation can use them.
+    early = EarlyStopping(root / "early_stopping")
+    assert sorted(early.paths()) == [0, 1, 2, 3]
+    assert {early.best(p)["round"] for p in range(4)} <= {1, 2, 3}
+    final = evaluate_modules(prep, coordinator.store.params)
+    stopped = evaluate_modules(prep, coordinator.store.params, early=early)
+    rerouted = evaluate_modules(prep, coordinator.store.params, early=early, window=16)
+    assert final["tokens"] == stopped["tokens"] == rerouted["tokens"] > 0
+    assert np.isfinite([final["ppl"], stopped["ppl"], rerouted["ppl"]]).all()
+
+
+def test_overlap_changes_training_shards_but_never_evaluation(prepared_tiny, tiny_config, tmp_path):
+    one = prepare(
+        tmp_path / "one", tiny_config.replace(routing={"overlap": 1}), reuse=prepared_tiny
+    )
+    two = prepare(
+        tmp_path / "two", tiny_config.replace(routing={"overlap": 2}), reuse=prepared_tiny
+    )
+    assert np.array_equal(one.val_paths, two.val_paths)
+    for p in range(4):
+        assert one.heldout_docs(p) and len(one.heldout_docs(p)) == len(two.heldout_docs(p))
+        assert all(
+            np.array_equal(a, b)
+            for a, b in zip(one.heldout_docs(p), two.heldout_docs(p), strict=True)
+        )
+    tokens = [r.stats["shards"]["train"]["tokens"] for r in (one.routing, two.routing)]
+    assert sum(tokens[1]) == 2 * sum(tokens[0])
