@@ -6,7 +6,7 @@ PY    := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test lint format bench paper-table clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,6 +32,10 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/wire.py
 	$(PY) bench/communication.py
+
+# The paper's comparison at small scale (about 15 minutes on 2 CPU cores): docs/results.md.
+paper-table: $(STAMP)
+	$(PY) bench/paper_table.py --preset tiny $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -73,26 +73,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "eval": {"max_docs": 150},
     },
-    # One GPU: paths of about 20 M parameters (width 384, 8 blocks, vocab 8192), seq 256.
+    # One GPU: paths of about 10 M parameters (width 256, 8 blocks, vocab 8192), seq 256.
     "small": {
         "model": {
             "vocab_size": 8192,
-            "dim": 384,
+            "dim": 256,
             "n_layers": 8,
-            "n_heads": 6,
+            "n_heads": 4,
             "max_seq_len": 256,
         },
-        "data": {"tokenizer_sample_chars": 6_000_000},
+        "data": {"tokenizer_sample_chars": 4_000_000},
         "train": {
             "batch_size": 32,
             "seq_len": 256,
             "lr": 1e-3,
-            "warmup_steps": 100,
-            "pretrain_steps": 300,
-            "inner_steps": 50,
-            "rounds": 16,
+            "warmup_steps": 30,
+            "pretrain_steps": 100,
+            "inner_steps": 20,
+            "rounds": 8,
         },
-        "eval": {"max_docs": 400},
+        "eval": {"max_docs": 200},
     },
     # For the test suite: the smallest model that still has two levels; a minute or two.
     "smoke": {
@@ -157,6 +157,13 @@ def variants(base: RunConfig, only: set[str] | None) -> list[Variant]:
         Variant("flat_moe4", "flat MoE-4 (k-means)", {"topology": {"levels": "4", "shared": []}}),
         Variant("dipaco2x2", "DiPaCo 2x2 (k-means)", {"topology": {"levels": "2x2"}}),
         Variant("dipaco4x4", "DiPaCo 4x4 (k-means)", {"topology": {"levels": "4x4"}}),
+        # Not in the paper's table: the sqrt(paths) rescale multiplies the shared embedding's
+        # and head's outer gradient by 4 with 16 paths, which overshoots in short runs.
+        Variant(
+            "dipaco4x4_norescale",
+            "DiPaCo 4x4 (k-means), no sqrt rescale",
+            {"topology": {"levels": "4x4"}, "outer": {"sqrt_rescale": False}},
+        ),
         Variant(
             "dipaco4x4_disc",
             "DiPaCo 4x4 + discriminative",
@@ -195,12 +202,16 @@ def run_variant(
 ) -> list[dict]:
     root = out / v.key
     done = root / "bench.json"
-    if done.exists():
+    if done.exists() and json.loads(done.read_text()).get("complete", True):
         print(f"[{v.key}] already done", flush=True)
         return json.loads(done.read_text())["rows"]
     t0 = time.monotonic()
     prep = prepare(
-        root, config, stage=lambda s: print(f"[{v.key}] {s}", flush=True), reuse=base_root
+        root,
+        config,
+        stage=lambda s: print(f"[{v.key}] {s}", flush=True),
+        reuse=base_root,
+        device=device,
     )
     prepared_s = time.monotonic() - t0
     metrics = MetricsLog(root / "metrics.jsonl")
@@ -278,7 +289,9 @@ def run_variant(
             }
         )
         print(f"[{v.key}] {rows[-1]['model']}: validation ppl {result['ppl']:.2f}", flush=True)
-    write_json_atomic(done, {"rows": rows})
+        # Each row as soon as it is measured: a benchmark cut short keeps what it finished.
+        write_json_atomic(done, {"rows": rows, "complete": False})
+    write_json_atomic(done, {"rows": rows, "complete": True})
     return rows
 
 
@@ -329,6 +342,10 @@ def _si(x: float) -> str:
     return f"{x:.0f}"
 
 
+def _seconds(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f}"
+
+
 def markdown(rows: list[dict], checks: list[dict], preset: str, device: str) -> str:
     lines = [
         "| model | params / path | total params | tokens | FLOPs | val ppl | wall time (s) |",
@@ -337,7 +354,8 @@ def markdown(rows: list[dict], checks: list[dict], preset: str, device: str) -> 
     for r in rows:
         lines.append(
             f"| {r['model']} | {_si(r['params_per_path'])} | {_si(r['total_params'])} | "
-            f"{_si(r['tokens'])} | {_si(r['flops'])} | {r['ppl']:.2f} | {r['train_seconds']:.0f} |"
+            f"{_si(r['tokens'])} | {_si(r['flops'])} | {r['ppl']:.2f} | "
+            f"{_seconds(r.get('train_seconds'))} |"
         )
     lines += ["", f"Orderings (preset `{preset}`, device `{device}`):", ""]
     for ch in checks:
@@ -378,7 +396,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", help="corpus: builtin, a text/jsonl/parquet file or folder, hf:...")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
     ap.add_argument("--only", nargs="*", help="train only these models (keys as in the table)")
+    ap.add_argument("--max-docs", type=int, help="read at most this many documents (evenly spread)")
     ap.add_argument("--fresh", action="store_true", help="delete --out first")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="no training: build the table and chart from the rows of earlier paper_table.json "
+        "files (a benchmark split over machines or sessions, each with --only)",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out or f"runs/paper_table-{args.preset}")
     if args.fresh and out.exists():
@@ -387,14 +413,26 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls, as GPU training does
     preset = dict(PRESETS[args.preset])
     if args.source:
         preset["data"] = {**preset.get("data", {}), "source": args.source}
+    if args.max_docs:
+        preset["data"] = {**preset.get("data", {}), "max_docs": args.max_docs}
     base = load_config_dict({"name": "paper_table", **preset}, origin=f"preset {args.preset}")
     t0 = time.monotonic()
     rows: list[dict] = []
+    if args.merge:
+        order = [v.key for v in variants(base, None)]
+        merged: dict[tuple[str, str], dict] = {}  # a later file's row replaces an earlier one
+        for path in args.merge:
+            for row in json.loads(Path(path).read_text())["rows"]:
+                merged[(row["key"], row["model"])] = row
+        rows = list(merged.values())
+        rows.sort(key=lambda r: order.index(r["key"]) if r["key"] in order else len(order))
     base_root: Path | None = None
-    for v in variants(base, set(args.only) if args.only else None):
+    for v in [] if args.merge else variants(base, set(args.only) if args.only else None):
         rows += run_variant(out, base_root, variant_config(base, v), v, device)
         base_root = base_root or out / v.key
     checks = orderings(rows)

@@ -209,14 +209,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
     store = ModuleStore(run_dir / "coordinator")
     store.load(config.build_topology().module_ids())
     result = evaluate_modules(prep, store.params)
-    console.print(
-        {
-            "ppl": round(result["ppl"], 2),
-            "tokens": result["tokens"],
-            "per_path": {f"P{p}": round(v["ppl"], 2) for p, v in result["per_path"].items()},
-            "module_versions": {mid: r.version for mid, r in store.modules.items()},
-        }
-    )
+    report: dict = {
+        "ppl": round(result["ppl"], 2),
+        "tokens": result["tokens"],
+        "per_path": {f"P{p}": round(v["ppl"], 2) for p, v in result["per_path"].items()},
+        "module_versions": {mid: r.version for mid, r in store.modules.items()},
+        "routing_phase": prep.routing.phase,
+    }
+    early = None
+    if (run_dir / "early_stopping" / "best.json").exists():
+        from dipaco.coordinator.early_stopping import EarlyStopping
+
+        early = EarlyStopping(run_dir / "early_stopping")
+        report["early_stopping_ppl"] = round(
+            evaluate_modules(prep, store.params, early=early)["ppl"], 2
+        )
+    for w in config.eval.reroute_windows:
+        rerouted = evaluate_modules(prep, store.params, early=early, window=w)
+        report[f"rerouted_every_{w}_ppl"] = round(rerouted["ppl"], 2)
+    console.print(report)
     return 0
 
 

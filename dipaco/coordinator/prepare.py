@@ -141,12 +141,14 @@ def prepare(
     stage: Stage = lambda s: None,
     on_step: Callable[[int, float], None] | None = None,
     reuse: str | Path | None = None,
+    device: str = "cpu",
 ) -> PreparedRun:
     """Prepare (or finish preparing) the run folder ``root``.
 
     ``reuse`` names another prepared run folder: its tokenizer and token files are linked in when
     both runs read the same data, and its pretrained model too when they also pretrain alike
-    (benchmarks compare many models that start from one pretraining).
+    (benchmarks compare many models that start from one pretraining). ``device`` runs the
+    dense pretraining and the prefix features.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -221,14 +223,14 @@ def prepare(
     if not (root / "initial.dpt").exists():
         steps = config.train.pretrain_steps
         stage(f"dense pretraining ({steps} steps)")
-        model = new_dense_model(config.build_model_config(), seed)
+        model = new_dense_model(config.build_model_config(), seed).to(device)
         settings = inner_settings(config)
         losses = (
             train_steps(
                 model,
                 make_optimizer(model, settings),
                 window_batches(
-                    train, [seed, 1 << 20], config.train.batch_size, config.train.seq_len
+                    train, [seed, 1 << 20], config.train.batch_size, config.train.seq_len, device
                 ),
                 settings,
                 steps=steps,
@@ -243,7 +245,7 @@ def prepare(
             Frame(
                 "DenseModel",
                 {"steps": steps, "losses": losses},
-                {k: v.detach().contiguous() for k, v in model.state_dict().items()},
+                {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
             ),
         )
 
@@ -259,7 +261,7 @@ def prepare(
             val_paths = _hash_paths(val.doc_ids, topology.num_paths, 1, seed)[:, 0]
         else:
             stage("prefix features and router")
-            feats = _features(root, config, "train")
+            feats = _features(root, config, "train", device)
             router = fit_router(
                 feats,
                 topology.routing_levels,
@@ -269,7 +271,7 @@ def prepare(
             )
             router.save(root / _router_file(0))
             train_choice = router.top_paths(feats, n) if n > 1 else router.assign(feats)
-            val_paths = router.assign(_features(root, config, "val"))
+            val_paths = router.assign(_features(root, config, "val", device))
         stage(f"writing shards for {topology.num_paths} paths")
         _write_phase(root, config, 0, train, train_docs, train_choice, val, val_paths, {})
     return PreparedRun(root, config, tokenizer, load_routings(root))
@@ -452,7 +454,7 @@ def _hash_paths(doc_ids: list[str], num_paths: int, n: int, seed: int) -> np.nda
     return (first[:, None] + np.arange(n)[None, :]) % num_paths
 
 
-def _features(root: Path, config: RunConfig, part: str) -> np.ndarray:
+def _features(root: Path, config: RunConfig, part: str, device: str = "cpu") -> np.ndarray:
     path = root / "features" / f"{part}.npy"
     if path.exists():
         try:
@@ -461,6 +463,7 @@ def _features(root: Path, config: RunConfig, part: str) -> np.ndarray:
             raise CorruptFileError(f"{path}: unreadable features: {exc}") from None
     model = PathModel(config.build_model_config())
     model.load_state_dict(read_tensor_file(root / "initial.dpt").tensors)
+    model.to(device)
     shard = TokenShard(root / "data" / part)
     feats = prefix_features(
         model, [shard[i] for i in range(len(shard))], config.routing.prefix_tokens

@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 
+from dipaco.cli.main import main
 from dipaco.coordinator.early_stopping import EarlyStopping
 from dipaco.coordinator.prepare import prepare
 from dipaco.coordinator.run import MetricsLog, build_coordinator, evaluate_modules, peer_config
@@ -21,12 +22,12 @@ from dipaco.routing.routers import load_router
 
 
 def test_discriminative_phase_reshards_mid_run_and_peers_download_the_new_shards(
-    prepared_tiny, tiny_config, tmp_path
+    prepared_tiny, tiny_config, tmp_path, capsys
 ):
     config = tiny_config.replace(
         train={"inner_steps": 4, "rounds": 3},
         routing={"discriminative_after": [1], "overlap": 2},
-        eval={"early_stopping": True, "every_round": False},
+        eval={"early_stopping": True, "every_round": False, "reroute_windows": [16]},
     )
     root = tmp_path / "run"
     prep = prepare(root, config, reuse=prepared_tiny)
@@ -99,6 +100,16 @@ def test_discriminative_phase_reshards_mid_run_and_peers_download_the_new_shards
     rerouted = evaluate_modules(prep, coordinator.store.params, early=early, window=16)
     assert final["tokens"] == stopped["tokens"] == rerouted["tokens"] > 0
     assert np.isfinite([final["ppl"], stopped["ppl"], rerouted["ppl"]]).all()
+
+    # `dipaco eval` reports all three from the run folder alone.
+    capsys.readouterr()
+    try:
+        main(["eval", "--run-dir", str(root)])
+    except SystemExit as exc:
+        assert exc.code in (0, None)
+    out = capsys.readouterr().out
+    assert "early_stopping_ppl" in out and "rerouted_every_16_ppl" in out
+    assert f"{rerouted['ppl']:.2f}"[:4] in out
 
 
 def test_overlap_changes_training_shards_but_never_evaluation(prepared_tiny, tiny_config, tmp_path):

@@ -26,6 +26,11 @@ def test_toml_config_starts_from_a_preset_and_overrides(tmp_path):
         ("[model]\ndim = 130\nn_heads = 4\n", "model.dim"),
         ('[routing]\nmethod = "magic"\n', "routing.method"),
         ('preset = "huge"\n', "unknown preset"),
+        ("[routing]\noverlap = 5\n", "routing.overlap"),
+        ("[routing]\ndiscriminative_after = [8]\n", "routing.discriminative_after"),
+        ('[routing]\nmethod = "iid"\ndiscriminative_after = [2]\n', "iid"),
+        ("[topology]\nreplicas = 0\n", "topology.replicas"),
+        ("[eval]\nreroute_windows = [0]\n", "eval.reroute_windows"),
         ("[train\n", "not valid TOML"),
     ],
 )

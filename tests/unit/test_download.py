@@ -81,3 +81,14 @@ def test_bad_file_requests_are_rejected_and_counted(tmp_path):
     with pytest.raises(RejectedError):
         tr.request(m.FetchFile(peer_id="p", name="big.bin", offset=0, length=64 << 20))
     assert co.status().state["rejections"] == {"unknown-file": 1, "bad-range": 2}
+
+
+def test_a_shard_name_outside_the_run_folder_is_refused(tmp_path):
+    co, _, _ = serve(tmp_path, size=1000)
+    files = RunFiles(LocalTransport(co.handle), "p", {}, tmp_path / "peer")
+    for name in ("../../etc/passwd", "/etc/passwd", "shards/../../x"):
+        with pytest.raises(DataError, match="outside the run folder"):
+            files.shard(name)
+    # A shard the manifest does not list, and the offer gives no size and hash for, is refused.
+    with pytest.raises(DataError, match="no file"):
+        files.shard("shards/phase1/P0/train")
