@@ -297,6 +297,12 @@ def build_coordinator(
         def work() -> None:
             try:
                 t0 = time.monotonic()
+                others = [m for m in c.build_topology().module_ids() if not coordinator.owns(m)]
+                if others:
+                    raise ConfigError(
+                        f"a discriminative phase scores every path, but modules {others} belong "
+                        f"to other owners; run phases with the scheduler owning every module"
+                    )
                 routing = discriminative_phase(
                     prep,
                     phase,

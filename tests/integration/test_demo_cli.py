@@ -14,7 +14,9 @@ pytestmark = pytest.mark.slow
 
 def test_demo_interrupted_and_run_again_continues_to_the_table(tmp_path):
     config = tmp_path / "demo.toml"
-    config.write_text('preset = "tiny"\n[train]\ninner_steps = 20\nrounds = 5\n')
+    # Tasks long enough (about a second each) that the interrupt lands mid-run even when the
+    # test's own process gets little CPU time next to the demo's.
+    config.write_text('preset = "tiny"\n[train]\ninner_steps = 60\nrounds = 5\n')
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable,

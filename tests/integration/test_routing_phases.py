@@ -128,3 +128,20 @@ def test_overlap_changes_training_shards_but_never_evaluation(prepared_tiny, tin
         )
     tokens = [r.stats["shards"]["train"]["tokens"] for r in (one.routing, two.routing)]
     assert sum(tokens[1]) == 2 * sum(tokens[0])
+
+
+def test_a_phase_with_modules_on_other_owners_stops_the_run_with_a_reason(
+    prepared_tiny, tiny_config, tmp_path
+):
+    config = tiny_config.replace(
+        train={"inner_steps": 4, "rounds": 3},
+        routing={"discriminative_after": [1]},
+        eval={"every_round": False},
+    )
+    prep = prepare(tmp_path / "run", config, reuse=prepared_tiny)
+    coordinator = build_coordinator(prep, MetricsLog(tmp_path / "m.jsonl"), evaluate=False)
+    coordinator.owners["L1.M0"] = "another-owner"
+    coordinator.on_round(1)
+    assert coordinator.finished_event.wait(60)
+    assert "other owners" in coordinator.failure and "L1.M0" in coordinator.failure
+    assert not (tmp_path / "run" / "routing-phase1.json").exists()
