@@ -14,9 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_demo_interrupted_and_run_again_continues_to_the_table(tmp_path):
     config = tmp_path / "demo.toml"
-    # Tasks long enough (about a second each) that the interrupt lands mid-run even when the
-    # test's own process gets little CPU time next to the demo's.
-    config.write_text('preset = "tiny"\n[train]\ninner_steps = 60\nrounds = 5\n')
+    config.write_text('preset = "tiny"\n[train]\ninner_steps = 20\nrounds = 5\n')
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -28,7 +26,15 @@ def test_demo_interrupted_and_run_again_continues_to_the_table(tmp_path):
         "--run-dir",
         str(run_dir),
     ]
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A shell that starts the test suite in the background ignores SIGINT in its children, and
+    # Python then installs no KeyboardInterrupt handler: give the demo the default disposition.
+    first = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
