@@ -14,7 +14,8 @@ steps per path, and the same evaluation (validation perplexity without the first
     DiPaCo 4x4               k-means routing
     DiPaCo 4x4 + disc.       one discriminative phase halfway (section 2.4.2)
       + early stopping       each path's parameters at its lowest held-out loss (Table 3)
-      + re-routing 64        switching path every 64 tokens (section 2.4.3)
+      + re-routing 64        switching path every 64 tokens (section 2.4.3), with the prefix
+                             router on the previous chunk, then with a learned chunk router
 
 All models start from one dense pretraining (as in the paper), except those whose schedule is
 longer or whose shape differs, which pretrain their own. Each model's run folder is kept under
@@ -179,6 +180,14 @@ def variants(base: RunConfig, only: set[str] | None) -> list[Variant]:
                     f"+ early stopping + re-routing every {w // 2} tokens",
                     {"early": True, "window": w // 2},
                 ),
+                (
+                    f"+ early stopping + re-routing every {w} tokens, learned chunk router",
+                    {"early": True, "window": w, "learned": True},
+                ),
+                (
+                    f"+ early stopping + re-routing every {w // 2} tokens, learned chunk router",
+                    {"early": True, "window": w // 2, "learned": True},
+                ),
             ],
         ),
     ]
@@ -276,6 +285,7 @@ def run_variant(
             coordinator.store.params,
             early=early,
             window=options.get("window"),
+            learned=options.get("learned", False),
             device=device,
         )
         rows.append(

@@ -227,6 +227,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for w in config.eval.reroute_windows:
         rerouted = evaluate_modules(prep, store.params, early=early, window=w)
         report[f"rerouted_every_{w}_ppl"] = round(rerouted["ppl"], 2)
+        if prep.routing.chunk_router is not None:
+            learned = evaluate_modules(prep, store.params, early=early, window=w, learned=True)
+            report[f"rerouted_every_{w}_learned_ppl"] = round(learned["ppl"], 2)
     console.print(report)
     return 0
 

@@ -32,6 +32,7 @@ from dipaco.model.optim import InnerSettings, make_optimizer, train_steps
 from dipaco.model.transformer import PathModel, new_dense_model
 from dipaco.protocols.wire import Frame, read_tensor_file, write_tensor_file
 from dipaco.routing.discriminative import best_paths, fit_logistic_router, score_documents
+from dipaco.routing.evaluate import window_features
 from dipaco.routing.features import prefix_features
 from dipaco.routing.kmeans import fit_router, routing_stats
 from dipaco.routing.routers import Router, load_router
@@ -54,6 +55,7 @@ class Routing:
     val_paths: np.ndarray
     prefix: str  # shard folder relative to the run folder: "shards", "shards/phase1", ...
     stats: dict[str, Any]
+    chunk_router: Router | None = None  # a discriminative phase's learned chunk router
 
 
 @dataclass
@@ -335,6 +337,7 @@ def discriminative_phase(
         seed=config.train.seed,
     )
     router.save(root / _router_file(phase))
+    _fit_chunk_router(prep, phase, router_docs, labels, device)
     n = config.routing.overlap
     train_choice = router.top_paths(train_feats, n) if n > 1 else router.assign(train_feats)
     val = TokenShard(root / "data" / "val")
@@ -358,6 +361,44 @@ def discriminative_phase(
         extra,
     )
     return prep.refresh().routings[phase]
+
+
+def _fit_chunk_router(
+    prep: PreparedRun,
+    phase: int,
+    router_docs: list[np.ndarray],
+    labels: np.ndarray,
+    device: str,
+) -> None:
+    """A learned chunk router for test-time re-routing (section 2.4.3, simplified).
+
+    The paper fine-tunes a transformer to predict, from the chunk it reads, the path that scores
+    the document best (its target over the whole sequence). Here the reader is the frozen initial
+    model: every 32-token window of each router document, every 16 tokens, is a training example
+    labelled with the document's best path, and a logistic regression with the same bias
+    correction learns it. One router serves every re-routing interval, as in the paper.
+    """
+    c = prep.config
+    span = c.routing.prefix_tokens
+    feats, index = window_features(
+        prep.initial_model().to(device),
+        router_docs,
+        seq_len=c.train.seq_len,
+        span=span,
+        stride=max(span // 2, 1),
+    )
+    try:
+        chunk = fit_logistic_router(
+            feats,
+            labels[index],
+            c.build_topology().routing_levels,
+            balance=c.routing.balance,
+            seed=c.train.seed,
+        )
+    except DataError as exc:  # too few windows for every path: re-routing uses the prefix router
+        log.warning("phase %d: no chunk router (%s)", phase, exc)
+        return
+    chunk.save(prep.root / f"chunk-router-phase{phase}.json")
 
 
 def is_router_doc(doc_id: str, fraction: float, seed: int) -> bool:
@@ -387,6 +428,7 @@ def load_routings(root: Path) -> list[Routing]:
         info = json.loads((root / _routing_file(phase)).read_text())
         router_path = root / _router_file(phase)
         router = load_router(router_path) if info.get("method") != "iid" else None
+        chunk_path = root / f"chunk-router-phase{phase}.json"
         out.append(
             Routing(
                 phase,
@@ -395,6 +437,7 @@ def load_routings(root: Path) -> list[Routing]:
                 np.array(info["val_paths"], dtype=np.int64),
                 phase_prefix(phase),
                 info,
+                load_router(chunk_path) if chunk_path.exists() else None,
             )
         )
         phase += 1

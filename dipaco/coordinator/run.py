@@ -191,12 +191,15 @@ def evaluate_modules(
     *,
     early: EarlyStopping | None = None,
     window: int | None = None,
+    learned: bool = False,
     device: str = "cpu",
 ) -> dict:
     """Routed validation perplexity of the modular model whose module tensors ``modules`` gives.
 
     Documents go to the latest routing phase's paths. ``early`` evaluates each path's
-    early-stopping snapshot instead; ``window`` re-routes every ``window`` tokens (section 2.4.3).
+    early-stopping snapshot instead; ``window`` re-routes every ``window`` tokens (section 2.4.3),
+    with the prefix router applied to the previous chunk, or (``learned``) with the latest
+    discriminative phase's chunk router.
     """
     c = prep.config
     docs = prep.val_docs()
@@ -208,6 +211,9 @@ def evaluate_modules(
         )
     if prep.router is None:
         raise ConfigError("re-routing needs a feature router; this run's shards are i.i.d.")
+    chunk_router = prep.routing.chunk_router
+    if learned and chunk_router is None:
+        raise ConfigError("no learned chunk router: it comes with a discriminative routing phase")
     routes = chunk_routes(
         prep.initial_model().to(device),
         prep.router.assign,
@@ -215,6 +221,7 @@ def evaluate_modules(
         window=window,
         seq_len=seq_len,
         prefix_tokens=prefix,
+        assign_later=chunk_router.assign if learned and chunk_router is not None else None,
     )
     return rerouted_perplexity(
         load, docs, routes, window=window, seq_len=seq_len, prefix_tokens=prefix

@@ -180,6 +180,7 @@ def chunk_routes(
     seq_len: int,
     prefix_tokens: int = 32,
     batch_size: int = 32,
+    assign_later: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> np.ndarray:
     """(N, ceil(seq_len / window)) int64: the path of every chunk of every document.
 
@@ -190,6 +191,8 @@ def chunk_routes(
     ``min(window, prefix_tokens)`` positions of chunk i - 1, all from one causal forward pass per
     document, so the route of chunk i reads only tokens before position i * window and no token
     that chunk scores. Chunks past the end of a short document repeat the previous route.
+    ``assign_later``, when given, routes chunks i >= 1 instead of ``assign`` (a chunk router
+    trained on such windows, see ``window_features``).
     """
     _check_eval_args(seq_len, prefix_tokens, batch_size)
     if prefix_tokens < 1:
@@ -225,8 +228,9 @@ def chunk_routes(
                 feats.append(mean.cpu().numpy())
                 where.extend((int(b), i) for b in rows)
                 covered[rows, i] = True
+        later = assign_later or assign
         chosen = (
-            np.asarray(assign(np.concatenate(feats)), dtype=np.int64)
+            np.asarray(later(np.concatenate(feats)), dtype=np.int64)
             if feats
             else np.zeros(0, dtype=np.int64)
         )
@@ -317,3 +321,44 @@ def rerouted_perplexity(
         "window": window,
         "switches": switches / max(len(docs), 1),
     }
+
+
+@torch.no_grad()
+def window_features(
+    initial_model: PathModel,
+    docs: list[np.ndarray],
+    *,
+    seq_len: int,
+    span: int = 32,
+    stride: int = 16,
+    batch_size: int = 32,
+) -> tuple[np.ndarray, np.ndarray]:
+    """What a chunk router reads, at every ``stride`` tokens of each document's evaluated window.
+
+    For each document and each end position e = span, span + stride, ... up to the window's
+    length, the mean of ``initial_model``'s last-block hidden states over positions [e - span, e)
+    (the same causal forward pass ``chunk_routes`` uses). Returns (features (M, dim), doc index
+    (M,)): the training inputs of a learned chunk router.
+    """
+    initial_model.eval()
+    device = next(initial_model.parameters()).device
+    feats: list[np.ndarray] = []
+    index: list[int] = []
+    for start in range(0, len(docs), batch_size):
+        windows = [_window(d, seq_len) for d in docs[start : start + batch_size]]
+        n_inputs = np.array([max(len(w) - 1, 0) for w in windows])
+        length = int(n_inputs.max()) if len(windows) else 0
+        if length < span:
+            continue
+        _, hidden = initial_model(_pad(windows, length).to(device), return_hidden=True)
+        for end in range(span, length + 1, stride):
+            rows = np.flatnonzero(n_inputs >= end)
+            if rows.size == 0:
+                break
+            mean = hidden[torch.from_numpy(rows).to(device), end - span : end].float().mean(1)
+            feats.append(mean.cpu().numpy())
+            index.extend(int(start + b) for b in rows)
+    dim = initial_model.cfg.dim
+    if not feats:
+        return np.zeros((0, dim), dtype=np.float32), np.zeros(0, dtype=np.int64)
+    return np.concatenate(feats).astype(np.float32), np.array(index, dtype=np.int64)

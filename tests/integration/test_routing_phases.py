@@ -26,7 +26,7 @@ def test_discriminative_phase_reshards_mid_run_and_peers_download_the_new_shards
 ):
     config = tiny_config.replace(
         train={"inner_steps": 4, "rounds": 3},
-        routing={"discriminative_after": [1], "overlap": 2},
+        routing={"discriminative_after": [1], "overlap": 2, "candidates": 2},
         eval={"early_stopping": True, "every_round": False, "reroute_windows": [16]},
     )
     root = tmp_path / "run"
@@ -74,6 +74,7 @@ def test_discriminative_phase_reshards_mid_run_and_peers_download_the_new_shards
     assert isinstance(router, LogisticRouter)
     stats = json.loads((root / "routing-phase1.json").read_text())
     assert sum(stats["label_counts"]) == stats["router_docs"] > 0
+    assert stats["candidates"] == 2  # only each document's top 2 k-means paths were scored
     # Every path has data in the new phase (the bias correction), and with overlap 2 every
     # training document sits in exactly two shards.
     train = TokenShard(root / "data" / "train")
@@ -98,8 +99,12 @@ def test_discriminative_phase_reshards_mid_run_and_peers_download_the_new_shards
     final = evaluate_modules(prep, coordinator.store.params)
     stopped = evaluate_modules(prep, coordinator.store.params, early=early)
     rerouted = evaluate_modules(prep, coordinator.store.params, early=early, window=16)
-    assert final["tokens"] == stopped["tokens"] == rerouted["tokens"] > 0
-    assert np.isfinite([final["ppl"], stopped["ppl"], rerouted["ppl"]]).all()
+    learned = evaluate_modules(prep, coordinator.store.params, early=early, window=16, learned=True)
+    assert final["tokens"] == stopped["tokens"] == rerouted["tokens"] == learned["tokens"] > 0
+    assert np.isfinite([final["ppl"], stopped["ppl"], rerouted["ppl"], learned["ppl"]]).all()
+    # The phase also fitted a chunk router, on windows of the router documents.
+    assert isinstance(prep.routing.chunk_router, LogisticRouter)
+    assert (root / "chunk-router-phase1.json").exists()
 
     # `dipaco eval` reports all three from the run folder alone.
     capsys.readouterr()
@@ -109,6 +114,7 @@ def test_discriminative_phase_reshards_mid_run_and_peers_download_the_new_shards
         assert exc.code in (0, None)
     out = capsys.readouterr().out
     assert "early_stopping_ppl" in out and "rerouted_every_16_ppl" in out
+    assert "rerouted_every_16_learned_ppl" in out
     assert f"{rerouted['ppl']:.2f}"[:4] in out
 
 

@@ -270,3 +270,26 @@ def test_heldout_loss_is_routed_loss_of_one_path(models, docs):
     assert abs(other - loss) > 1e-3
     nothing, none = heldout_loss(models["a"], [docs[5]], seq_len=SEQ, prefix_tokens=32)
     assert none == 0 and math.isnan(nothing)
+
+
+def test_window_features_are_what_chunk_routes_read_and_a_later_router_routes_later_chunks():
+    from dipaco.routing.evaluate import window_features
+
+    torch.manual_seed(0)
+    model = PathModel(CFG)
+    docs = [np.random.default_rng(i).integers(0, CFG.vocab_size, 60) for i in range(3)]
+    feats, index = window_features(model, docs, seq_len=48, span=8, stride=8)
+    # One window per 8 tokens of each 48-input window, the first equal to the prefix feature.
+    assert feats.shape == (3 * 6, CFG.dim) and list(index) == [0, 1, 2] * 6
+    np.testing.assert_allclose(feats[:3], prefix_features(model, docs, 8), rtol=1e-5, atol=1e-6)
+    # Chunk 0 keeps the prefix router; later chunks take the other one.
+    routes = chunk_routes(
+        model,
+        lambda f: np.zeros(len(f), dtype=np.int64),
+        docs,
+        window=16,
+        seq_len=48,
+        prefix_tokens=8,
+        assign_later=lambda f: np.ones(len(f), dtype=np.int64),
+    )
+    assert routes.tolist() == [[0, 1, 1]] * 3
