@@ -33,7 +33,7 @@ bench: $(STAMP)
 	$(PY) bench/wire.py
 	$(PY) bench/communication.py
 
-# The paper's comparison at small scale (about 15 minutes on 2 CPU cores): docs/results.md.
+# The paper's comparison at small scale (about 18 minutes on 2 CPU cores): docs/results.md.
 paper-table: $(STAMP)
 	$(PY) bench/paper_table.py --preset tiny $(ARGS)
 

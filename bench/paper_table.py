@@ -21,7 +21,7 @@ All models start from one dense pretraining (as in the paper), except those whos
 longer or whose shape differs, which pretrain their own. Each model's run folder is kept under
 ``--out``; a finished model is not trained again, so an interrupted benchmark continues.
 
-    python bench/paper_table.py --preset tiny            # 2 CPU cores, about 15 minutes
+    python bench/paper_table.py --preset tiny            # 2 CPU cores, about 18 minutes
     python bench/paper_table.py --preset small --device cuda   # a GPU; paths of about 20 M
 
 Writes ``paper_table.md``, ``paper_table.json`` and the bar chart ``paper_table.png`` to --out.
@@ -59,7 +59,7 @@ from dipaco.fileio import write_atomic, write_json_atomic  # noqa: E402
 
 # The base of every model in a preset; variants change topology, routing, outer step, rounds.
 PRESETS: dict[str, dict[str, Any]] = {
-    # Two CPU cores, about 15 minutes for every row (see docs/results.md).
+    # Two CPU cores, about 18 minutes for every row (see docs/results.md).
     "tiny": {
         "model": {"vocab_size": 2048, "dim": 64, "n_layers": 4, "n_heads": 4, "max_seq_len": 128},
         "data": {"tokenizer_sample_chars": 2_000_000},
@@ -157,9 +157,14 @@ def variants(base: RunConfig, only: set[str] | None) -> list[Variant]:
         ),
         Variant("flat_moe4", "flat MoE-4 (k-means)", {"topology": {"levels": "4", "shared": []}}),
         Variant("dipaco2x2", "DiPaCo 2x2 (k-means)", {"topology": {"levels": "2x2"}}),
+        Variant(
+            "dipaco2x2_norescale",
+            "DiPaCo 2x2 (k-means), no sqrt rescale",
+            {"topology": {"levels": "2x2"}, "outer": {"sqrt_rescale": False}},
+        ),
         Variant("dipaco4x4", "DiPaCo 4x4 (k-means)", {"topology": {"levels": "4x4"}}),
-        # Not in the paper's table: the sqrt(paths) rescale multiplies the shared embedding's
-        # and head's outer gradient by 4 with 16 paths, which overshoots in short runs.
+        # Not in the paper's table (nor is 2x2 without it): the sqrt(paths) rescale multiplies
+        # the shared embedding's and head's outer gradient by 4 with 16 paths.
         Variant(
             "dipaco4x4_norescale",
             "DiPaCo 4x4 (k-means), no sqrt rescale",

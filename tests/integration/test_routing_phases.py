@@ -12,7 +12,13 @@ import numpy as np
 from dipaco.cli.main import main
 from dipaco.coordinator.early_stopping import EarlyStopping
 from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator, evaluate_modules, peer_config
+from dipaco.coordinator.run import (
+    MetricsLog,
+    build_coordinator,
+    evaluate_modules,
+    peer_config,
+    run_local_peers,
+)
 from dipaco.data.shards import TokenShard
 from dipaco.peer.download import RunFiles
 from dipaco.peer.peer import Peer
@@ -151,3 +157,27 @@ def test_a_phase_with_modules_on_other_owners_stops_the_run_with_a_reason(
     assert coordinator.finished_event.wait(60)
     assert "other owners" in coordinator.failure and "L1.M0" in coordinator.failure
     assert not (tmp_path / "run" / "routing-phase1.json").exists()
+
+
+def test_two_phases_alternate_like_em(prepared_tiny, tiny_config, tmp_path):
+    config = tiny_config.replace(
+        train={"inner_steps": 3, "rounds": 3},
+        routing={"discriminative_after": [1, 2]},
+        eval={"every_round": False},
+    )
+    prep = prepare(tmp_path / "run", config, reuse=prepared_tiny)
+    metrics = MetricsLog(tmp_path / "run" / "metrics.jsonl")
+    coordinator = build_coordinator(prep, metrics, evaluate=False)
+    stop = threading.Event()
+    threads = run_local_peers(coordinator, prep, 2, stop=stop)
+    for t in threads:
+        t.join(300)
+    assert coordinator.finished and coordinator.failure is None
+    events = metrics.read()
+    assert [e["phase"] for e in events if e["event"] == "routing_phase"] == [1, 2]
+    issued = {(e["round"], e["phase"]) for e in events if e["event"] == "task_issued"}
+    assert issued == {(0, 0), (1, 1), (2, 2)}
+    prep.refresh()
+    assert [r.phase for r in prep.routings] == [0, 1, 2]
+    # Phase 2's labels came from paths trained on phase 1's shards: a router of its own.
+    assert prep.routings[2].router.sha256 != prep.routings[1].router.sha256
