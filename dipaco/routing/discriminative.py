@@ -24,14 +24,10 @@ choices.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,16 +36,14 @@ from sklearn.linear_model import LogisticRegression
 from threadpoolctl import threadpool_limits
 
 from dipaco.errors import ConfigError, DataError
-from dipaco.fileio import write_atomic
 from dipaco.model.transformer import PathModel
 from dipaco.routing.kmeans import (
+    SavedRouter,
     _balance_offsets,
     _check_features,
     _float_array,
     _is_int,
     _is_number,
-    _parse_router,
-    _read_router_json,
     _top_paths,
 )
 
@@ -153,7 +147,7 @@ def best_paths(scores: np.ndarray) -> np.ndarray:
 
 
 @dataclass(eq=False)
-class LogisticRouter:
+class LogisticRouter(SavedRouter):
     """A fitted discriminative router: a P-class linear logistic classifier plus offsets.
 
     A document with features x gets ``path_scores = W z + bias + offsets`` with
@@ -216,24 +210,6 @@ class LogisticRouter:
             "bias": self.bias.tolist(),
             "offsets": self.offsets.tolist(),
         }
-
-    def canonical_json(self) -> bytes:
-        # json writes floats with repr(), which round-trips float64 exactly.
-        return json.dumps(
-            self.to_json_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False
-        ).encode("utf-8")
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.canonical_json()).hexdigest()
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the canonical JSON atomically; the file's sha256 equals ``self.sha256``."""
-        write_atomic(Path(path), self.canonical_json())
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> LogisticRouter:
-        return _parse_router(path, _read_router_json(path), cls._from_json_dict)
 
     @classmethod
     def _from_json_dict(cls, obj: Any) -> LogisticRouter:

@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from sklearn.cluster import KMeans
 from threadpoolctl import threadpool_limits
 
 from dipaco.errors import ConfigError, CorruptFileError, DataError
+from dipaco.fileio import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,41 @@ ASSIGN_CHUNK = 65536
 _R = TypeVar("_R")
 
 
+class SavedRouter:
+    """Canonical JSON, its SHA-256, crash-safe save and validated load, for every router kind.
+
+    A subclass gives ``to_json_dict`` and ``_from_json_dict`` (which raises on anything
+    malformed); files are never unpickled.
+    """
+
+    def to_json_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def _from_json_dict(cls, obj: Any) -> Any:
+        raise NotImplementedError
+
+    def canonical_json(self) -> bytes:
+        # json writes floats with repr(), which round-trips float64 exactly.
+        return json.dumps(
+            self.to_json_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False
+        ).encode("utf-8")
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.canonical_json()).hexdigest()
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the canonical JSON atomically; the file's sha256 equals ``self.sha256``."""
+        write_atomic(Path(path), self.canonical_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Any:
+        return _parse_router(path, _read_router_json(path), cls._from_json_dict)
+
+
 @dataclass(eq=False)
-class KMeansRouter:
+class KMeansRouter(SavedRouter):
     """A fitted generative router.
 
     ``centroids[g]``, ``offsets[g]`` and ``slices[g]`` describe one group of clusters over the
@@ -145,36 +178,6 @@ class KMeansRouter:
             "centroids": [c.tolist() for c in self.centroids],
             "offsets": [o.tolist() for o in self.offsets],
         }
-
-    def canonical_json(self) -> bytes:
-        # json writes floats with repr(), which round-trips float64 exactly.
-        return json.dumps(
-            self.to_json_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False
-        ).encode("utf-8")
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.canonical_json()).hexdigest()
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the canonical JSON atomically; the file's sha256 equals ``self.sha256``."""
-        path = Path(path)
-        data = self.canonical_json()
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        _fsync_dir(path.parent)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> KMeansRouter:
-        return _parse_router(path, _read_router_json(path), cls._from_json_dict)
 
     @classmethod
     def _from_json_dict(cls, obj: Any) -> KMeansRouter:
@@ -720,17 +723,3 @@ def _is_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename durable; not every platform lets a directory be opened.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
