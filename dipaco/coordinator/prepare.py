@@ -100,7 +100,7 @@ class PreparedRun:
         """Path ``path``'s held-out slice in a routing phase (the latest by default)."""
         routing = self.routing if phase is None else self.routings[phase]
         shard = TokenShard(self.root / routing.prefix / f"P{path}" / "heldout")
-        return [shard[i] for i in range(len(shard))]
+        return shard.docs()
 
     def initial_state(self) -> dict[str, torch.Tensor]:
         return read_tensor_file(self.root / "initial.dpt").tensors
@@ -254,7 +254,6 @@ def prepare(
     if not (root / _routing_file(0)).exists():
         topology = config.build_topology()
         val = TokenShard(data_dir / "val")
-        train_docs = [train[i] for i in range(len(train))]
         n = config.routing.overlap
         router: Router | None = None
         if config.routing.method == "iid":
@@ -272,10 +271,10 @@ def prepare(
                 seed=seed,
             )
             router.save(root / _router_file(0))
-            train_choice = router.top_paths(feats, n) if n > 1 else router.assign(feats)
+            train_choice = _train_choice(router, feats, n)
             val_paths = router.assign(_features(root, config, "val", device))
         stage(f"writing shards for {topology.num_paths} paths")
-        _write_phase(root, config, 0, train, train_docs, train_choice, val, val_paths, {})
+        _write_phase(root, config, 0, train, train_choice, val, val_paths, {})
     return PreparedRun(root, config, tokenizer, load_routings(root))
 
 
@@ -307,7 +306,7 @@ def discriminative_phase(
         )
     topology = config.build_topology()
     shard = TokenShard(router_shard)
-    router_docs = [shard[i] for i in range(len(shard))]
+    router_docs = shard.docs()
     router_feats = prep.features("router")
     candidates = None
     current = prep.router
@@ -338,8 +337,7 @@ def discriminative_phase(
     )
     router.save(root / _router_file(phase))
     _fit_chunk_router(prep, phase, router_docs, labels, device)
-    n = config.routing.overlap
-    train_choice = router.top_paths(train_feats, n) if n > 1 else router.assign(train_feats)
+    train_choice = _train_choice(router, train_feats, config.routing.overlap)
     val = TokenShard(root / "data" / "val")
     val_paths = router.assign(prep.features("val"))
     extra = {
@@ -354,7 +352,6 @@ def discriminative_phase(
         config,
         phase,
         train,
-        [train[i] for i in range(len(train))],
         train_choice,
         val,
         val_paths,
@@ -399,6 +396,11 @@ def _fit_chunk_router(
         log.warning("phase %d: no chunk router (%s)", phase, exc)
         return
     chunk.save(prep.root / f"chunk-router-phase{phase}.json")
+
+
+def _train_choice(router: Router, feats: np.ndarray, overlap: int) -> np.ndarray:
+    """Training documents' paths: (N,) best, or (N, overlap) best first (overlapping shards)."""
+    return router.top_paths(feats, overlap) if overlap > 1 else router.assign(feats)
 
 
 def is_router_doc(doc_id: str, fraction: float, seed: int) -> bool:
@@ -451,7 +453,6 @@ def _write_phase(
     config: RunConfig,
     phase: int,
     train: TokenShard,
-    train_docs: list[np.ndarray],
     train_choice: np.ndarray,
     val: TokenShard,
     val_paths: np.ndarray,
@@ -460,7 +461,7 @@ def _write_phase(
     topology = config.build_topology()
     stats = write_path_shards(
         root / phase_prefix(phase),
-        train_docs,
+        train.docs(),
         train.doc_ids,
         train_choice,
         topology.num_paths,
@@ -508,9 +509,7 @@ def _features(root: Path, config: RunConfig, part: str, device: str = "cpu") -> 
     model.load_state_dict(read_tensor_file(root / "initial.dpt").tensors)
     model.to(device)
     shard = TokenShard(root / "data" / part)
-    feats = prefix_features(
-        model, [shard[i] for i in range(len(shard))], config.routing.prefix_tokens
-    )
+    feats = prefix_features(model, shard.docs(), config.routing.prefix_tokens)
     buffer = io.BytesIO()
     np.save(buffer, feats, allow_pickle=False)
     write_atomic(path, buffer.getvalue())

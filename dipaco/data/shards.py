@@ -154,6 +154,10 @@ class TokenShard:
         i = range(len(self))[i]  # negative indices and IndexError, as for a list
         return np.asarray(self.tokens[self._offsets[i] : self._offsets[i + 1]], dtype=np.int64)
 
+    def docs(self) -> list[np.ndarray]:
+        """Every document's tokens, in order."""
+        return [self[i] for i in range(len(self))]
+
 
 def sample_windows(
     shard: TokenShard, rng: np.random.Generator, batch: int, length: int
