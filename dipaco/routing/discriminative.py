@@ -37,6 +37,7 @@ from threadpoolctl import threadpool_limits
 
 from dipaco.errors import ConfigError, DataError
 from dipaco.model.transformer import PathModel
+from dipaco.routing.evaluate import token_losses
 from dipaco.routing.kmeans import (
     SavedRouter,
     _balance_offsets,
@@ -57,6 +58,7 @@ ABSENT_MARGIN = 1000.0
 _FIELDS = {"format", "levels", "balance", "seed", "mean", "scale", "weights", "bias", "offsets"}
 
 
+@torch.no_grad()
 def score_documents(
     load_path: Callable[[int], PathModel],
     docs: list[np.ndarray],
@@ -112,9 +114,9 @@ def score_documents(
         order = rows[np.argsort([-len(windows[i]) for i in rows], kind="stable")]
         for start in range(0, order.size, batch_size):
             chunk = order[start : start + batch_size]
-            scores[chunk, p] = _batch_log_likelihood(
-                model, [windows[i] for i in chunk], prefix_tokens, device
-            )
+            # The tokens evaluation scores; a path's score is their summed log-likelihood.
+            losses, valid = token_losses(model, [windows[i] for i in chunk], prefix_tokens)
+            scores[chunk, p] = -(losses.double() * valid).sum(dim=1).numpy()
         del model
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -424,27 +426,6 @@ def _candidate_mask(candidates: np.ndarray | None, n: int, num_paths: int) -> np
     mask = np.zeros((n, num_paths), dtype=bool)
     mask[np.repeat(np.arange(n), c.shape[1]), c.reshape(-1).astype(np.int64)] = True
     return mask
-
-
-@torch.no_grad()
-def _batch_log_likelihood(
-    model: PathModel, windows: list[np.ndarray], prefix_tokens: int, device: str
-) -> np.ndarray:
-    """Summed log-probability of each window's tokens at positions >= prefix_tokens."""
-    length = max(len(w) for w in windows)
-    tokens = torch.zeros(len(windows), length, dtype=torch.long)
-    valid = torch.zeros(len(windows), length - 1, dtype=torch.bool)
-    for i, w in enumerate(windows):
-        tokens[i, : len(w)] = torch.from_numpy(w)
-        # Position j predicts token j + 1; as in evaluation, tokens 0..prefix_tokens-1 are
-        # never targets (right padding past len(w) is masked out).
-        valid[i, max(prefix_tokens - 1, 0) : len(w) - 1] = True
-    tokens, valid = tokens.to(device), valid.to(device)
-    logits = model(tokens[:, :-1])
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    picked = logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    summed = torch.where(valid, picked.double(), torch.zeros((), dtype=torch.float64)).sum(dim=1)
-    return summed.cpu().numpy()
 
 
 def _router_problem(r: LogisticRouter) -> str | None:

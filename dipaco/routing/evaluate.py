@@ -35,48 +35,19 @@ def routed_perplexity(
     Returns ``{"ppl", "loss", "tokens", "per_path": {p: {"ppl", "loss", "docs", "tokens"}}}``.
     A dense model is evaluated by routing every document to path 0.
     """
-    per_path = {}
-    total_nll, total_count = 0.0, 0
+    per_path: dict[int, tuple[float, int, int]] = {}
     for p in sorted({int(x) for x in paths}):
         model = load_path(p)
         model.eval()
         chosen = [docs[i] for i in np.flatnonzero(paths == p)]
         nll, count = 0.0, 0
         for start in range(0, len(chosen), batch_size):
-            window = [
-                np.asarray(d[: seq_len + 1], dtype=np.int64)
-                for d in chosen[start : start + batch_size]
-            ]
-            length = max(len(w) for w in window)
-            tokens = torch.zeros(len(window), length, dtype=torch.long)
-            valid = torch.zeros(len(window), length - 1, dtype=torch.bool)
-            for i, w in enumerate(window):
-                tokens[i, : len(w)] = torch.from_numpy(w)
-                # target position j predicts token j+1; tokens 0..prefix_tokens-1 are not scored
-                valid[i, max(prefix_tokens - 1, 0) : len(w) - 1] = True
-            device = next(model.parameters()).device
-            logits = model(tokens[:, :-1].to(device))
-            losses = (
-                F.cross_entropy(
-                    logits.float().reshape(-1, logits.shape[-1]),
-                    tokens[:, 1:].reshape(-1).to(device),
-                    reduction="none",
-                )
-                .view_as(valid)
-                .cpu()
-            )
-            nll += float(losses[valid].sum())
+            windows = [_window(d, seq_len) for d in chosen[start : start + batch_size]]
+            losses, valid = token_losses(model, windows, prefix_tokens)
+            nll += float(losses[valid].double().sum())
             count += int(valid.sum())
-        per_path[p] = {
-            "loss": nll / max(count, 1),
-            "ppl": math.exp(nll / max(count, 1)),
-            "docs": len(chosen),
-            "tokens": count,
-        }
-        total_nll += nll
-        total_count += count
-    loss = total_nll / max(total_count, 1)
-    return {"loss": loss, "ppl": math.exp(loss), "tokens": total_count, "per_path": per_path}
+        per_path[p] = (nll, count, len(chosen))
+    return _summary(per_path)
 
 
 # ---- shared pieces ----------------------------------------------------------------------------
@@ -96,7 +67,23 @@ def _pad(rows: list[np.ndarray], length: int) -> torch.Tensor:
     return tokens
 
 
-def _token_losses(
+def _summary(per_path: dict[int, tuple[float, int, int]]) -> dict:
+    """Perplexity results from each path's (summed loss, tokens scored, documents)."""
+    nll = sum(v[0] for v in per_path.values())
+    count = sum(v[1] for v in per_path.values())
+    loss = nll / max(count, 1)
+    return {
+        "loss": loss,
+        "ppl": math.exp(loss),
+        "tokens": count,
+        "per_path": {
+            p: {"loss": n / max(c, 1), "ppl": math.exp(n / max(c, 1)), "docs": d, "tokens": c}
+            for p, (n, c, d) in per_path.items()
+        },
+    }
+
+
+def token_losses(
     model: PathModel, windows: list[np.ndarray], prefix_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-target losses (B, T) on the CPU, and the mask of scored targets (the same ``valid`` rule
@@ -148,7 +135,7 @@ def heldout_loss(
     nll, count = 0.0, 0
     for start in range(0, len(docs), batch_size):
         windows = [_window(d, seq_len) for d in docs[start : start + batch_size]]
-        losses, valid = _token_losses(model, windows, prefix_tokens)
+        losses, valid = token_losses(model, windows, prefix_tokens)
         nll += float(losses[valid].double().sum())
         count += int(valid.sum())
     return (nll / count if count else math.nan), count
@@ -287,8 +274,7 @@ def rerouted_perplexity(
         if n_t > first:
             for p in np.unique(routes[d, np.arange(first, n_t) // window]):
                 scores.setdefault(int(p), []).append(d)
-    per_path = {}
-    total_nll, total_count = 0.0, 0
+    per_path: dict[int, tuple[float, int, int]] = {}
     for p in sorted(uses):
         chosen = scores.get(p, [])
         nll, count = 0.0, 0
@@ -297,27 +283,16 @@ def rerouted_perplexity(
             model.eval()
             for start in range(0, len(chosen), batch_size):
                 idx = chosen[start : start + batch_size]
-                losses, valid = _token_losses(
+                losses, valid = token_losses(
                     model, [_window(docs[d], seq_len) for d in idx], prefix_tokens
                 )
                 chunk_of = torch.arange(valid.shape[1]) // window
                 mine = torch.from_numpy(routes[idx][:, chunk_of.numpy()] == p) & valid
                 nll += float(losses[mine].double().sum())
                 count += int(mine.sum())
-        per_path[p] = {
-            "loss": nll / max(count, 1),
-            "ppl": math.exp(nll / max(count, 1)),
-            "docs": len(uses[p]),
-            "tokens": count,
-        }
-        total_nll += nll
-        total_count += count
-    loss = total_nll / max(total_count, 1)
+        per_path[p] = (nll, count, len(uses[p]))
     return {
-        "loss": loss,
-        "ppl": math.exp(loss),
-        "tokens": total_count,
-        "per_path": per_path,
+        **_summary(per_path),
         "window": window,
         "switches": switches / max(len(docs), 1),
     }
