@@ -251,27 +251,27 @@ def track_early_stopping(
     slice first, so that a path compares losses on the same documents.
     """
     c = prep.config
-    cfg, topology = c.build_model_config(), c.build_topology()
     phase = prep.routing.phase
+    current, kept_snapshot = (
+        path_loader(prep, modules, device=device),
+        path_loader(prep, modules, early, device),
+    )
+
+    def measure(model: PathModel, docs: list) -> tuple[float, int]:
+        return heldout_loss(
+            model, docs, seq_len=c.train.seq_len, prefix_tokens=c.routing.prefix_tokens
+        )
+
     losses = {}
-    for p in range(topology.num_paths):
+    for p in range(c.build_topology().num_paths):
         docs = prep.heldout_docs(p)
         if not docs:
             continue
         kept = early.best(p)
         if kept is not None and kept.get("phase", 0) != phase:
-            model = PathModel(cfg)
-            model.load_state_dict(early.state(p))
-            model.to(device)
-            loss, tokens = heldout_loss(
-                model, docs, seq_len=c.train.seq_len, prefix_tokens=c.routing.prefix_tokens
-            )
-            early.rescore(p, loss, tokens, phase=phase)
-        mids = topology.path_modules(p)
-        model = topology.build_path(cfg, p, {mid: modules(mid) for mid in mids}).to(device)
-        loss, tokens = heldout_loss(
-            model, docs, seq_len=c.train.seq_len, prefix_tokens=c.routing.prefix_tokens
-        )
+            early.rescore(p, *measure(kept_snapshot(p), docs), phase=phase)
+        model = current(p)
+        loss, tokens = measure(model, docs)
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         early.update(p, rnd, loss, state, tokens, phase=phase)
         losses[p] = loss
