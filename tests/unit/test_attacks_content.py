@@ -1,0 +1,308 @@
+"""Poisoned delta content against a real coordinator core, driven through its wire handler.
+
+Every attack must be refused with its reason and counted against the peer, and leave the
+modules exactly as a coordinator that never saw it (or, for a delta that passes every check,
+move them far less than a plain mean would).
+"""
+
+import math
+
+import pytest
+import torch
+from _tiny import delta_message
+
+from dipaco.config import ValidationSection
+from dipaco.coordinator.core import Coordinator
+from dipaco.coordinator.outer import OuterSettings
+from dipaco.errors import RejectedError
+from dipaco.model.topology import Topology
+from dipaco.model.transformer import ModelConfig, new_dense_model
+from dipaco.protocols import messages as m
+from dipaco.protocols.transport import LocalTransport
+
+CFG = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=16)
+TOPO = Topology.parse("2x2", 2)  # S.embed and S.head are on all 4 paths, level modules on 2
+INIT = TOPO.init_modules(new_dense_model(CFG, 0).state_dict())
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class Swarm:
+    """A coordinator and one transport (one key) per peer name."""
+
+    def __init__(self, root, rounds=4, validation=None, outer=None, heldout_loss=None):
+        self.events: list[dict] = []
+        self.co = Coordinator(
+            root,
+            TOPO,
+            rounds=rounds,
+            inner_steps=5,
+            step_offset=10,
+            total_steps=40,
+            seed=0,
+            outer=outer or OuterSettings(),
+            lease_seconds=100.0,
+            run_id="attacks",
+            peer_config={},
+            clock=Clock(),
+            metrics=self.events.append,
+            validation=validation,
+            heldout_loss=heldout_loss,
+        )
+        self.co.start(INIT)
+        self.transports: dict[str, LocalTransport] = {}
+
+    def tr(self, peer):
+        if peer not in self.transports:
+            self.transports[peer] = LocalTransport(self.co.handle)
+        return self.transports[peer]
+
+    def claim(self, path):
+        peer = f"peer{path}"
+        task = self.tr(peer).request(m.ClaimTask(peer_id=peer, prefer_path=path))
+        assert isinstance(task, m.TaskOffer) and task.path == path
+        return task
+
+    def submit(self, task, tensors, **override):
+        peer = f"peer{task.path}"
+        msg = delta_message(task, peer, tensors, **{"ticket": "", **override})
+        return self.tr(peer).request(msg)
+
+    def params(self):
+        return {mid: self.co.store.params(mid) for mid in TOPO.module_ids()}
+
+
+def honest(path, rnd, scale=0.01):
+    """A plausible delta: noise, different per path and round, the same in every coordinator."""
+    g = torch.Generator().manual_seed(1000 * rnd + path)
+    return {
+        f"{mid}/{k}": torch.randn(v.shape, generator=g) * scale
+        for mid in TOPO.path_modules(path)
+        for k, v in INIT[mid].items()
+    }
+
+
+def honest_round(swarm, rnd, skip=()):
+    for p in range(TOPO.num_paths):
+        if p not in skip:
+            swarm.submit(swarm.claim(p), honest(p, rnd))
+
+
+def first_key(tensors, mid="S.embed"):
+    return next(k for k in tensors if k.startswith(mid + "/"))
+
+
+def poison(kind, tensors):
+    key = first_key(tensors)
+    bad = dict(tensors)
+    if kind == "nan":
+        bad[key] = bad[key].clone()
+        bad[key][0, 0] = float("nan")
+    elif kind == "inf":
+        bad[key] = bad[key].clone()
+        bad[key][1, 2] = -float("inf")
+    elif kind == "shape":
+        bad[key] = bad[key][:, :-1].contiguous()
+    elif kind == "dtype":
+        bad[key] = bad[key].double()
+    elif kind == "huge":
+        bad = {k: v * 1e6 for k, v in tensors.items()}
+    return bad
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("nan", "non-finite"),
+        ("inf", "non-finite"),
+        ("shape", "wrong-shape"),
+        ("dtype", "wrong-dtype"),
+        ("huge", "huge-norm"),
+    ],
+)
+def test_bad_content_is_refused_counted_and_leaves_no_trace(tmp_path, kind, reason):
+    attacked, reference = Swarm(tmp_path / "attacked"), Swarm(tmp_path / "reference")
+    for swarm in (attacked, reference):  # two normal rounds: the norm statistics fill up
+        honest_round(swarm, 0)
+        honest_round(swarm, 1)
+    assert attacked.co.norms.bound("L0.M0") is not None  # 2 paths x 2 rounds observed
+    task = attacked.claim(0)
+    with pytest.raises(RejectedError) as err:
+        attacked.submit(task, poison(kind, honest(0, 2)))
+    assert err.value.reason == reason
+    assert attacked.co.rejections[reason] == 1
+    assert attacked.co.rejections_by_peer["peer0"][reason] == 1
+    assert sum(attacked.co.rejections.values()) == 1
+    status = attacked.co.status().state
+    assert status["rejections_by_peer"]["peer0"] == {reason: 1}
+    assert all(not r["pending"] for r in status["modules"].values())  # nothing was stored
+    # The same peer then delivers an honest delta; the round ends as if the attack never was.
+    attacked.submit(task, honest(0, 2))
+    honest_round(attacked, 2, skip={0})
+    honest_round(reference, 2)
+    assert {attacked.co.store.version(mid) for mid in TOPO.module_ids()} == {3}
+    for mid, params in reference.params().items():
+        for k, v in params.items():
+            assert torch.equal(v, attacked.co.store.params(mid)[k]), (mid, k)
+    # The refused norm did not enter the statistics either.
+    assert attacked.co.norms.norms == reference.co.norms.norms
+
+
+def test_a_huge_norm_is_refused_even_after_a_restart(tmp_path):
+    swarm = Swarm(tmp_path)
+    honest_round(swarm, 0)
+    honest_round(swarm, 1)
+    again = Swarm(tmp_path)  # the statistics come back from validation.json
+    assert again.co.norms.norms == swarm.co.norms.norms and again.co.norms.norms
+    with pytest.raises(RejectedError) as err:
+        again.submit(again.claim(2), poison("huge", honest(2, 2)))
+    assert err.value.reason == "huge-norm" and "median" in str(err.value)
+
+
+def test_max_norm_refuses_from_the_first_round(tmp_path):
+    swarm = Swarm(tmp_path, validation=ValidationSection(max_norm=10.0))
+    task = swarm.claim(1)
+    with pytest.raises(RejectedError) as err:
+        swarm.submit(task, honest(1, 0, scale=1.0))  # norm ~ 90 for S.embed
+    assert err.value.reason == "huge-norm" and "max_norm" in str(err.value)
+    assert swarm.co.rejections_by_peer["peer1"]["huge-norm"] == 1
+    assert swarm.submit(task, honest(1, 0)).accepted  # a normal delta is fine
+
+
+def test_clip_mode_scales_a_huge_delta_down_and_says_so(tmp_path):
+    validation = ValidationSection(norm_check="clip")
+    clipped, reference = Swarm(tmp_path / "c", validation=validation), Swarm(tmp_path / "r")
+    for swarm in (clipped, reference):
+        honest_round(swarm, 0)
+        honest_round(swarm, 1)
+    bound = clipped.co.norms.bound("S.embed")
+    ack = clipped.submit(clipped.claim(0), poison("huge", honest(0, 2)))
+    assert sorted(ack.accepted) == sorted(TOPO.path_modules(0))
+    events = [e for e in clipped.events if e["event"] == "delta_clipped"]
+    assert {e["module"] for e in events} == set(TOPO.path_modules(0))
+    embed = next(e for e in events if e["module"] == "S.embed")
+    assert embed["clipped_to"] == pytest.approx(bound) and embed["norm"] > 1e3 * bound
+    stored = clipped.co.store.delta_tensors(clipped.co.store.modules["S.embed"].pending[0])
+    norm = math.sqrt(sum(float((v.double() ** 2).sum()) for v in stored.values()))
+    assert norm == pytest.approx(bound, rel=1e-4)
+    assert clipped.co.rejections == {}
+
+
+def run_poisoned_round(root, aggregation, poisoned):
+    outer = OuterSettings(aggregation=aggregation, trim_fraction=0.2, min_paths_for_robust=3)
+    swarm = Swarm(root, rounds=2, outer=outer)
+    for p in range(TOPO.num_paths):
+        tensors = honest(p, 0)
+        if poisoned and p == 0:
+            tensors = {k: v * 50 for k, v in tensors.items()}
+        swarm.submit(swarm.claim(p), tensors)
+    assert {swarm.co.store.version(mid) for mid in TOPO.module_ids()} == {1}
+    return swarm
+
+
+def distance(a, b):
+    return math.sqrt(sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a))
+
+
+@pytest.mark.parametrize("aggregation", ["trimmed_mean", "median"])
+def test_robust_aggregation_limits_a_scaled_delta_that_passes_the_checks(tmp_path, aggregation):
+    # Round 0: no statistics yet, so the x50 delta of path 0 is accepted; only the outer step
+    # can limit it. S.embed/S.head (4 paths) use the robust combiner, L0.M0/L1.M0 (2 paths:
+    # too few) clip it to 3x the median norm.
+    truth = run_poisoned_round(tmp_path / "truth", "mean", poisoned=False).params()
+    plain = run_poisoned_round(tmp_path / "plain", "mean", poisoned=True)
+    robust = run_poisoned_round(tmp_path / "robust", aggregation, poisoned=True)
+    assert robust.co.rejections == {} and plain.co.rejections == {}
+    for mid in TOPO.path_modules(0):
+        moved_plain = distance(plain.params()[mid], truth[mid])
+        moved_robust = distance(robust.params()[mid], truth[mid])
+        assert moved_plain > 8 * moved_robust, (mid, moved_plain, moved_robust)
+    # A module path 0 does not cross is untouched by the poison (and by the combiner choice:
+    # it has two paths, neither clipped, so the clipped mean is the plain mean).
+    for k, v in truth["L0.M1"].items():
+        assert torch.allclose(robust.params()["L0.M1"][k], v, atol=1e-7)
+    steps = {e["module"]: e for e in robust.events if e["event"] == "outer_step"}
+    assert steps["S.embed"]["aggregation"] == aggregation and not steps["S.embed"]["clipped"]
+    assert steps["L0.M0"]["aggregation"] == "clipped_mean"
+    assert [c["path"] for c in steps["L0.M0"]["clipped"]] == [0]
+    clipped = [e for e in robust.events if e["event"] == "delta_clipped"]
+    assert {(e["module"], e["peer"], e["stage"]) for e in clipped} == {
+        ("L0.M0", "peer0", "aggregation"),
+        ("L1.M0", "peer0", "aggregation"),
+    }
+
+
+def test_heldout_check_refuses_a_delta_that_makes_its_path_worse(tmp_path):
+    # A stand-in held-out loss: the squared distance of the path's parameters to a target that
+    # honest deltas (params - delta) move towards.
+    target = {mid: {k: v - 0.01 for k, v in t.items()} for mid, t in INIT.items()}
+
+    def loss(path, modules):
+        return sum(
+            float(((modules[mid][k] - target[mid][k]) ** 2).sum())
+            for mid in TOPO.path_modules(path)
+            for k in modules[mid]
+        )
+
+    validation = ValidationSection(heldout_check=True, heldout_tolerance=0.0)
+    swarm = Swarm(tmp_path, validation=validation, heldout_loss=loss)
+    task = swarm.claim(3)
+    good = {
+        f"{mid}/{k}": torch.full_like(v, 0.01)
+        for mid in TOPO.path_modules(3)
+        for k, v in INIT[mid].items()
+    }
+    with pytest.raises(RejectedError) as err:
+        swarm.submit(task, {k: -v for k, v in good.items()})  # a sign-flipped (ascent) delta
+    assert err.value.reason == "worse-heldout"
+    assert swarm.co.rejections_by_peer["peer3"] == {"worse-heldout": 1}
+    assert all(not r.pending for r in swarm.co.store.modules.values())
+    assert swarm.submit(task, good).accepted
+    checks = [e for e in swarm.events if e["event"] == "heldout_check"]
+    assert len(checks) == 2 and checks[1]["after"] < checks[1]["before"]
+
+
+def test_heldout_check_with_a_prepared_runs_own_documents(prepared_tiny, tiny_config, tmp_path):
+    from dipaco.coordinator.prepare import prepare
+    from dipaco.coordinator.run import coordinator_for, heldout_scorer
+
+    prep = prepare(prepared_tiny, tiny_config)
+    score = heldout_scorer(prep)
+    config = tiny_config.replace(validation={"heldout_check": True, "aggregation": "median"})
+    co = coordinator_for(config, tmp_path, run_id="heldout", peer_config={}, heldout_loss=score)
+    assert co.validation.heldout_check and co.outer.aggregation == "median"
+    topo = config.build_topology()
+    co.start(topo.init_modules(prep.initial_state()))
+    path = next(p for p in range(topo.num_paths) if prep.heldout_docs(p))
+    current = {mid: co.store.params(mid) for mid in topo.path_modules(path)}
+    before = score(path, current)
+    assert math.isfinite(before) and score(path, current) == before
+    tr = LocalTransport(co.handle)
+    task = tr.request(m.ClaimTask(peer_id="noisy", prefer_path=path))
+    g = torch.Generator().manual_seed(0)
+    noise = {
+        f"{mid}/{k}": torch.randn(v.shape, generator=g)
+        for mid, t in current.items()
+        for k, v in t.items()
+    }
+    msg = m.SubmitDelta(
+        peer_id="noisy",
+        task_id=task.task_id,
+        path=path,
+        base_versions=task.module_versions,
+        tokens=100,
+        losses=[1.0],
+        tensors=noise,
+    )
+    with pytest.raises(RejectedError) as err:
+        tr.request(msg)
+    assert err.value.reason == "worse-heldout"
+    assert co.rejections_by_peer["noisy"] == {"worse-heldout": 1}
+    msg.tensors = {k: torch.zeros_like(v) for k, v in noise.items()}  # no change: no worse
+    assert tr.request(msg).accepted

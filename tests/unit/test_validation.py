@@ -1,0 +1,169 @@
+"""The delta-norm judge and the robust combiners, as pure functions (hand-checked numbers)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from dipaco.config import load_config_dict
+from dipaco.coordinator.outer import OuterSettings, outer_gradient
+from dipaco.coordinator.validation import (
+    NormTracker,
+    clip_to_median_norm,
+    coordinate_median,
+    delta_norm,
+    trim_count,
+    trimmed_mean,
+    weighted_mean,
+)
+from dipaco.errors import ConfigError, CorruptFileError
+
+
+def t(*xs):
+    return torch.tensor(xs, dtype=torch.float32)
+
+
+def honest_and_poisoned(n_honest=4, seed=0, poison=50.0):
+    g = torch.Generator().manual_seed(seed)
+    honest = [
+        {"w": torch.randn(6, 5, generator=g) * 0.01, "b": torch.randn(5, generator=g) * 0.01}
+        for _ in range(n_honest)
+    ]
+    bad = {k: v * poison for k, v in honest[0].items()}
+    return honest, bad
+
+
+def distance(a, b):
+    return math.sqrt(sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a))
+
+
+def test_trimmed_mean_and_median_by_hand():
+    deltas = [{"w": t(1, 10)}, {"w": t(2, 20)}, {"w": t(3, 30)}, {"w": t(1000, -1000)}]
+    # k = ceil(0.2 * 4) = 1 per end: coordinate 0 keeps [2, 3], coordinate 1 keeps [10, 20].
+    assert trim_count(4, 0.2) == 1 and trim_count(3, 0.4) == 1 and trim_count(10, 0.2) == 2
+    assert trim_count(4, 0.0) == 0 and trim_count(2, 0.45) == 0  # one value always stays
+    assert trimmed_mean(deltas, None, 0.2)["w"].tolist() == pytest.approx([2.5, 15.0])
+    # Weights apply to the values kept, renormalised: coordinate 0 keeps 2 (w=3) and 3 (w=1).
+    weighted = trimmed_mean(deltas, [1.0, 3.0, 1.0, 1.0], 0.2)["w"].tolist()
+    assert weighted == pytest.approx([(2 * 3 + 3) / 4, (10 + 20 * 3) / 4])
+    assert coordinate_median(deltas)["w"].tolist() == pytest.approx([2.5, 15.0])
+    assert coordinate_median(deltas[:3])["w"].tolist() == pytest.approx([2.0, 20.0])
+    # trim fraction 0 is the weighted mean.
+    assert torch.allclose(
+        trimmed_mean(deltas, [1, 2, 3, 4], 0.0)["w"], weighted_mean(deltas, [1, 2, 3, 4])["w"]
+    )
+
+
+@pytest.mark.parametrize("combine", ["trimmed_mean", "median"])
+def test_robust_combiners_drop_a_poisoned_path(combine):
+    honest, bad = honest_and_poisoned()
+    poisoned = [bad, *honest[1:]]
+    truth = weighted_mean(honest)
+    fn = (lambda d: trimmed_mean(d, None, 0.2)) if combine == "trimmed_mean" else coordinate_median
+    robust, plain = fn(poisoned), weighted_mean(poisoned)
+    # The plain mean is dragged about 49/4 honest deltas away; the robust centre stays close.
+    assert distance(plain, truth) > 10 * distance(robust, truth)
+    for name in robust:  # every coordinate stays within the honest paths' range
+        stack = torch.stack([h[name].double() for h in honest])
+        assert (robust[name] <= stack.max(0).values + 1e-12).all()
+        assert (robust[name] >= stack.min(0).values - 1e-12).all()
+
+
+def test_clip_to_median_norm_bounds_the_outlier_only():
+    honest, bad = honest_and_poisoned(n_honest=2)
+    clipped, factors = clip_to_median_norm([honest[1], bad], ratio=3.0)
+    # The lower median is the honest norm: the poisoned delta is scaled to 3x it, the other kept.
+    assert factors[0] == 1.0 and factors[1] < 1.0
+    assert clipped[0] is honest[1]
+    assert delta_norm(clipped[1]) == pytest.approx(3 * delta_norm(honest[1]), rel=1e-5)
+    assert clip_to_median_norm([honest[0]], 3.0)[1] == [1.0]  # one path: nothing to compare
+
+
+def test_outer_gradient_robust_modes_keep_the_sqrt_rescale_and_report_clipping():
+    honest, bad = honest_and_poisoned()
+    deltas = [(bad, 100.0)] + [(h, 100.0) for h in honest[1:]]
+    info: dict = {}
+    g = outer_gradient(deltas, OuterSettings(aggregation="median"), info)
+    assert info["aggregation"] == "median"
+    expected = coordinate_median([d for d, _ in deltas])
+    assert torch.allclose(g["w"], (2.0 * expected["w"]).float())  # sqrt(4) = 2
+    two: dict = {}
+    outer_gradient(deltas[:2], OuterSettings(aggregation="trimmed_mean"), two)
+    assert two["aggregation"] == "clipped_mean" and two["clip_factors"][0] < 1.0
+    plain: dict = {}
+    mean = outer_gradient(deltas, OuterSettings(), plain)
+    assert plain == {"aggregation": "mean"}
+    same = outer_gradient(deltas, OuterSettings(aggregation="trimmed_mean", trim_fraction=0.0))
+    assert torch.allclose(mean["w"], same["w"], atol=1e-7)
+
+
+def test_tracker_judges_by_median_and_mad_once_it_has_enough(tmp_path):
+    tr = NormTracker(tmp_path / "v.json", min_observations=4, mads=6.0, ratio=3.0)
+    assert tr.judge("m", 1e9).action == "ok"  # nothing known yet: only max_norm could refuse
+    for x in [1.0, 1.1, 0.9, 1.05]:
+        tr.record("m", x)
+    med, mad, count = tr.stats("m")
+    assert (med, count) == (pytest.approx(1.0), 4) and mad == pytest.approx(0.05)
+    # bound = max(1.0 + 6 * 0.05, 3 * 1.0) = 3.0
+    assert tr.bound("m") == pytest.approx(3.0)
+    assert tr.judge("m", 2.9).action == "ok"
+    assert tr.judge("m", 0.0).action == "ok"  # small deltas are never refused
+    huge = tr.judge("m", 1e6)
+    assert huge.action == "reject" and huge.limit == pytest.approx(3.0) and "median" in huge.why
+    assert tr.judge("other", 1e6).action == "ok"  # per module
+    assert tr.judge("m", math.inf).action == "reject"
+    clip = NormTracker(None, mode="clip", min_observations=1)
+    clip.record("m", 2.0)
+    assert clip.judge("m", 100.0).action == "clip" and clip.judge("m", 100.0).limit == 6.0
+    off = NormTracker(None, mode="off", min_observations=1, max_norm=50.0)
+    off.record("m", 2.0)
+    assert off.judge("m", 40.0).action == "ok"  # the statistics are off...
+    assert off.judge("m", 60.0).action == "reject"  # ...the absolute bound is not
+    first = NormTracker(None, max_norm=5.0)
+    assert first.judge("m", 6.0).action == "reject"  # max_norm holds from the first delta
+    assert first.judge("m", 4.0).action == "ok"
+
+
+def test_tracker_mad_rule_catches_outliers_of_a_spread_module():
+    tr = NormTracker(None, min_observations=4, mads=6.0, ratio=1.0)
+    for x in [1.0, 2.0, 3.0, 4.0, 5.0]:
+        tr.record("m", x)
+    # median 3, MAD 1: bound max(3 + 6, 1 * 3) = 9.
+    assert tr.bound("m") == pytest.approx(9.0)
+    assert tr.judge("m", 8.9).action == "ok" and tr.judge("m", 9.1).action == "reject"
+
+
+def test_tracker_window_and_persistence_across_restart(tmp_path):
+    path = tmp_path / "validation.json"
+    tr = NormTracker(path, window=5, min_observations=4)
+    for x in range(1, 9):
+        tr.record("m", float(x))
+    tr.save()
+    again = NormTracker(path, window=5, min_observations=4)
+    assert list(again.norms["m"]) == [4.0, 5.0, 6.0, 7.0, 8.0]  # the last window only
+    assert again.bound("m") == tr.bound("m") and again.judge("m", 1e6).action == "reject"
+    assert json.loads(path.read_text())["norms"]["m"] == [4.0, 5.0, 6.0, 7.0, 8.0]
+    path.write_text("{oops")
+    with pytest.raises(CorruptFileError, match="validation.json"):
+        NormTracker(path)
+    path.write_text(json.dumps({"norms": {"m": ["x"]}}))
+    with pytest.raises(CorruptFileError):
+        NormTracker(path)
+
+
+def test_validation_config_defaults_and_errors():
+    cfg = load_config_dict({})
+    v = cfg.validation
+    assert (v.norm_check, v.aggregation, v.max_norm, v.heldout_check) == (
+        "reject",
+        "mean",
+        None,
+        False,
+    )
+    with pytest.raises(ConfigError, match="validation.trim_fraction"):
+        load_config_dict({"validation": {"trim_fraction": 0.5}})
+    with pytest.raises(ConfigError, match="validation.aggregation"):
+        load_config_dict({"validation": {"aggregation": "mode"}})
+    with pytest.raises(ConfigError, match="norm_window"):
+        load_config_dict({"validation": {"norm_window": 2, "min_observations": 4}})
