@@ -14,6 +14,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from dipaco.faults import fault_point
+
 
 class AtomicFile:
     """A binary file that appears at ``path`` only on ``commit`` (or a clean ``with`` exit)."""
@@ -27,12 +29,14 @@ class AtomicFile:
         self._file = os.fdopen(fd, "wb")
 
     def write(self, data: bytes | memoryview) -> None:
+        fault_point("atomic.write")  # a full disk fails here, before anything is visible
         self._file.write(data)
 
     def commit(self) -> None:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+        fault_point("atomic.before_rename")  # a crash here leaves only the temporary file
         os.replace(self._tmp, self.path)
         # The rename itself is only durable once the directory entry is on disk.
         dir_fd = os.open(self.path.parent, os.O_RDONLY)

@@ -1,0 +1,34 @@
+"""Fixtures of the fault scenarios: the harness's run, prepared once, and its reference run."""
+
+import shutil
+
+import pytest
+from fault_harness import Cluster, prepare_run
+
+
+@pytest.fixture(scope="session")
+def prepared_faults(tmp_path_factory):
+    """The harness's run (tiny preset, 2 rounds of 6 steps), prepared once per session."""
+    return prepare_run(tmp_path_factory.mktemp("faults") / "prepared")
+
+
+@pytest.fixture
+def cluster(prepared_faults, tmp_path):
+    """Make a :class:`Cluster` on a private copy of the prepared run."""
+
+    def make(name: str = "run", **kwargs) -> Cluster:
+        root = tmp_path / name
+        shutil.copytree(prepared_faults, root)
+        return Cluster(root, tmp_path / f"{name}-work", **kwargs)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def reference(prepared_faults, tmp_path_factory):
+    """The fault-free run of the same config, once per module: what exact scenarios must match."""
+    folder = tmp_path_factory.mktemp("reference")
+    shutil.copytree(prepared_faults, folder / "run")
+    ref = Cluster(folder / "run", folder / "work")
+    ref.run(timeout=180)
+    return ref.root
