@@ -164,5 +164,21 @@ class Scheduler:
         del self.leases[task_id]
         return True
 
+    def forget_before(self, first_round: int) -> None:
+        """Drop the record of tasks of rounds before ``first_round`` (those no delta can join).
+
+        ``issued`` answers late submissions that come without a ticket, and ``attempts`` numbers
+        re-issued tasks so that ids are never reused; both only matter for rounds that can still
+        take a delta, so a coordinator calls this as rounds complete (with the run's round minus
+        its max staleness), and a long run does not keep every task it ever leased. A live lease
+        is kept whatever its round: its peer may still be heartbeating it.
+        """
+        self.issued = {
+            t: lease
+            for t, lease in self.issued.items()
+            if lease.round >= first_round or t in self.leases
+        }
+        self.attempts = {pr: n for pr, n in self.attempts.items() if pr[1] >= first_round}
+
     def leases_of(self, peer_id: str) -> list[Lease]:
         return [lease for lease in self.leases.values() if lease.peer_id == peer_id]

@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
+
+import torch
 
 from dipaco.data.shards import TokenShard
 from dipaco.errors import DataError
@@ -31,6 +33,40 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _check_entry(name: Any, info: Any) -> None:
+    """DataError unless a manifest entry names a file inside the run folder, with an integer
+    size and a SHA-256: the manifest comes over the network, and a name such as ``../x`` or
+    ``/etc/x`` would otherwise have us write outside the folder."""
+    parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+    if (
+        not parts
+        or PurePosixPath(name).is_absolute()
+        or any(part in ("..", ".") for part in parts)
+        or name.endswith("/")
+        or "\\" in name
+        or "\x00" in name
+    ):
+        raise DataError(f"refusing file name {name!r}: not a plain path inside the run folder")
+    size, digest = (info.get("size"), info.get("sha256")) if isinstance(info, dict) else (0, 0)
+    if (
+        not isinstance(size, int)
+        or isinstance(size, bool)
+        or size < 0
+        or not isinstance(digest, str)
+        or len(digest) != 64
+        or any(c not in "0123456789abcdef" for c in digest)
+    ):
+        raise DataError(f"the manifest entry of {name!r} is malformed: {info!r:.120}")
+
+
+def _chunk_bytes(name: str, chunk: Any) -> bytes:
+    """The bytes of a FileChunk reply; DataError for any other reply or a malformed chunk."""
+    data = chunk.tensors.get("data") if isinstance(chunk, m.FileChunk) else None
+    if data is None or data.dtype != torch.uint8 or data.dim() != 1:
+        raise DataError(f"{name}: the coordinator's reply is not a chunk of bytes")
+    return data.numpy().tobytes()
+
+
 class RunFiles:
     def __init__(
         self, transport: Transport, peer_id: str, files: dict[str, Any], folder: str | Path
@@ -43,6 +79,7 @@ class RunFiles:
         info = info or self.files.get(name)
         if info is None:
             raise DataError(f"the run manifest has no file {name!r}")
+        _check_entry(name, info)
         dest = self.folder / name
         if (
             dest.exists()
@@ -64,8 +101,9 @@ class RunFiles:
                         length=min(CHUNK, info["size"] - offset),
                     )
                 )
-                data = chunk.tensors["data"].numpy().tobytes()
-                if chunk.offset != offset or not data:
+                data = _chunk_bytes(name, chunk)
+                want = min(CHUNK, info["size"] - offset)
+                if chunk.offset != offset or not data or len(data) > want:
                     raise DataError(f"{name}: the coordinator sent a wrong range at {offset}")
                 f.write(data)
                 digest.update(data)

@@ -345,13 +345,15 @@ def _read_router_json(path: str | os.PathLike[str]) -> Any:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptFileError(f"router file {path} is not valid JSON: {e}") from None
+    except RecursionError:  # "[[[[..." deeper than the parser's stack: not a router either
+        raise CorruptFileError(f"router file {path} nests too deeply to be a router") from None
 
 
 def _parse_router(path: str | os.PathLike[str], obj: Any, parse: Callable[[Any], _R]) -> _R:
     """``parse(obj)``, with every validation failure turned into a CorruptFileError naming path."""
     try:
         return parse(obj)
-    except (ValueError, TypeError, KeyError, ConfigError) as e:
+    except (ValueError, TypeError, KeyError, OverflowError, ConfigError) as e:
         raise CorruptFileError(f"router file {path} is malformed: {e}") from None
 
 

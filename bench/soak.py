@@ -1,0 +1,573 @@
+"""Load: many simulated peers against one coordinator over loopback TCP, for several rounds.
+
+The coordinator runs in its own process (``soak.py serve``), serving a real
+``Coordinator.handle`` through ``LoopbackServer``; each simulated peer is a thread with its own
+key and ``LoopbackTransport`` that speaks the real protocol: Hello, then ClaimTask, FetchModules
+(with its cache of module versions), SubmitDelta with a small random delta (no training), and
+claim again, until the run says it is finished. The topology has at least as many paths as peers
+(``KxK`` with K = ceil(sqrt(peers))), so every peer gets a task every round.
+
+What it checks, from the coordinator's own metrics events (``delta_acked``, ``outer_step``) and
+the peers' replies: the run reaches its last round; every acknowledged (module, task) appears in
+exactly one outer step (no delta lost or applied twice); the coordinator process's memory (RSS,
+sampled by the coordinator at each round) does not grow with the rounds beyond a constant times
+the model's size; its per-task records (``Scheduler.issued``) stay bounded.
+
+What it prints: acknowledged SubmitDelta per second of wall time and request latency percentiles,
+and the same number of deltas submitted by one peer sequentially against a fresh coordinator in
+the same run, as a ratio, so that the figure shows how the coordinator scales with concurrent
+peers rather than how fast this machine is.
+
+    python bench/soak.py --peers 64 --rounds 5          # appends a row to docs/reliability.md
+    python bench/soak.py --peers 64 --rounds 2 --no-doc # just print
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import resource
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "reliability.md"
+N_LAYERS = 2
+
+
+def side_for(peers: int) -> int:
+    """K such that a KxK topology has at least one path per peer."""
+    return max(2, math.ceil(math.sqrt(peers)))
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; peak RSS elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---- the coordinator process ------------------------------------------------------------------
+
+
+def serve(root: Path, side: int, rounds: int, dim: int) -> None:
+    """Run one coordinator until its run finishes and the driver closes our stdin.
+
+    Writes ``server.json`` (address, loopback key, coordinator key, model bytes) once it listens,
+    and every metrics event to ``events.jsonl``; at each round, and once more at the end, an
+    ``rss`` event with this process's RSS and the sizes of the coordinator's per-task records.
+    """
+    import torch
+
+    from dipaco.config import SchedulerSection, SecuritySection
+    from dipaco.coordinator.core import Coordinator
+    from dipaco.coordinator.outer import OuterSettings
+    from dipaco.model.topology import Topology
+    from dipaco.model.transformer import ModelConfig, new_dense_model
+    from dipaco.protocols.transport import LoopbackServer
+
+    torch.set_num_threads(1)
+    cfg = ModelConfig(vocab_size=256, dim=dim, n_layers=N_LAYERS, n_heads=2, max_seq_len=16)
+    topo = Topology.parse(f"{side}x{side}", N_LAYERS)
+    events = open(root / "events.jsonl", "a", buffering=1)  # noqa: SIM115 - lives with the process
+    write_lock = threading.Lock()
+    holder: list[Coordinator] = []
+
+    def sample(kind: str, rnd: int) -> dict[str, Any]:
+        co = holder[0]
+        gc.collect()
+        return {
+            "event": kind,
+            "round": rnd,
+            "rss_bytes": _rss_bytes(),
+            "issued": len(co.scheduler.issued),
+            "attempts": len(co.scheduler.attempts),
+            "done": len(co.done),
+            "peers": len(co.peers),
+        }
+
+    def on_event(event: dict) -> None:
+        lines = [event]
+        if event.get("event") == "round":
+            lines.append(sample("rss", event["round"]))
+        with write_lock:
+            for e in lines:
+                events.write(json.dumps(e) + "\n")
+
+    co = Coordinator(
+        root / "co",
+        topo,
+        rounds=rounds,
+        inner_steps=1,
+        step_offset=0,
+        total_steps=rounds,
+        seed=0,
+        outer=OuterSettings(),
+        lease_seconds=600.0,
+        run_id="soak",
+        peer_config={},
+        metrics=on_event,
+        # Every round waits for all its paths (no deadlines on a loaded 2-core box), so that
+        # the accounting below is exact; quotas sized for one key per simulated peer.
+        policy=SchedulerSection(
+            lease_seconds=600.0, quorum=1.0, deadline_floor=1e6, min_step_fraction=1.0
+        ),
+        security=SecuritySection(requests_per_second=1e6, burst=10**6),
+    )
+    holder.append(co)
+    co.start(topo.init_modules(new_dense_model(cfg, 0).state_dict()))
+    model_bytes = sum(
+        t.numel() * t.element_size()
+        for mid in co.owned_modules()
+        for t in co.store.params(mid).values()
+    )
+    authkey = secrets.token_bytes(32)
+    server = LoopbackServer(co.handle, authkey)
+    stop = threading.Event()
+
+    def ticker() -> None:  # what the CLI's server does: expire leases, close overdue rounds
+        while not stop.wait(0.5):
+            co.tick()
+
+    threading.Thread(target=ticker, daemon=True).start()
+    info = {
+        "address": server.address,
+        "authkey": authkey.hex(),
+        "coordinator_key": co.identity.public_key,
+        "model_bytes": model_bytes,
+        "modules": len(co.owned_modules()),
+        "paths": topo.num_paths,
+        "pid": os.getpid(),
+    }
+    tmp = root / "server.json.tmp"
+    tmp.write_text(json.dumps(info))
+    tmp.rename(root / "server.json")
+    sys.stdin.read()  # the driver closes our stdin once its peers are done
+    stop.set()
+    server.close()
+    with co.lock:
+        final = sample("final", co.round)
+    final["finished"] = co.finished
+    with write_lock:
+        events.write(json.dumps(final) + "\n")
+    events.close()
+
+
+# ---- the simulated peers ----------------------------------------------------------------------
+
+
+@dataclass
+class PeerStats:
+    latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    acked: list[tuple[str, str]] = field(default_factory=list)  # (module, task) acknowledged
+    submits: int = 0  # SubmitDelta answered by a DeltaAck
+    errors: Counter[str] = field(default_factory=Counter)
+    tasks: int = 0
+
+
+def peer_loop(
+    name: str, address: str, authkey: bytes, server_key: str, deadline: float, stats: PeerStats
+) -> None:
+    """One simulated peer: the real protocol, with a random delta instead of training."""
+    import torch
+
+    from dipaco.errors import DipacoError
+    from dipaco.protocols import auth
+    from dipaco.protocols import messages as m
+    from dipaco.protocols.transport import LoopbackTransport
+
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+
+    def timed(tr: LoopbackTransport, msg: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return tr.request(msg)
+        finally:
+            stats.latencies[type(msg).__name__].append(time.perf_counter() - t)
+
+    tr: LoopbackTransport | None = None
+    cache: dict[str, dict[str, torch.Tensor]] = {}
+    have: dict[str, int] = {}
+    last_path: int | None = None
+    while time.monotonic() < deadline:
+        try:
+            if tr is None:
+                tr = LoopbackTransport(address, authkey).authenticate(
+                    auth.Identity.generate(), server_key
+                )
+                timed(tr, m.Hello(peer_id=name, device="cpu"))
+            offer = timed(tr, m.ClaimTask(peer_id=name, prefer_path=last_path))
+            if isinstance(offer, m.NoTask):
+                if offer.finished:
+                    break
+                time.sleep(offer.retry_after)
+                continue
+            mods = timed(tr, m.FetchModules(name, offer.task_id, have, offer.ticket))
+            for key, t in mods.tensors.items():
+                mid, _, pname = key.partition("/")
+                cache.setdefault(mid, {})[pname] = t
+            have.update(mods.versions)
+            delta = {
+                f"{mid}/{pname}": torch.randn(t.shape, generator=gen) * 1e-3
+                for mid in offer.module_versions
+                for pname, t in cache[mid].items()
+            }
+            ack = timed(
+                tr,
+                m.SubmitDelta(
+                    name,
+                    offer.task_id,
+                    offer.path,
+                    offer.module_versions,
+                    64,
+                    [3.0],
+                    delta,
+                    ticket=offer.ticket,
+                    codec=offer.codec,
+                ),
+            )
+            stats.submits += 1
+            stats.tasks += 1
+            stats.acked += [(mid, offer.task_id) for mid in ack.accepted]
+            last_path = offer.path
+        except DipacoError as exc:
+            stats.errors[exc.reason] += 1
+            time.sleep(0.1)
+    if tr is not None:
+        tr.close()
+
+
+# ---- one run: a coordinator process and its peers ----------------------------------------------
+
+
+def run_load(
+    root: Path,
+    peers: int,
+    rounds: int,
+    *,
+    side: int | None = None,
+    dim: int = 32,
+    timeout: float = 300.0,
+) -> dict[str, Any]:
+    """Start a coordinator process, run ``peers`` peer threads until the run ends; the facts.
+
+    Returns the figures (wall time, deltas per second, latency percentiles, RSS per round) and
+    the facts the soak asserts (rounds reached, acknowledged versus stepped deltas).
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    side = side or side_for(peers)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "serve",
+            "--root",
+            str(root),
+            "--side",
+            str(side),
+            "--rounds",
+            str(rounds),
+            "--dim",
+            str(dim),
+        ],
+        stdin=subprocess.PIPE,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        start = time.monotonic()
+        while not (root / "server.json").exists():
+            if child.poll() is not None:
+                raise RuntimeError(f"the coordinator process exited with {child.returncode}")
+            if time.monotonic() - start > 120:
+                raise RuntimeError("the coordinator process did not start within 120 s")
+            time.sleep(0.05)
+        info = json.loads((root / "server.json").read_text())
+        stats = [PeerStats() for _ in range(peers)]
+        deadline = time.monotonic() + timeout
+        threads = [
+            threading.Thread(
+                target=peer_loop,
+                args=(
+                    f"peer{i:03d}",
+                    info["address"],
+                    bytes.fromhex(info["authkey"]),
+                    info["coordinator_key"],
+                    deadline,
+                    stats[i],
+                ),
+                daemon=True,
+            )
+            for i in range(peers)
+        ]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(1.0, deadline - time.monotonic() + 30))
+        wall = time.perf_counter() - t0
+    finally:
+        if child.stdin is not None:
+            child.stdin.close()
+        try:
+            child.wait(60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    return _summarise(root, info, stats, rounds, wall, hung=sum(t.is_alive() for t in threads))
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {"p50": qs[49] * 1e3, "p90": qs[89] * 1e3, "p99": qs[98] * 1e3, "n": len(values)}
+
+
+def _summarise(
+    root: Path, info: dict, stats: list[PeerStats], rounds: int, wall: float, hung: int
+) -> dict[str, Any]:
+    events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    acked = Counter((e["module"], e["task"]) for e in events if e["event"] == "delta_acked")
+    stepped = Counter(
+        (e["module"], task) for e in events if e["event"] == "outer_step" for task in e["tasks"]
+    )
+    steps_per_module = Counter(e["module"] for e in events if e["event"] == "outer_step")
+    rss = {e["round"]: e for e in events if e["event"] == "rss"}
+    final = next((e for e in events if e["event"] == "final"), {})
+    peer_acked = Counter(pair for s in stats for pair in s.acked)
+    latencies: dict[str, list[float]] = defaultdict(list)
+    for s in stats:
+        for op, values in s.latencies.items():
+            latencies[op] += values
+    submits = sum(s.submits for s in stats)
+    first = rss.get(1, {})
+    return {
+        "peers": len(stats),
+        "rounds": rounds,
+        "paths": info["paths"],
+        "modules": info["modules"],
+        "model_bytes": info["model_bytes"],
+        "wall_s": wall,
+        "submits": submits,
+        "deltas_per_s": submits / wall if wall > 0 else 0.0,
+        "latency_ms": {op: _percentiles(v) for op, v in sorted(latencies.items())},
+        "errors": dict(sum((s.errors for s in stats), Counter())),
+        "hung_peers": hung,
+        "final_round": final.get("round"),
+        "finished": final.get("finished", False),
+        "acked": acked,
+        "stepped": stepped,
+        "peer_acked": peer_acked,
+        "steps_per_module": steps_per_module,
+        "rss_round1": first.get("rss_bytes"),
+        "rss_final": final.get("rss_bytes"),
+        "rss_by_round": {r: e["rss_bytes"] for r, e in sorted(rss.items())},
+        "issued_max": max((e["issued"] for e in [*rss.values(), final] if e), default=0),
+        "issued_final": final.get("issued"),
+        "done_final": final.get("done"),
+        "attempts_final": final.get("attempts"),
+    }
+
+
+def problems(result: dict[str, Any], rss_slack_bytes: int = 48 << 20) -> list[str]:
+    """What the soak promises, as a list of broken promises (empty when all hold).
+
+    Memory: RSS after the last round may exceed RSS after round 1 by at most twice the model
+    (a step holds the old and the new parameters, and momentum, briefly) plus ``rss_slack_bytes``
+    for the allocator's and the threads' noise; more would mean state that grows per round.
+    """
+    out = []
+    if not result["finished"] or result["final_round"] != result["rounds"]:
+        out.append(f"the run stopped at round {result['final_round']} of {result['rounds']}")
+    if result["hung_peers"]:
+        out.append(f"{result['hung_peers']} peers never saw the run finish")
+    if result["errors"]:
+        out.append(f"peers got errors: {result['errors']}")
+    acked, stepped = result["acked"], result["stepped"]
+    twice = sorted(pair for pair, n in acked.items() if n > 1)
+    if twice:
+        out.append(f"deltas acknowledged twice: {twice[:5]}")
+    lost = sorted(set(acked) - set(stepped))
+    if lost:
+        out.append(f"acknowledged deltas in no outer step (lost): {lost[:5]}")
+    double = sorted(pair for pair, n in stepped.items() if n > 1)
+    if double:
+        out.append(f"deltas applied in more than one outer step: {double[:5]}")
+    ghost = sorted(set(stepped) - set(acked))
+    if ghost:
+        out.append(f"outer steps applied deltas never acknowledged: {ghost[:5]}")
+    if set(result["peer_acked"]) != set(acked):
+        out.append("the peers' acknowledgements differ from the coordinator's delta_acked events")
+    expected_deltas = result["paths"] * result["rounds"]
+    if result["submits"] != expected_deltas:
+        out.append(f"{result['submits']} deltas acknowledged, expected {expected_deltas}")
+    bad_steps = {mid: n for mid, n in result["steps_per_module"].items() if n != result["rounds"]}
+    if len(result["steps_per_module"]) != result["modules"] or bad_steps:
+        out.append(f"modules without exactly {result['rounds']} outer steps: {bad_steps}")
+    if result["rss_round1"] and result["rss_final"]:
+        growth = result["rss_final"] - result["rss_round1"]
+        bound = 2 * result["model_bytes"] + rss_slack_bytes
+        if growth > bound:
+            out.append(
+                f"coordinator RSS grew by {growth >> 20} MiB over the rounds (> {bound >> 20})"
+            )
+    else:
+        out.append("the coordinator reported no RSS samples")
+    # Tasks remembered: at most the rounds a delta can still join (max staleness 1 by default,
+    # plus the one being closed) times the paths.
+    if result["issued_final"] is None or result["issued_final"] > 3 * result["paths"]:
+        out.append(f"the coordinator remembers {result['issued_final']} issued tasks at the end")
+    return out
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+LOAD_HEADING = "## Load"
+LOAD_INTRO = """\
+`python bench/soak.py --peers 64 --rounds 5`: simulated peers (threads, one key and one
+loopback connection each) against one coordinator process over 127.0.0.1, doing the real
+protocol (Hello, ClaimTask, FetchModules, SubmitDelta with a small random delta, no training) on
+a `KxK` topology with a path per peer. *Deltas/s* is acknowledged SubmitDelta per second of wall
+time; *ratio* divides it by the same number of deltas submitted by one peer sequentially against
+a fresh coordinator in the same run (above 1: concurrent peers are served faster than one after
+another). Latencies are per request, at the peers, in ms (p50 / p90 / p99). *RSS growth* is the
+coordinator process's resident memory after the last round minus after round 1. Each run also
+checks that every acknowledged (module, task) is applied in exactly one outer step.
+
+| date (UTC) | host | peers | rounds | paths | model | deltas | wall s | deltas/s | 1 peer deltas/s | ratio | SubmitDelta ms | ClaimTask ms | FetchModules ms | RSS growth | issued tasks kept |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+"""
+
+
+def _ms(p: dict[str, float]) -> str:
+    return f"{p['p50']:.0f} / {p['p90']:.0f} / {p['p99']:.0f}" if p else "-"
+
+
+def table_row(result: dict[str, Any], baseline: dict[str, Any] | None) -> str:
+    lat = result["latency_ms"]
+    base = baseline["deltas_per_s"] if baseline else None
+    growth = (result["rss_final"] or 0) - (result["rss_round1"] or 0)
+    cells = [
+        datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
+        f"{os.cpu_count()} CPU",
+        str(result["peers"]),
+        str(result["rounds"]),
+        str(result["paths"]),
+        f"{result['model_bytes'] / 2**20:.1f} MiB",
+        str(result["submits"]),
+        f"{result['wall_s']:.1f}",
+        f"{result['deltas_per_s']:.1f}",
+        f"{base:.1f}" if base else "-",
+        f"{result['deltas_per_s'] / base:.2f}" if base else "-",
+        _ms(lat.get("SubmitDelta", {})),
+        _ms(lat.get("ClaimTask", {})),
+        _ms(lat.get("FetchModules", {})),
+        f"{growth / 2**20:+.1f} MiB",
+        f"{result['issued_final']}",
+    ]
+    return "| " + " | ".join(cells) + " |\n"
+
+
+def append_row(doc: Path, row: str) -> None:
+    """Add ``row`` to the table of the "## Load" section, creating the file or section if needed.
+
+    Only the Load section is touched: other sections of the file are written by other benches.
+    """
+    text = doc.read_text() if doc.exists() else "# Reliability\n"
+    start = text.find("\n" + LOAD_HEADING + "\n")
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + LOAD_HEADING + "\n\n" + LOAD_INTRO + row
+    else:
+        start += 1
+        nxt = text.find("\n## ", start + len(LOAD_HEADING))
+        end = len(text) if nxt < 0 else nxt + 1
+        section = text[start:end].rstrip("\n") + "\n" + row
+        text = text[:start] + section + ("\n" + text[end:] if nxt >= 0 else "")
+    doc.write_text(text)
+
+
+def _print(result: dict[str, Any], label: str) -> None:
+    print(
+        f"{label}: {result['peers']} peers, {result['rounds']} rounds, {result['submits']} deltas "
+        f"in {result['wall_s']:.1f} s = {result['deltas_per_s']:.1f} deltas/s"
+    )
+    for op, p in result["latency_ms"].items():
+        print(
+            f"  {op:14s} p50 {p['p50']:7.1f} ms  p90 {p['p90']:7.1f} ms  p99 {p['p99']:7.1f} ms"
+            f"  ({p['n']} requests)"
+        )
+    rss = ", ".join(f"r{r}: {b / 2**20:.0f}" for r, b in result["rss_by_round"].items())
+    print(f"  coordinator RSS MiB by round: {rss}; final {result['rss_final'] / 2**20:.0f}")
+    print(f"  errors at the peers: {result['errors']}; hung peers: {result['hung_peers']}")
+    print(
+        f"  issued tasks remembered: max {result['issued_max']}, final "
+        f"{result['issued_final']}; done {result['done_final']}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd")
+    sv = sub.add_parser("serve", help="(internal) the coordinator process")
+    sv.add_argument("--root", type=Path, required=True)
+    sv.add_argument("--side", type=int, required=True)
+    sv.add_argument("--rounds", type=int, required=True)
+    sv.add_argument("--dim", type=int, required=True)
+    ap.add_argument("--peers", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dim", type=int, default=32, help="model width (module size)")
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--no-doc", action="store_true", help="do not append to docs/reliability.md")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    args = ap.parse_args()
+    if args.cmd == "serve":
+        serve(args.root, args.side, args.rounds, args.dim)
+        return
+    with tempfile.TemporaryDirectory(prefix="dipaco-soak-") as tmp:
+        result = run_load(
+            Path(tmp) / "load", args.peers, args.rounds, dim=args.dim, timeout=args.timeout
+        )
+        _print(result, "concurrent")
+        baseline = None
+        if not args.no_baseline:
+            baseline = run_load(
+                Path(tmp) / "baseline",
+                1,
+                args.rounds,
+                side=side_for(args.peers),
+                dim=args.dim,
+                timeout=args.timeout,
+            )
+            _print(baseline, "1 peer, sequential")
+            print(
+                f"ratio (concurrent / sequential deltas per second): "
+                f"{result['deltas_per_s'] / baseline['deltas_per_s']:.2f}"
+            )
+    broken = problems(result) + (problems(baseline) if baseline else [])
+    for p in broken:
+        print("PROBLEM:", p)
+    if not args.no_doc:
+        append_row(DOC, table_row(result, baseline))
+        print(f"appended a row to {DOC.relative_to(REPO)} (## Load)")
+    sys.exit(1 if broken else 0)
+
+
+if __name__ == "__main__":
+    main()

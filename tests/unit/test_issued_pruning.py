@@ -1,0 +1,73 @@
+"""The scheduler forgets tasks of rounds no delta can join, and late retries still work.
+
+``Scheduler.issued`` answers submissions that come without a ticket; it used to keep every task
+of the run (a long run's coordinator grew without bound). Completed rounds now prune it to the
+rounds within ``max_staleness`` of the current one.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _tiny import constant_delta, delta_message, tiny_coordinator
+
+from dipaco.config import SchedulerSection
+from dipaco.coordinator.core import Coordinator
+from dipaco.coordinator.scheduler import Scheduler
+from dipaco.errors import RejectedError
+from dipaco.protocols import messages as m
+from dipaco.protocols.transport import LocalTransport
+
+
+def _delta(co: Coordinator, offer: m.TaskOffer, peer: str, ticket: str = "") -> m.SubmitDelta:
+    return delta_message(offer, peer, constant_delta(co, offer, 1e-3), ticket=ticket)
+
+
+def _round(co: Coordinator, tr: LocalTransport) -> list[tuple[str, m.TaskOffer]]:
+    offers = [(f"p{i}", tr.request(m.ClaimTask(peer_id=f"p{i}", prefer_path=i))) for i in range(4)]
+    for peer, offer in offers:
+        tr.request(_delta(co, offer, peer))  # no ticket: the scheduler looks the task up
+    return offers
+
+
+def test_issued_tasks_are_pruned_to_the_rounds_a_delta_can_still_join(tmp_path):
+    co = tiny_coordinator(
+        tmp_path,
+        rounds=4,
+        inner_steps=1,
+        lease_seconds=100.0,
+        policy=SchedulerSection(lease_seconds=100.0, max_staleness=1),
+    )
+    tr = LocalTransport(co.handle)
+    first = _round(co, tr)
+    assert co.round == 1
+    assert {lease.round for lease in co.scheduler.issued.values()} == {0}  # 1 late is allowed
+    # A retried delta of the last round, without its ticket, is acknowledged again.
+    peer, offer = first[0]
+    assert tr.request(_delta(co, offer, peer)).accepted
+    second = _round(co, tr)
+    assert co.round == 2
+    assert {lease.round for lease in co.scheduler.issued.values()} == {1}
+    assert {r for _, r in co.scheduler.attempts} <= {1, 2} and len(co.done) <= 8
+    peer, offer = second[0]
+    assert tr.request(_delta(co, offer, peer)).accepted
+    # Two rounds back is beyond max_staleness: with its ticket the retry is still recognised
+    # as applied; without one the coordinator no longer knows the task.
+    peer, offer = first[0]
+    assert tr.request(_delta(co, offer, peer, ticket=offer.ticket)).accepted
+    with pytest.raises(RejectedError) as err:
+        tr.request(_delta(co, offer, peer))
+    assert err.value.reason == "unknown-task"
+    _round(co, tr)
+    _round(co, tr)
+    assert co.finished and len(co.scheduler.issued) == 4
+
+
+def test_forget_before_keeps_live_leases():
+    s = Scheduler(lease_seconds=10.0, clock=lambda: 0.0)
+    old = s.claim("a", {0: 0}, None)
+    s.finish(old.task_id)
+    live = s.claim("b", {1: 0}, None)
+    newer = s.claim("c", {2: 3}, None)
+    s.forget_before(2)
+    assert set(s.issued) == {live.task_id, newer.task_id}
+    assert set(s.attempts) == {(2, 3)}
