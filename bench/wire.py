@@ -2,6 +2,8 @@
 
 torch.save is the obvious (pickle-based) alternative that dipaco refuses on the network; this
 prints the time of both in the same run and their ratio, so noise on a shared machine cancels.
+It also prints what the signed envelope (dipaco/protocols/auth.py: seal, then open and verify,
+on top of the frames) costs against the frames alone.
 
     python bench/wire.py [--dim 512] [--layers 8] [--repeat 5]
 """
@@ -16,6 +18,7 @@ import torch
 
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig, new_dense_model
+from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 
 
@@ -60,12 +63,23 @@ def main() -> None:
         buf.seek(0)
         torch.load(buf, weights_only=True)
 
+    me = auth.Identity.generate()
+
+    def signed():
+        sealed, _ = auth.seal_request(me, m.encode_message(msg))
+        m.decode_message(auth.open_request(sealed).body)
+
     t_ours, t_base = best_of(ours, args.repeat), best_of(baseline, args.repeat)
+    t_signed = best_of(signed, args.repeat)
     print(
         f"payload {mb:.1f} MiB: dipaco frames {t_ours * 1e3:.1f} ms ({mb / t_ours:.0f} MiB/s), "
         f"torch.save+load {t_base * 1e3:.1f} ms ({mb / t_base:.0f} MiB/s)"
     )
     print(f"ratio dipaco / torch.save: {t_ours / t_base:.2f}")
+    print(
+        f"signed envelope: {t_signed * 1e3:.1f} ms ({mb / t_signed:.0f} MiB/s); "
+        f"ratio signed / unsigned frames: {t_signed / t_ours:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -91,6 +91,39 @@ class OuterSection(_Section):
     weight_by_tokens: bool = True
 
 
+class ValidationSection(_Section):
+    # The delta-norm check, per module, against the norms of its last accepted deltas: a delta
+    # whose norm exceeds median + norm_mads * MAD *and* norm_ratio * median (once there are
+    # min_observations norms) is rejected ("huge-norm"), clipped to that bound, or let through.
+    norm_check: Literal["off", "reject", "clip"] = "reject"
+    norm_mads: float = Field(6.0, ge=0)
+    norm_ratio: float = Field(3.0, ge=1)
+    min_observations: int = Field(4, ge=1)
+    norm_window: int = Field(64, ge=1)  # accepted norms remembered per module
+    # An absolute bound on any delta's norm, from the first round (reject, or clip in clip mode).
+    max_norm: float | None = Field(None, gt=0)
+    # How a module combines its paths' deltas: the token-weighted mean (the paper), or a robust
+    # coordinate-wise trimmed mean or median once at least min_paths_for_robust paths report;
+    # with fewer, each delta is clipped to norm_ratio times the median norm before the mean.
+    aggregation: Literal["mean", "trimmed_mean", "median"] = "mean"
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5)  # per end, rounded up, of the paths
+    min_paths_for_robust: int = Field(3, ge=2)
+    # Score the path with the proposed update on held-out documents; reject ("worse-heldout")
+    # when its loss rises by more than heldout_tolerance (nats per token) over the current one.
+    heldout_check: bool = False
+    heldout_tolerance: float = Field(0.5, ge=0)
+    heldout_docs: int = Field(8, ge=1)  # held-out documents scored per check
+
+    @model_validator(mode="after")
+    def _window(self) -> ValidationSection:
+        if self.norm_window < self.min_observations:
+            raise ValueError(
+                f"validation.norm_window ({self.norm_window}) must hold at least "
+                f"min_observations ({self.min_observations}) norms"
+            )
+        return self
+
+
 class SchedulerSection(_Section):
     # A peer that sends no heartbeat for this long has vanished: its task is re-issued.
     lease_seconds: float = Field(300.0, gt=0)
@@ -125,6 +158,24 @@ class EvalSection(_Section):
     reroute_windows: list[int] = []
 
 
+class SecuritySection(_Section):
+    # open: anyone with a key may join, within the quotas below; allow-list: only keys allowed
+    # with `dipaco-coordinator allow KEY` (revocable while the run goes on).
+    join: Literal["open", "allow-list"] = "open"
+    # Signed requests whose timestamp is further than this from the coordinator's clock are
+    # refused (reason clock-skew); nonces are remembered for twice this long against replays.
+    clock_skew_seconds: float = Field(300.0, gt=0)
+    # Per key: a token bucket of requests (rate per second, burst).
+    requests_per_second: float = Field(50.0, gt=0)
+    burst: int = Field(400, ge=1)
+    # Live tasks one key may hold, and peer ids one key may use (in both join modes).
+    max_tasks_per_key: int = Field(8, ge=1)
+    max_names_per_key: int = Field(16, ge=1)
+    # A key whose requests were refused this many times for hostile reasons (forged, malformed,
+    # poisoned, not its task...) is banned; 0 never bans.
+    ban_after: int = Field(20, ge=0)
+
+
 class RunConfig(_Section):
     name: str = "run"
     model: ModelSection = ModelSection()
@@ -133,9 +184,11 @@ class RunConfig(_Section):
     routing: RoutingSection = RoutingSection()
     train: TrainSection = TrainSection()
     outer: OuterSection = OuterSection()
+    validation: ValidationSection = ValidationSection()
     scheduler: SchedulerSection = SchedulerSection()
     network: NetworkSection = NetworkSection()
     eval: EvalSection = EvalSection()
+    security: SecuritySection = SecuritySection()
     baseline: bool = True
 
     @model_validator(mode="after")
@@ -222,13 +275,17 @@ def load_config_dict(data: dict, origin: str = "config") -> RunConfig:
 def load_config(path: str | Path) -> RunConfig:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (TOML files are UTF-8): {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     preset = data.pop("preset", None)
     if preset is not None:
+        if not isinstance(preset, str):
+            raise ConfigError(f"{path}: preset must be a preset's name, got {preset!r}")
         base = preset_config(preset).to_dict()
         for key, value in data.items():
             base[key] = {**base[key], **value} if isinstance(value, dict) and key in base else value

@@ -7,6 +7,7 @@ class DipacoError(Exception):
     """Base class. ``reason`` is a short stable slug that is counted and shown to users."""
 
     reason: str = "error"
+    counted: bool = False  # set once the coordinator has counted this rejection
 
     def __init__(self, message: str, *, reason: str | None = None) -> None:
         super().__init__(message)

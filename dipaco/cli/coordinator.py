@@ -6,8 +6,13 @@ prepares the run if needed, joins (starts) a hivemind DHT, publishes the run man
 the address peers join with (``dipaco-peer join <address>``). Another coordinator can take over a
 share of the modules and apply their outer steps itself:
 
-    dipaco-coordinator start --join <address> --owns L1.M0,L1.M1 \\
-        --owner-key runs/r1/coordinator/owner.key --run-dir runs/owner2
+    dipaco-coordinator key --run-dir runs/owner2               (on the owner: prints its key)
+    dipaco-coordinator allow --owner KEY --run-dir runs/r1     (on the scheduler)
+    dipaco-coordinator start --join <address> --owns L1.M0,L1.M1 --run-dir runs/owner2
+
+Keys: every coordinator signs with ``<run-dir>/coordinator/signing.key`` (Ed25519, made on first
+use). ``allow KEY`` and ``revoke KEY`` change who may join (``security.join = "allow-list"``) or
+own modules, while the run goes on.
 
 ``--transport loopback`` serves peers on this machine only (127.0.0.1 and a key file), without
 hivemind. Every form restarts from its run folder after a crash or Ctrl-C.
@@ -23,10 +28,12 @@ import time
 from pathlib import Path
 
 from dipaco.cli.common import choose_config, command_parser, console, dispatch
+from dipaco.coordinator.access import change_access
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.prepare import prepare
 from dipaco.coordinator.run import MetricsLog, build_coordinator, build_owner, run_local_peers
-from dipaco.errors import ConfigError, DipacoError
+from dipaco.errors import ConfigError, DipacoError, RejectedError
+from dipaco.protocols.auth import Identity, check_payload
 from dipaco.protocols.transport import LoopbackServer
 
 
@@ -104,14 +111,13 @@ def cmd_start(args: argparse.Namespace) -> int:
     from dipaco.protocols.hivemind_transport import HivemindNode
 
     host, port = _split(args.listen)
-    key, key_path = secret_file(run_dir / "coordinator" / "owner.key")
     node = HivemindNode(host=host, port=port, identity_path=identity(run_dir))
     publisher = ticker = None
     threads: list[threading.Thread] = []
     stop = threading.Event()
     try:
         coordinator = build_coordinator(
-            prep, metrics, evaluate=not args.no_eval, owner_id=node.peer_id, secret=key
+            prep, metrics, evaluate=not args.no_eval, owner_id=node.peer_id
         )
         addresses = node.visible_maddrs()
         coordinator.addresses[node.peer_id] = addresses
@@ -162,10 +168,13 @@ def cmd_start(args: argparse.Namespace) -> int:
         address = addresses[0]
         (run_dir / "coordinator" / "address").write_text(address + "\n")
         console.print(f"coordinator for run {run_id} (hivemind) at [bold]{address}[/]")
-        console.print(f"peers join with: dipaco-peer join {address}", soft_wrap=True)
+        key = coordinator.identity.public_key
         console.print(
-            f"another module owner: dipaco-coordinator start --join {address} --owns MODULES "
-            f"--owner-key {key_path} --run-dir DIR",
+            f"peers join with: dipaco-peer join {address} --coordinator-key {key}", soft_wrap=True
+        )
+        console.print(
+            f"another module owner: dipaco-coordinator allow --owner ITS_KEY --run-dir {run_dir}, "
+            f"then on it: dipaco-coordinator start --join {address} --owns MODULES --run-dir DIR",
             soft_wrap=True,
         )
         if args.local_peers:
@@ -189,10 +198,10 @@ def start_owner(args: argparse.Namespace) -> int:
     from dipaco.protocols import messages as m
     from dipaco.protocols.hivemind_transport import HivemindNode
 
-    if not (args.owns and args.join and args.owner_key):
-        raise ConfigError("a module owner needs --join ADDRESS, --owns MODULES and --owner-key")
+    if not (args.owns and args.join):
+        raise ConfigError("a module owner needs --join ADDRESS and --owns MODULES")
     run_dir = Path(args.run_dir)
-    key, _ = secret_file(Path(args.owner_key))
+    me = Identity.load_or_create(run_dir / "coordinator" / "signing.key")
     host, port = _split(args.listen)
     node = HivemindNode(
         initial_peers=[args.join], host=host, port=port, identity_path=identity(run_dir)
@@ -201,21 +210,34 @@ def start_owner(args: argparse.Namespace) -> int:
     try:
         run_id, entry, manifest = discovery.find_run(node, args.run)
         scheduler = node.transport(entry["scheduler"], entry.get("addresses", []))
+        scheduler.authenticate(me, args.scheduler_key)
         welcome = scheduler.request(m.Hello(peer_id=node.peer_id, device="coordinator"))
         if discovery.manifest_sha256(welcome.config) != entry["manifest"]:
             raise ConfigError("the scheduler's manifest differs from the one in the DHT")
+        if welcome.config.get("coordinator_key") != scheduler.server_key or not check_payload(
+            scheduler.server_key, welcome.signature, "manifest", welcome.config
+        ):
+            raise ConfigError("the scheduler's manifest is not signed by the scheduler's key")
         coordinator = build_owner(
             run_dir,
             manifest,
             MetricsLog(run_dir / "metrics.jsonl"),
             owner_id=node.peer_id,
-            secret=key,
+            identity=me,
         )
         addresses = node.visible_maddrs()
         coordinator.addresses[node.peer_id] = addresses
         node.serve(coordinator.handle)
         owns = [mid.strip() for mid in args.owns.split(",") if mid.strip()]
-        moved = take_over(coordinator, scheduler, owns)
+        try:
+            moved = take_over(coordinator, scheduler, owns)
+        except RejectedError as exc:
+            if exc.reason == "not-an-owner":
+                raise ConfigError(
+                    f"the scheduler does not know this owner's key; on the scheduler run: "
+                    f"dipaco-coordinator allow --owner {me.public_key} --run-dir RUN_DIR"
+                ) from None
+            raise
         reporter = Reporter(coordinator, scheduler, interval=args.report_seconds)
         reporter.start()
         ticker = Ticker(coordinator)
@@ -249,13 +271,13 @@ def start_owner(args: argparse.Namespace) -> int:
 def serve_loopback(args, prep, metrics) -> int:
     run_dir = Path(args.run_dir)
     key, key_path = authkey(run_dir)
-    # The key file is also the secret that signs task tickets.
-    coordinator = build_coordinator(prep, metrics, evaluate=not args.no_eval, secret=key)
+    coordinator = build_coordinator(prep, metrics, evaluate=not args.no_eval)
     host, port = _split(args.listen)
     server = LoopbackServer(coordinator.handle, key, host=host, port=port)
     console.print(f"coordinator for run {prep.run_id} listening on [bold]{server.address}[/]")
     console.print(
-        f"peers join with: dipaco-peer join {server.address} --authkey-file {key_path}",
+        f"peers join with: dipaco-peer join {server.address} --authkey-file {key_path} "
+        f"--coordinator-key {coordinator.identity.public_key}",
         soft_wrap=True,
     )
     (run_dir / "coordinator" / "address").write_text(server.address + "\n")
@@ -273,6 +295,25 @@ def serve_loopback(args, prep, metrics) -> int:
         for t in threads:
             t.join(30)
         server.close()
+    return 0
+
+
+def cmd_key(args: argparse.Namespace) -> int:
+    """Print this coordinator's public key (making its key pair on first use)."""
+    me = Identity.load_or_create(Path(args.run_dir) / "coordinator" / "signing.key")
+    print(me.public_key)
+    return 0
+
+
+def cmd_access(args: argparse.Namespace) -> int:
+    """Allow or revoke a key in the run's access list; a running coordinator follows at once."""
+    root = Path(args.run_dir) / "coordinator"
+    if not root.is_dir():
+        raise ConfigError(f"{args.run_dir} is not a run folder (no coordinator/ inside)")
+    what = change_access(
+        root, args.key, allow=args.fn_name == "allow", owner=args.owner, note=args.note
+    )
+    console.print(what)
     return 0
 
 
@@ -295,7 +336,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     start.add_argument("--join", help="another owner: the address the run's coordinator printed")
     start.add_argument("--owns", help="another owner: comma-separated module ids to take over")
-    start.add_argument("--owner-key", help="another owner: the run's coordinator/owner.key")
+    start.add_argument(
+        "--scheduler-key",
+        help="another owner: the scheduler's public key (else trusted on first contact)",
+    )
     start.add_argument("--run", help="the run id, when the DHT announces several")
     start.add_argument(
         "--local-peers", type=int, default=0, help="also run this many peers in-process"
@@ -312,6 +356,19 @@ def main(argv: list[str] | None = None) -> None:
         "--no-eval", action="store_true", help="skip the validation after each round"
     )
     start.set_defaults(fn=cmd_start)
+    key = sub.add_parser("key", help="print this coordinator's public key")
+    key.add_argument("--run-dir", required=True)
+    key.set_defaults(fn=cmd_key)
+    for name, text in (
+        ("allow", "let a peer key join (allow-list runs), or a coordinator own modules (--owner)"),
+        ("revoke", "refuse a key from now on, in every join mode"),
+    ):
+        access = sub.add_parser(name, help=text)
+        access.add_argument("key", help="the public key, ed25519:...")
+        access.add_argument("--run-dir", required=True)
+        access.add_argument("--owner", action="store_true", help="a module owner's key")
+        access.add_argument("--note", default="", help="who this key belongs to")
+        access.set_defaults(fn=cmd_access, fn_name=name)
     dispatch(parser, argv)
 
 

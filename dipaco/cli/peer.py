@@ -18,6 +18,8 @@ import secrets
 import signal
 import socket
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +34,26 @@ from rich.progress import (
 )
 
 from dipaco.cli.common import command_parser, console, dispatch
-from dipaco.errors import ConfigError
+from dipaco.errors import ConfigError, TransportError
+from dipaco.fileio import write_json_atomic
 from dipaco.peer.peer import Peer
+from dipaco.protocols.auth import Identity, check_public_key
 from dipaco.protocols.transport import LoopbackTransport
+
+
+def dial_loopback(address: str, key: bytes, patience: float = 60.0) -> LoopbackTransport:
+    """Connect to a loopback coordinator, retrying for ``patience`` seconds: a coordinator
+    that is restarting, or a connection cut mid-handshake, must not end the peer before it
+    starts (later requests redial by themselves). A refused key fails at once."""
+    began = time.monotonic()
+    while True:
+        try:
+            return LoopbackTransport(address, key)
+        except TransportError as exc:
+            if exc.reason == "auth" or time.monotonic() - began > patience:
+                raise
+            console.print(f"{exc}; retrying")
+            time.sleep(1.0)
 
 
 def stable_peer_id(state_dir: Path, given: str | None) -> str:
@@ -53,16 +72,18 @@ def stable_peer_id(state_dir: Path, given: str | None) -> str:
 def cmd_join(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / "peer")
     peer_id = stable_peer_id(state_dir, args.peer_id)
+    me = Identity.load_or_create(state_dir / "signing.key")
+    trust = coordinator_trust(state_dir, args.address, args.coordinator_key)
     stop = threading.Event()
     extra: dict[str, Any] = {}
     node = None
     if args.address.startswith("/"):
-        transport, node, extra = _hivemind(args, peer_id, state_dir)
+        transport, node, extra = _hivemind(args, peer_id, state_dir, me, trust)
     else:
         if not args.authkey_file:
             raise ConfigError("a loopback address (host:port) needs --authkey-file")
         key = bytes.fromhex(Path(args.authkey_file).read_text().strip())
-        transport = LoopbackTransport(args.address, key)
+        transport = dial_loopback(args.address, key).authenticate(me, *trust)
     # Installed once the hivemind node runs: Ctrl-C then stops the peer, which releases its task.
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -110,6 +131,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         on_progress=on_progress,
         on_ack=on_ack,
         memory_bytes=int(args.memory_gb * 2**30) if args.memory_gb else None,
+        identity=me,
         **{
             k: v
             for k, v in extra.items()
@@ -132,7 +154,36 @@ def cmd_join(args: argparse.Namespace) -> int:
     return 0
 
 
-def _hivemind(args: argparse.Namespace, peer_id: str, state_dir: Path):
+def coordinator_trust(
+    state_dir: Path, address: str, given: str | None
+) -> tuple[str | None, Callable[[str], None]]:
+    """The coordinator key to insist on, and what to do when one is first seen.
+
+    ``--coordinator-key`` wins; else the key this state folder pinned for ``address`` before;
+    else the first reply's key is trusted and pinned (like ssh's known_hosts), with a warning.
+    """
+    file = state_dir / "known_coordinators.json"
+    known = json.loads(file.read_text()) if file.exists() else {}
+    key = check_public_key(given) if given else known.get(address)
+
+    def pin(seen: str) -> None:
+        console.print(
+            f"[yellow]trusting coordinator key {seen} on first use[/] (pass --coordinator-key "
+            "to check it against what the run's operator published)",
+            soft_wrap=True,
+        )
+        write_json_atomic(file, {**known, address: seen})
+
+    return key, pin
+
+
+def _hivemind(
+    args: argparse.Namespace,
+    peer_id: str,
+    state_dir: Path,
+    me: Identity,
+    trust: tuple[str | None, Callable[[str], None]],
+):
     """Join the run's DHT in client mode; the scheduler's transport and the Peer's extras."""
     from dipaco.peer.download import RunFiles
     from dipaco.protocols import discovery
@@ -148,7 +199,7 @@ def _hivemind(args: argparse.Namespace, peer_id: str, state_dir: Path):
             links.append(link)
             return link
 
-        scheduler = connect(entry["scheduler"], entry.get("addresses", []))
+        scheduler = connect(entry["scheduler"], entry.get("addresses", [])).authenticate(me, *trust)
         files = RunFiles(scheduler, peer_id, manifest["files"], state_dir / "runs" / run_id)
         files.get("tokenizer.model")
         info = {
@@ -199,6 +250,11 @@ def main(argv: list[str] | None = None) -> None:
     join.add_argument("--authkey-file", help="loopback only: the run's key file")
     join.add_argument("--run", help="the run id, when the DHT announces several")
     join.add_argument(
+        "--coordinator-key",
+        help="the coordinator's public key (ed25519:...), as its operator published it; "
+        "without it the first key seen is trusted and remembered",
+    )
+    join.add_argument(
         "--max-mbps", type=float, help="cap this peer's upload and download rate (megabits/s)"
     )
     join.add_argument(
@@ -213,7 +269,16 @@ def main(argv: list[str] | None = None) -> None:
         "--device", default="auto", help="auto (a CUDA GPU if there is one), cpu, cuda:0, ..."
     )
     join.set_defaults(fn=cmd_join)
+    key = sub.add_parser("key", help="print this peer's public key (for an allow-list)")
+    key.add_argument("--state-dir", help="the peer's state folder (default ~/.cache/dipaco/peer)")
+    key.set_defaults(fn=cmd_key)
     dispatch(parser, argv)
+
+
+def cmd_key(args: argparse.Namespace) -> int:
+    state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / "peer")
+    print(Identity.load_or_create(state_dir / "signing.key").public_key)
+    return 0
 
 
 if __name__ == "__main__":

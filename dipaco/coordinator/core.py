@@ -15,6 +15,7 @@ their deltas between the two (reason ``handover``, retried by peers), so none is
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -27,15 +28,18 @@ from typing import Any
 
 import torch
 
-from dipaco.config import SchedulerSection
+from dipaco.config import SchedulerSection, SecuritySection, ValidationSection
 from dipaco.coordinator import tickets
+from dipaco.coordinator.access import AccessPolicy
 from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.scheduler import Lease, Scheduler
 from dipaco.coordinator.store import ModuleStore
+from dipaco.coordinator.validation import NormTracker, delta_norm
 from dipaco.errors import CorruptFileError, DipacoError, RejectedError, WireError
+from dipaco.faults import fault_point
 from dipaco.fileio import file_info, write_json_atomic
 from dipaco.model.topology import Topology
-from dipaco.protocols import codecs
+from dipaco.protocols import auth, codecs
 from dipaco.protocols import messages as m
 from dipaco.protocols.wire import tensors_sha256
 
@@ -65,11 +69,15 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         policy: SchedulerSection | None = None,
         owner_id: str = "local",
-        secret: bytes | None = None,
+        identity: auth.Identity | None = None,
+        scheduler_key: str | None = None,
+        security: SecuritySection | None = None,
         is_scheduler: bool = True,
         codec: str = "lossless",
         files: dict[str, Path] | None = None,
         phase_rounds: list[int] | tuple[int, ...] = (),
+        validation: ValidationSection | None = None,
+        heldout_loss: Callable[[int, dict[str, dict[str, torch.Tensor]]], float] | None = None,
     ) -> None:
         self.root = Path(root)
         self.topology = topology
@@ -103,7 +111,26 @@ class Coordinator:
         # Ownership: module id -> owner id. The scheduler knows every module's owner; an owner
         # that is not the scheduler lists only its own modules.
         self.owner_id, self.is_scheduler, self.codec = owner_id, is_scheduler, codec
-        self.secret = secret if secret is not None else b"dipaco-local-" + run_id.encode()
+        # Our Ed25519 key signs replies, tickets, releases and the manifest; the scheduler's key
+        # is the one whose tickets an owner accepts (our own, on the scheduler).
+        self.identity = identity or auth.Identity.load_or_create(self.root / "signing.key")
+        self.scheduler_key = self.identity.public_key if is_scheduler else scheduler_key
+        if self.scheduler_key is None:
+            raise ValueError("a module owner needs the scheduler's public key (scheduler_key)")
+        self.security = security or SecuritySection()
+        self.access = AccessPolicy(
+            self.root,
+            self.security,
+            self_keys=(self.identity.public_key, self.scheduler_key),
+            metrics=self.metrics,
+            clock=clock,
+        )
+        self.guard = auth.ReplayGuard(self.security.clock_skew_seconds)
+        self.owner_keys: dict[str, str] = {owner_id: self.identity.public_key}
+        self._caller: str | None = None  # the key of the request being handled (under the lock)
+        self.max_request_bytes = 64 << 20  # set from the modules' size by start()
+        if is_scheduler:
+            self.peer_config["coordinator_key"] = self.identity.public_key
         self.owners: dict[str, str] = {}
         self.addresses: dict[str, list[str]] = {}  # owner id -> how peers reach it
         self.remote: dict[str, dict[str, Any]] = {}  # other owners' modules, from their reports
@@ -120,6 +147,21 @@ class Coordinator:
             self.phases[0] = {"prefix": "shards", "tokens": shard_tokens, "files": {}}
         self.last_round = 0
         self.changed = threading.Event()  # set on every change an owner must report
+        self.unstepped: set[str] = set()  # modules whose outer step failed (disk): retried
+        # Trust in a delta's content (validation.py): its norm against the module's recent ones,
+        # and (optional) the path's held-out loss with it, from ``heldout_loss(path, modules)``.
+        self.validation = validation or ValidationSection()
+        v = self.validation
+        self.norms = NormTracker(
+            self.root / "validation.json",
+            mode=v.norm_check,
+            mads=v.norm_mads,
+            ratio=v.norm_ratio,
+            min_observations=v.min_observations,
+            max_norm=v.max_norm,
+            window=v.norm_window,
+        )
+        self.heldout_loss = heldout_loss
 
     # ---- start and resume ---------------------------------------------------------------------
     def start(self, initial_modules: dict[str, dict[str, torch.Tensor]] | None) -> None:
@@ -133,6 +175,7 @@ class Coordinator:
                 raise CorruptFileError(
                     f"{state_file}: not readable coordinator state: {exc}"
                 ) from None
+            _check_state(state_file, saved, self.topology.module_ids())
             self.epoch = saved.get("epoch", 0) + 1
             self.scheduler.epoch = self.epoch
             self.rejections.update(saved.get("rejections", {}))
@@ -142,6 +185,7 @@ class Coordinator:
             )
             self.remote = saved.get("remote", {})
             self.addresses.update(saved.get("addresses", {}))
+            self.owner_keys.update(saved.get("owner_keys", {}))
         else:
             self.owners = dict.fromkeys(self.store.owned_on_disk(), self.owner_id)
         mine = self.owned_modules()
@@ -149,15 +193,44 @@ class Coordinator:
             self.store.initialize({mid: initial_modules[mid] for mid in mine})
         else:
             self.store.load(mine)
+        # No request may be larger than two copies of everything we own (a delta is one path's
+        # share of it, in float32 or less) plus room for the header: bigger ones are refused
+        # before they are decoded.
+        owned_bytes = sum(
+            t.numel() * t.element_size() for mid in mine for t in self.store.params(mid).values()
+        )
+        self.max_request_bytes = 2 * owned_bytes + (16 << 20)
         for mid in mine:
             # A crash may have left a module with every delta on disk but its step not committed.
             self._maybe_step(mid)
+        self._report_repairs()
         self.last_round = self.round
-        self._save_state()
+        self._save_state(required=True)  # the epoch must be on disk: task ids are never reused
         if self.finished:
             self.finished_event.set()
 
-    def _save_state(self) -> None:
+    def _save_state(self, required: bool = False) -> None:
+        """Write coordinator.json. Outside ``start`` a failure (a full disk) is logged, not
+        raised: the file holds counters and ownership, which the next save brings up to date,
+        and raising would drop the reply to a request whose deltas are already durable."""
+        try:
+            self._write_state()
+        except OSError as exc:
+            if required:
+                raise
+            log.error("cannot save %s: %s", self.root / "coordinator.json", exc)
+
+    def _report_repairs(self) -> None:
+        """Log and count what the store repaired on start: corrupt files, rolled-back heads."""
+        for file in self.store.quarantined:
+            self.rejections["corrupt-file"] += 1
+            self.metrics({"event": "file_quarantined", "file": file})
+        for mid, (bad, used) in self.store.rolled_back.items():
+            self.metrics({"event": "rolled_back", "module": mid, "bad": bad, "version": used})
+        self.store.quarantined.clear()
+        self.store.rolled_back.clear()
+
+    def _write_state(self) -> None:
         state: dict[str, Any] = {
             "epoch": self.epoch,
             "rejections": dict(self.rejections),
@@ -165,7 +238,12 @@ class Coordinator:
             "owner_id": self.owner_id,
         }
         if self.is_scheduler:
-            state.update(owners=self.owners, remote=self.remote, addresses=self.addresses)
+            state.update(
+                owners=self.owners,
+                remote=self.remote,
+                addresses=self.addresses,
+                owner_keys=self.owner_keys,
+            )
         write_json_atomic(self.root / "coordinator.json", state)
 
     def adopt(self, state: m.ModuleState) -> dict[str, str]:
@@ -253,7 +331,11 @@ class Coordinator:
     # ---- operations ---------------------------------------------------------------------------
     def hello(self, req: m.Hello) -> m.Welcome:
         self._seen(req.peer_id, device=req.device, capabilities=req.capabilities)
-        return m.Welcome(run_id=self.run_id, config=self.peer_config)
+        return m.Welcome(
+            run_id=self.run_id,
+            config=self.peer_config,
+            signature=auth.sign_payload(self.identity, "manifest", self.peer_config),
+        )
 
     def claim(self, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
         self._need_scheduler(req.peer_id)
@@ -267,6 +349,19 @@ class Coordinator:
                 self.scheduler.release(held.task_id, req.peer_id)
                 self.metrics({"event": "task_dropped", "task": held.task_id, "peer": req.peer_id})
         fresh = not self.scheduler.leases_of(req.peer_id)
+        if fresh and self._caller is not None and not self.access.is_owner(self._caller):
+            held = [
+                lease
+                for lease in self.scheduler.leases.values()
+                if self.access.names.get(lease.peer_id) == self._caller
+            ]
+            if len(held) >= self.security.max_tasks_per_key:
+                self._reject(
+                    req.peer_id,
+                    "quota",
+                    f"this key already holds {len(held)} live tasks "
+                    f"(at most {self.security.max_tasks_per_key})",
+                )
         lease = self.scheduler.claim(
             req.peer_id, self.open_paths(), req.prefer_path, self.inner_steps
         )
@@ -301,6 +396,7 @@ class Coordinator:
             "round": lease.round,
             "versions": lease.module_versions,
             "weight": self._weight(lease.path, lease.round),
+            "key": self._caller,
         }
         shard = f"{phase['prefix']}/P{lease.path}/train"
         return m.TaskOffer(
@@ -313,7 +409,7 @@ class Coordinator:
             total_steps=self.total_steps,
             lease_seconds=self.scheduler.lease_seconds,
             seed=self.seed,
-            ticket=tickets.sign_ticket(self.secret, payload),
+            ticket=tickets.sign_ticket(self.identity, payload),
             owners={mid: self.owners[mid] for mid in lease.module_versions},
             codec=self.codec,
             shard=shard,
@@ -323,15 +419,21 @@ class Coordinator:
     def fetch(self, req: m.FetchModules) -> m.Modules:
         self._seen(req.peer_id)
         task = self._task(req.peer_id, req.task_id, req.ticket)
-        versions, hashes, tensors = {}, {}, {}
+        versions, hashes, tensors, signatures = {}, {}, {}, {}
         for mid in self.topology.path_modules(task["path"]):
             if not self.owns(mid):
                 continue
             record = self.store.modules[mid]
             versions[mid], hashes[mid] = record.version, record.hash
+            signatures[mid] = self.release_signature(mid, record.version, record.hash)
             if req.have.get(mid) != record.version:
                 tensors.update({f"{mid}/{k}": v for k, v in record.params.items()})
-        return m.Modules(versions=versions, hashes=hashes, tensors=tensors)
+        return m.Modules(versions=versions, hashes=hashes, tensors=tensors, signatures=signatures)
+
+    def release_signature(self, mid: str, version: int, digest: str) -> str:
+        """This owner's signature of a module release, which peers check before training."""
+        release = {"run": self.run_id, "module": mid, "version": version, "hash": digest}
+        return auth.sign_payload(self.identity, "release", release)
 
     def heartbeat(self, req: m.Heartbeat) -> m.HeartbeatAck:
         self._need_scheduler(req.peer_id)
@@ -421,11 +523,16 @@ class Coordinator:
                     f"path {path} already reported for {mid} version {base}",
                 )
             plan.append((mid, base, lateness))
+        norms = self._check_content(req, path, deltas, [mid for mid, _, _ in plan])
         for mid, base, lateness in plan:
             damped = weight * self.policy.stale_damping**lateness
-            self.store.add_delta(
-                mid, path, damped, req.task_id, req.peer_id, deltas[mid], base_version=base
-            )
+            try:  # a full disk refuses the delta; what was stored is acked on the retry
+                self.store.add_delta(
+                    mid, path, damped, req.task_id, req.peer_id, deltas[mid], base_version=base
+                )
+            except OSError as exc:
+                full = exc.errno == errno.ENOSPC
+                self._reject(req.peer_id, "disk-full" if full else "io-error", f"{mid}: {exc}")
             if lateness > 0:
                 self.metrics(
                     {
@@ -437,6 +544,10 @@ class Coordinator:
                         "weight": damped,
                     }
                 )
+        for mid, _, _ in plan:  # only now durable: the norm statistics count it
+            self.norms.record(mid, norms[mid])
+        if plan:
+            self.norms.save()
         for mid, base, _ in plan:
             self.metrics(
                 {
@@ -448,6 +559,7 @@ class Coordinator:
                     "peer": req.peer_id,
                 }
             )
+        fault_point("submit.before_ack")
         covers_path = set(mids) == set(path_mids)
         if plan and covers_path and self.is_scheduler:
             self._task_done(task, req.peer_id, req.tokens, req.losses)
@@ -473,6 +585,7 @@ class Coordinator:
         return m.Owners(
             owners=dict(self.owners),
             addresses={o: self.addresses.get(o, []) for o in set(self.owners.values())},
+            keys={o: k for o, k in self.owner_keys.items() if o in set(self.owners.values())},
         )
 
     def fetch_file(self, req: m.FetchFile) -> m.FileChunk:
@@ -503,8 +616,7 @@ class Coordinator:
 
     def owner_report(self, req: m.OwnerReport) -> m.ReportAck:
         self._need_scheduler(req.owner_id)
-        if not tickets.check(self.secret, req.proof, "report", req.owner_id, req.modules):
-            self._reject(req.owner_id, "bad-proof", "owner report not signed with the run's key")
+        self._owner_proof(req.owner_id, req.proof, "report", req.modules)
         for mid, info in req.modules.items():
             if self.owners.get(mid) != req.owner_id:
                 self._reject(
@@ -523,10 +635,7 @@ class Coordinator:
 
     def hand_over(self, req: m.HandOver) -> m.ModuleState:
         self._need_scheduler(req.owner_id)
-        if not tickets.check(self.secret, req.proof, "handover", req.owner_id, req.modules):
-            self._reject(
-                req.owner_id, "bad-proof", "handover request not signed with the run's key"
-            )
+        self._owner_proof(req.owner_id, req.proof, "handover", req.modules)
         modules, tensors = {}, {}
         for mid in req.modules:
             if not self.owns(mid):
@@ -557,8 +666,7 @@ class Coordinator:
 
     def confirm_ownership(self, req: m.ConfirmOwnership) -> m.Ok:
         self._need_scheduler(req.owner_id)
-        if not tickets.check(self.secret, req.proof, "confirm", req.owner_id, req.hashes):
-            self._reject(req.owner_id, "bad-proof", "confirmation not signed with the run's key")
+        self._owner_proof(req.owner_id, req.proof, "confirm", req.hashes)
         for mid, digest in req.hashes.items():
             if self.handing.get(mid, ("",))[0] != req.owner_id:
                 self._reject(req.owner_id, "not-owner", f"{mid} was not being handed to you")
@@ -591,7 +699,7 @@ class Coordinator:
             }
         return m.OwnerReport(
             owner_id=self.owner_id,
-            proof=tickets.prove(self.secret, "report", self.owner_id, modules),
+            proof=tickets.prove(self.identity, "report", self.owner_id, modules),
             modules=modules,
             addresses=self.addresses.get(self.owner_id, []),
         )
@@ -641,6 +749,7 @@ class Coordinator:
                 },
                 "rejections": dict(self.rejections),
                 "rejections_by_peer": {p: dict(c) for p, c in self.rejections_by_peer.items()},
+                "access": self.access.summary(),
             }
         )
 
@@ -662,21 +771,52 @@ class Coordinator:
     }
 
     def handle(self, data: bytes) -> bytes:
-        """Decode a request frame, run the operation, encode the reply (or an Error)."""
+        """Open the signed request, admit its key, run the operation, sign the reply.
+
+        Every refusal is an Error reply with its reason, counted once (per peer id when the
+        message names one, else per key) and against the key's ban budget.
+        """
+        nonce, key, who = "", None, "unknown"
         try:
-            req = m.decode_message(data)
+            nonce = auth.peek_nonce(data)
+            signed = auth.open_request(data)
+            nonce, key, who = signed.nonce, signed.key, f"key:{auth.fingerprint(signed.key)}"
+            with self.lock:  # replays first: a replayed request costs its signer nothing
+                self.guard.check(signed)
+            self.access.reload()
+            self.access.admit(key)
+            if len(signed.body) > self.max_request_bytes:
+                raise RejectedError(
+                    f"a request of {len(signed.body)} bytes exceeds this coordinator's limit "
+                    f"of {self.max_request_bytes}",
+                    reason="too-large",
+                )
+            req = m.decode_message(signed.body)
+            name = getattr(req, "peer_id", None) or getattr(req, "owner_id", None)
+            who = name or who
             op = self._OPS.get(type(req))
             if op is None:
                 raise RejectedError(f"{type(req).__name__} is not a request", reason="bad-message")
             with self.lock:
-                self._tick()
-                reply = getattr(self, op)(req)
+                self._caller = key
+                try:
+                    if name:
+                        self.access.bind(name, key)
+                    self._tick()
+                    reply = getattr(self, op)(req)
+                finally:
+                    self._caller = None
         except DipacoError as exc:
-            if not isinstance(exc, RejectedError) or exc.reason == "bad-message":
-                self._count("unknown", exc.reason)  # undecodable: no peer id to blame
-            log.info("rejected: %s (%s)", exc, exc.reason)
+            if not exc.counted:
+                with self.lock:
+                    self._caller = key
+                    try:
+                        self._count(who, exc.reason)
+                    finally:
+                        self._caller = None
+            log.info("rejected %s: %s (%s)", who, exc, exc.reason)
             reply = m.Error(reason=exc.reason, message=str(exc))
-        return m.encode_message(reply)
+        return auth.seal_reply(self.identity, nonce, m.encode_message(reply))
 
     def tick(self) -> None:
         """Expire leases and close overdue rounds; servers call this every second or so."""
@@ -697,7 +837,7 @@ class Coordinator:
             # module that closed without it must not leave the path's other modules waiting.
             self.overdue |= self.scheduler.overdue()
             self.overdue = {(p, r) for p, r in self.overdue if r >= self.round}
-        if not self.overdue:
+        if not self.overdue and not self.unstepped:
             return
         stepped = False
         for mid in self.owned_modules():
@@ -718,9 +858,21 @@ class Coordinator:
             need = math.ceil(self.policy.quorum * len(paths))
             if not (missing <= self.overdue and len(record.pending) >= need):
                 return False
-        info = self.store.outer_step(mid, self.outer)
+        try:
+            info = self.store.outer_step(mid, self.outer)
+        except OSError as exc:  # a full disk: nothing was committed; the ticker tries again
+            if mid not in self.unstepped:
+                log.error("outer step of %s failed: %s; retrying every second", mid, exc)
+                self.metrics({"event": "outer_step_failed", "module": mid, "error": str(exc)})
+            self.unstepped.add(mid)
+            return False
+        self.unstepped.discard(mid)
         info["closed_by"] = "deadline" if set(info["paths"]) != paths else "all"
         self.metrics({"event": "outer_step", **info})
+        for clipped in info.get("clipped", []):  # robust aggregation scaled a delta down
+            self.metrics(
+                {"event": "delta_clipped", "stage": "aggregation", "module": mid, **clipped}
+            )
         log.info(
             "outer step %s -> v%d (paths %s, late %s, %s)",
             mid,
@@ -739,6 +891,11 @@ class Coordinator:
             for rnd in range(self.last_round + 1, self.round + 1):
                 self.metrics({"event": "round", "round": rnd})
             self.last_round = self.round
+            # Tasks of rounds that no delta can join any more (even late) are forgotten, so that
+            # a long run does not keep a record of every task it ever leased.
+            horizon = self.round - self.policy.max_staleness
+            self.scheduler.forget_before(horizon)
+            self.done = {(p, r) for p, r in self.done if r >= horizon}
             if self.on_round is not None and all(self.owns(mid) for mid in self.owners):
                 self.on_round(self.round)
         if self.finished:
@@ -763,6 +920,95 @@ class Coordinator:
                 "train_losses": losses,
             }
         )
+
+    def _check_content(
+        self,
+        req: m.SubmitDelta,
+        path: int,
+        deltas: dict[str, dict[str, torch.Tensor]],
+        mids: list[str],
+    ) -> dict[str, float]:
+        """Judge the deltas about to be stored by their norms (and, optionally, held-out loss).
+
+        Every module is judged before anything is stored or clipped, so a rejection leaves no
+        trace but its count. Clipped deltas are replaced in ``deltas``. Returns each module's
+        norm as it will be stored, for the statistics once the delta is durable.
+        """
+        judged = {mid: self.norms.judge(mid, delta_norm(deltas[mid])) for mid in mids}
+        for mid, j in judged.items():
+            if j.action == "reject":
+                self._reject(
+                    req.peer_id,
+                    "huge-norm",
+                    f"delta for {mid} has norm {j.norm:.4g}, {j.why}",
+                )
+        norms = {}
+        for mid, j in judged.items():
+            norms[mid] = j.norm
+            if j.action == "clip" and j.limit is not None:
+                factor = j.limit / j.norm
+                deltas[mid] = {k: v * factor for k, v in deltas[mid].items()}
+                norms[mid] = j.limit
+        if self.validation.heldout_check and self.heldout_loss is not None and mids:
+            self._check_heldout(req, path, deltas, mids)
+        for mid, j in judged.items():
+            if j.action == "clip":
+                self.metrics(
+                    {
+                        "event": "delta_clipped",
+                        "stage": "norm-check",
+                        "module": mid,
+                        "path": path,
+                        "task": req.task_id,
+                        "peer": req.peer_id,
+                        "norm": j.norm,
+                        "clipped_to": j.limit,
+                    }
+                )
+        return norms
+
+    def _check_heldout(
+        self,
+        req: m.SubmitDelta,
+        path: int,
+        deltas: dict[str, dict[str, torch.Tensor]],
+        mids: list[str],
+    ) -> None:
+        """Reject a delta that makes its own path worse on held-out documents.
+
+        The path is scored as it is now and with the proposed update (current parameters minus
+        the delta: for a late delta an approximation, as its base is gone). Needs every module
+        of the path: an owner of only some modules skips the check.
+        """
+        assert self.heldout_loss is not None
+        path_mids = self.topology.path_modules(path)
+        if not all(self.owns(mid) for mid in path_mids):
+            return
+        current = {mid: self.store.params(mid) for mid in path_mids}
+        proposed = dict(current)
+        for mid in mids:
+            proposed[mid] = {k: v - deltas[mid][k].to(v.dtype) for k, v in current[mid].items()}
+        before = self.heldout_loss(path, current)
+        if math.isnan(before):
+            return  # no held-out documents for this path: nothing to judge by
+        after = self.heldout_loss(path, proposed)
+        self.metrics(
+            {
+                "event": "heldout_check",
+                "path": path,
+                "task": req.task_id,
+                "peer": req.peer_id,
+                "before": before,
+                "after": after,
+            }
+        )
+        if not after <= before + self.validation.heldout_tolerance:  # NaN fails too
+            self._reject(
+                req.peer_id,
+                "worse-heldout",
+                f"path {path}'s held-out loss would go from {before:.4f} to {after:.4f} "
+                f"(tolerance {self.validation.heldout_tolerance:g})",
+            )
 
     def _split_delta(
         self, req: m.SubmitDelta, path_mids: list[str], mids: list[str]
@@ -806,12 +1052,19 @@ class Coordinator:
                     )
                 for name, tensor in got.items():
                     ref = params[name]
-                    if tensor.shape != ref.shape or tensor.dtype != ref.dtype:
+                    if tensor.shape != ref.shape:
                         self._reject(
                             req.peer_id,
                             "wrong-shape",
-                            f"{mid}/{name}: got {tuple(tensor.shape)} {tensor.dtype}, "
-                            f"expected {tuple(ref.shape)} {ref.dtype}",
+                            f"{mid}/{name}: got shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(ref.shape)}",
+                        )
+                    if tensor.dtype != ref.dtype:
+                        self._reject(
+                            req.peer_id,
+                            "wrong-dtype",
+                            f"{mid}/{name}: got {tensor.dtype}, expected {ref.dtype} "
+                            "(lossless deltas carry the module's own dtype)",
                         )
                 decoded = got
             else:
@@ -828,14 +1081,16 @@ class Coordinator:
     def _task(self, peer_id: str, task_id: str, ticket: str) -> dict[str, Any]:
         """The task a request acts for: from its ticket, or (scheduler) from the lease table."""
         if ticket:
-            task = tickets.read_ticket(self.secret, ticket)
+            task = tickets.read_ticket(self.scheduler_key, ticket)
             if task is None:
                 self._reject(peer_id, "bad-ticket", f"task {task_id}: ticket does not verify")
             if task.get("task") != task_id:
                 self._reject(
                     peer_id, "bad-ticket", f"the ticket is for another task than {task_id}"
                 )
-            if task.get("peer") != peer_id:
+            if task.get("peer") != peer_id or (
+                self._caller is not None and task.get("key") not in (None, self._caller)
+            ):
                 self._reject(peer_id, "not-your-task", f"task {task_id} is leased to another peer")
             return task
         if not self.is_scheduler:
@@ -849,6 +1104,21 @@ class Coordinator:
             "versions": lease.module_versions,
             "weight": self._weight(lease.path, lease.round),
         }
+
+    def _owner_proof(self, owner_id: str, proof: str, purpose: str, payload: Any) -> None:
+        """The request comes from a module owner the operator allowed, and it signed ``payload``."""
+        key = self._caller
+        if key is None or not self.access.is_owner(key):
+            self._reject(
+                owner_id,
+                "not-an-owner",
+                "this key may not own modules; the scheduler's operator allows owners with: "
+                f"dipaco-coordinator allow --owner {key}",
+            )
+        if not tickets.check(key, proof, purpose, owner_id, payload):
+            self._reject(owner_id, "bad-proof", f"the {purpose} is not signed by the sender's key")
+        if self.owner_keys.get(owner_id) != key:
+            self.owner_keys[owner_id] = key
 
     def _need_scheduler(self, who: str) -> None:
         if not self.is_scheduler:
@@ -884,16 +1154,60 @@ class Coordinator:
 
     def _reject(self, peer_id: str, reason: str, message: str):
         self._count(peer_id, reason)
-        raise RejectedError(message, reason=reason)
+        exc = RejectedError(message, reason=reason)
+        exc.counted = True  # handle() must not count it again
+        raise exc
 
     def _count(self, peer_id: str, reason: str) -> None:
         self.rejections[reason] += 1
         self.rejections_by_peer[peer_id][reason] += 1
+        self.access.offence(self._caller, reason)
 
     def _seen(self, peer_id: str, **info: Any) -> None:
         peer = self.peers.setdefault(peer_id, {"tasks_done": 0, "tokens": 0, "task": None})
         peer["last_seen"] = self.clock()
         peer.update(info)
+
+
+def _check_state(path: Path, saved: Any, module_ids: list[str]) -> None:
+    """CorruptFileError unless coordinator.json has the shape ``_save_state`` writes.
+
+    Checked before any of it is used: a damaged file must stop the restart with a clear error,
+    not crash half-way or quietly hand modules to owners that never asked for them.
+    """
+
+    def mapping(value: Any, check: Callable[[Any], bool]) -> bool:
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and check(v) for k, v in value.items()
+        )
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    problem = None
+    if not isinstance(saved, dict):
+        problem = "not a JSON object"
+    elif not count(saved.get("epoch", 0)):
+        problem = "'epoch' is not a count"
+    elif not mapping(saved.get("rejections", {}), count):
+        problem = "'rejections' is not {reason: count}"
+    elif not mapping(saved.get("owners") or {}, lambda v: isinstance(v, str)) or (
+        saved.get("owners") and set(saved["owners"]) != set(module_ids)
+    ):
+        problem = "'owners' does not map each of the run's modules to an owner"
+    elif not mapping(
+        saved.get("remote", {}), lambda v: isinstance(v, dict) and count(v.get("version"))
+    ):
+        problem = "'remote' is not {module: report with a version}"
+    elif not mapping(
+        saved.get("addresses", {}),
+        lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),
+    ):
+        problem = "'addresses' is not {owner: [address]}"
+    elif not mapping(saved.get("owner_keys", {}), lambda v: isinstance(v, str)):
+        problem = "'owner_keys' is not {owner: key}"
+    if problem is not None:
+        raise CorruptFileError(f"{path}: damaged coordinator state: {problem}")
 
 
 def _prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -36,22 +36,29 @@ def take_over(coordinator: Coordinator, scheduler: Transport, modules: list[str]
     wanted = [mid for mid in modules if not coordinator.owns(mid)]
     if not wanted:
         return []
-    owner, secret = coordinator.owner_id, coordinator.secret
+    speak_as_owner(coordinator, scheduler)
+    owner, identity = coordinator.owner_id, coordinator.identity
     state = scheduler.request(
         m.HandOver(
             owner_id=owner,
-            proof=tickets.prove(secret, "handover", owner, wanted),
+            proof=tickets.prove(identity, "handover", owner, wanted),
             modules=wanted,
         )
     )
     hashes = coordinator.adopt(state)
     scheduler.request(
         m.ConfirmOwnership(
-            owner_id=owner, proof=tickets.prove(secret, "confirm", owner, hashes), hashes=hashes
+            owner_id=owner, proof=tickets.prove(identity, "confirm", owner, hashes), hashes=hashes
         )
     )
     log.info("took over %s", ", ".join(wanted))
     return wanted
+
+
+def speak_as_owner(coordinator: Coordinator, scheduler: Transport) -> None:
+    """Sign what goes to the scheduler with this owner's key, and trust only the scheduler's."""
+    if scheduler.identity is not coordinator.identity:
+        scheduler.authenticate(coordinator.identity, coordinator.scheduler_key)
 
 
 class Reporter(threading.Thread):
@@ -61,6 +68,7 @@ class Reporter(threading.Thread):
         self, coordinator: Coordinator, scheduler: Transport, interval: float = 1.0
     ) -> None:
         super().__init__(name="dipaco-reporter", daemon=True)
+        speak_as_owner(coordinator, scheduler)
         self.coordinator, self.scheduler, self.interval = coordinator, scheduler, interval
         self.stop = threading.Event()
         self.sent = 0

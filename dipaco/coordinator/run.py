@@ -39,6 +39,7 @@ from dipaco.model.optim import (
 )
 from dipaco.model.transformer import PathModel
 from dipaco.peer.peer import Peer
+from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
 from dipaco.protocols.wire import Frame, read_tensor_file, write_tensor_file
 from dipaco.routing.evaluate import (
@@ -94,6 +95,18 @@ def shard_tokens(prep: PreparedRun) -> list[int]:
     return prep.routings[0].stats["shards"]["train"]["tokens"]
 
 
+def outer_settings(c: RunConfig) -> OuterSettings:
+    """The outer step of the run config, with the validation section's aggregation."""
+    v = c.validation
+    return OuterSettings(
+        **c.outer.model_dump(),
+        aggregation=v.aggregation,
+        trim_fraction=v.trim_fraction,
+        min_paths_for_robust=v.min_paths_for_robust,
+        norm_ratio=v.norm_ratio,
+    )
+
+
 def coordinator_for(c: RunConfig, root: Path, **kwargs: Any) -> Coordinator:
     """A coordinator core with the run config's schedule, outer step, policy and codec."""
     return Coordinator(
@@ -104,11 +117,13 @@ def coordinator_for(c: RunConfig, root: Path, **kwargs: Any) -> Coordinator:
         step_offset=c.train.pretrain_steps,
         total_steps=c.total_steps,
         seed=c.train.seed,
-        outer=OuterSettings(**c.outer.model_dump()),
+        outer=outer_settings(c),
+        validation=c.validation,
         lease_seconds=c.scheduler.lease_seconds,
         policy=c.scheduler,
         codec=c.network.codec,
         phase_rounds=c.routing.discriminative_after,
+        security=c.security,
         **kwargs,
     )
 
@@ -119,13 +134,15 @@ def build_owner(
     metrics: MetricsLog,
     *,
     owner_id: str,
-    secret: bytes,
+    identity: Identity | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> Coordinator:
     """A coordinator that owns modules for a run another coordinator schedules.
 
     ``manifest`` is the scheduler's Welcome config; the owner keeps a copy in its folder so that
-    it restarts from its own checkpoint alone.
+    it restarts from its own checkpoint alone. The manifest's ``coordinator_key`` is the
+    scheduler's key: the owner accepts the tasks it signed. ``identity`` signs this owner's
+    replies and releases (default: ``coordinator/signing.key`` in ``root``, made on first use).
     """
     root = Path(root)
     saved = root / "manifest.json"
@@ -148,7 +165,8 @@ def build_owner(
         metrics=metrics,
         clock=clock,
         owner_id=owner_id,
-        secret=secret,
+        identity=identity,
+        scheduler_key=manifest["coordinator_key"],
         is_scheduler=False,
     )
     coordinator.start(None)
@@ -183,6 +201,28 @@ def path_loader(
         return topology.build_path(cfg, p, {mid: modules(mid) for mid in mids}).to(device)
 
     return load
+
+
+def heldout_scorer(
+    prep: PreparedRun, device: str = "cpu"
+) -> Callable[[int, dict[str, dict[str, torch.Tensor]]], float]:
+    """The coordinator's held-out check (``validation.heldout_check``): path p's mean loss, with
+    the given module tensors, on the first ``validation.heldout_docs`` documents of its held-out
+    slice; NaN when the slice is empty (then there is nothing to judge by)."""
+    c = prep.config
+    cfg, topology = c.build_model_config(), c.build_topology()
+
+    def score(p: int, modules: dict[str, dict[str, torch.Tensor]]) -> float:
+        docs = prep.heldout_docs(p)[: c.validation.heldout_docs]
+        if not docs:
+            return float("nan")
+        model = topology.build_path(cfg, p, modules).to(device)
+        loss, _ = heldout_loss(
+            model, docs, seq_len=c.train.seq_len, prefix_tokens=c.routing.prefix_tokens
+        )
+        return loss
+
+    return score
 
 
 def evaluate_modules(
@@ -285,7 +325,7 @@ def build_coordinator(
     evaluate: bool = True,
     clock: Callable[[], float] = time.monotonic,
     owner_id: str = "local",
-    secret: bytes | None = None,
+    identity: Identity | None = None,
     device: str = "cpu",
 ) -> Coordinator:
     """The scheduling coordinator of a prepared run; ``device`` runs its evaluation, held-out
@@ -371,8 +411,9 @@ def build_coordinator(
         metrics=metrics,
         clock=clock,
         owner_id=owner_id,
-        secret=secret,
+        identity=identity,
         files=run_files(prep),
+        heldout_loss=heldout_scorer(prep, device) if c.validation.heldout_check else None,
     )
     coordinator.start(c.build_topology().init_modules(prep.initial_state()))
     for routing in prep.refresh().routings[1:]:
@@ -406,7 +447,11 @@ def run_local_peers(
     threads = []
     for i in range(n_peers):
         peer = Peer(
-            LocalTransport(coordinator.handle),
+            # Each local peer is its own party, with its own key (and its own task quota), kept
+            # so that a resumed run knows it again.
+            LocalTransport(coordinator.handle).authenticate(
+                Identity.load_or_create(prep.root / "peers" / "keys" / f"local-{i}.key")
+            ),
             f"local-{i}",
             prep.root / "peers",
             stop=stop,

@@ -1,40 +1,38 @@
-"""HMAC tickets and proofs between coordinators, so that module owners need not ask the scheduler.
+"""Signed tickets and proofs between coordinators, so that module owners need not ask the scheduler.
 
-The scheduler signs each task it leases (task id, peer, path, round, module versions) with
-the run's coordinator secret; a module owner accepts the task's fetches and deltas when the
-ticket verifies and names the caller. Owners prove themselves to the scheduler the same way
-(``prove``/``check``: an HMAC over the purpose, the owner id and the payload). Issue 5 replaces
-the shared secret with Ed25519 signatures; the shape of the checks stays.
+The scheduler signs each task it leases (task id, peer, path, round, module versions, weight)
+with its Ed25519 key; a module owner accepts the task's fetches and deltas when the ticket
+verifies against the scheduler's public key (from the run manifest) and names the caller. Owners
+prove themselves to the scheduler the same way (``prove``/``check``: a signature by the owner's
+key over the purpose, the owner id and the payload); the scheduler accepts only owner keys that
+its operator allowed (``dipaco-coordinator allow --owner KEY``).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import hmac
 import json
 from typing import Any
 
-
-def _canonical(payload: Any) -> bytes:
-    return json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+from dipaco.protocols.auth import Identity, canonical, check_payload, sign_payload, verify
 
 
-def sign_ticket(secret: bytes, payload: dict[str, Any]) -> str:
-    body = _canonical(payload)
-    mac = hmac.new(secret, body, hashlib.sha256).hexdigest()
-    return base64.urlsafe_b64encode(body).decode() + "." + mac
+def sign_ticket(identity: Identity, payload: dict[str, Any]) -> str:
+    body = canonical(payload)
+    return base64.urlsafe_b64encode(body).decode() + "." + identity.sign(b"ticket\n" + body)
 
 
-def read_ticket(secret: bytes, ticket: str) -> dict[str, Any] | None:
-    """The ticket's payload, or None when it is malformed or was not signed with ``secret``."""
-    encoded, _, mac = ticket.partition(".")
+def read_ticket(public_key: str, ticket: str) -> dict[str, Any] | None:
+    """The ticket's payload, or None when it is malformed or was not signed by ``public_key``."""
+    if not isinstance(ticket, str):
+        return None
+    encoded, _, sig = ticket.partition(".")
     try:
         body = base64.urlsafe_b64decode(encoded.encode())
     except (binascii.Error, ValueError):
         return None
-    if not hmac.compare_digest(hmac.new(secret, body, hashlib.sha256).hexdigest(), mac):
+    if not verify(public_key, sig, b"ticket\n" + body):
         return None
     try:
         payload = json.loads(body)
@@ -43,10 +41,9 @@ def read_ticket(secret: bytes, ticket: str) -> dict[str, Any] | None:
     return payload if isinstance(payload, dict) else None
 
 
-def prove(secret: bytes, purpose: str, owner_id: str, payload: Any) -> str:
-    message = purpose.encode() + b"|" + owner_id.encode() + b"|" + _canonical(payload)
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+def prove(identity: Identity, purpose: str, owner_id: str, payload: Any) -> str:
+    return sign_payload(identity, f"owner/{purpose}/{owner_id}", payload)
 
 
-def check(secret: bytes, proof: str, purpose: str, owner_id: str, payload: Any) -> bool:
-    return hmac.compare_digest(prove(secret, purpose, owner_id, payload), proof)
+def check(public_key: str, proof: str, purpose: str, owner_id: str, payload: Any) -> bool:
+    return check_payload(public_key, proof, f"owner/{purpose}/{owner_id}", payload)

@@ -32,6 +32,7 @@ from dipaco.errors import (
     RejectedError,
     TransportError,
 )
+from dipaco.faults import fault_point
 from dipaco.fileio import write_json_atomic
 from dipaco.model.optim import (
     InnerSettings,
@@ -44,7 +45,7 @@ from dipaco.model.optim import (
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig
 from dipaco.peer import device as devices
-from dipaco.protocols import codecs
+from dipaco.protocols import auth, codecs
 from dipaco.protocols import messages as m
 from dipaco.protocols.discovery import manifest_sha256
 from dipaco.protocols.transport import Transport
@@ -69,7 +70,8 @@ def resolve_device(name: str) -> str:
 
 
 Connect = Callable[[str, list[str]], Transport]
-RETRIABLE = {"handover"}  # an owner is busy handing modules over: try again shortly
+# An owner is busy handing modules over, or its disk is full for now: try again shortly.
+RETRIABLE = {"handover", "disk-full"}
 
 
 class Peer:
@@ -92,8 +94,21 @@ class Peer:
         on_ack: Callable[[dict[str, Any]], None] | None = None,
         manifest_sha256: str | None = None,
         run_over: threading.Event | None = None,
+        identity: auth.Identity | None = None,
     ) -> None:
         self.manifest_sha256 = manifest_sha256
+        # The peer's key signs every request, to the scheduler and to every module owner alike:
+        # the scheduler's tickets name it, and owners accept a task's deltas only from it.
+        # Kept in the state folder, so that a restarted peer is the same party (its peer id and
+        # its leases stay bound to its key).
+        self.identity = (
+            identity
+            or transport.identity
+            or auth.Identity.load_or_create(Path(state_dir) / "signing.key")
+        )
+        if transport.identity is not self.identity:
+            transport.authenticate(self.identity, transport.server_key, transport.on_pin)
+        self.owner_keys: dict[str, str] = {}
         # Set from outside (the DHT's progress record) once the run has finished.
         self.run_over = run_over or threading.Event()
         self.transport = transport
@@ -129,6 +144,7 @@ class Peer:
             raise ConfigError(
                 "the scheduler's run manifest differs from the one announced in the DHT"
             )
+        self.check_manifest(welcome)
         self.config = welcome.config
         self.model_cfg = ModelConfig(**self.config["model"])
         self.topology = Topology.from_dict(self.config["topology"])
@@ -171,6 +187,12 @@ class Peer:
                 log.warning("peer %s: %s; retrying", self.peer_id, exc)
                 self.stop.wait(self.retry_seconds)
                 continue
+            except RejectedError as exc:
+                if exc.reason not in ("rate-limited", "quota"):
+                    raise  # revoked, banned, not on the allow-list...: the user must act
+                log.warning("peer %s: %s; waiting", self.peer_id, exc)
+                self.stop.wait(self.retry_seconds)
+                continue
             if isinstance(offer, m.NoTask):
                 if offer.finished:
                     log.info("peer %s: run finished after %d tasks", self.peer_id, self.tasks_done)
@@ -191,6 +213,7 @@ class Peer:
                         )
                     except DipacoError as again:
                         log.warning("peer %s: release failed: %s", self.peer_id, again)
+                self.stop.wait(min(0.5, self.retry_seconds))  # never a hot loop of failures
             except TransportError as exc:
                 log.warning("peer %s: task %s lost: %s", self.peer_id, offer.task_id, exc)
             except RejectedError as exc:
@@ -202,6 +225,7 @@ class Peer:
                     exc.reason,
                 )
                 self._drop_checkpoint()
+                self.stop.wait(min(0.5, self.retry_seconds))
         for link in self._links.values():
             link.close()
         return self.tasks_done
@@ -321,6 +345,7 @@ class Peer:
             for mid in modules
         }
         tokens = task.inner_steps * tc["batch_size"] * tc["seq_len"]
+        fault_point("peer.before_push")
         self.push(task, delta, tokens, losses)
         self._save_inner_state(task.path, optimizer, names)
         self._drop_checkpoint()
@@ -346,21 +371,34 @@ class Peer:
                 lost.set()
                 return
 
+    def check_manifest(self, welcome: m.Welcome) -> None:
+        """The manifest names the scheduler's key, which signed it and the reply that carried it."""
+        key = welcome.config.get("coordinator_key")
+        if not isinstance(key, str) or key != self.transport.server_key:
+            raise ConfigError(
+                "the run manifest does not name the key of the coordinator that sent it: "
+                "refusing to train for it"
+            )
+        if not auth.check_payload(key, welcome.signature, "manifest", welcome.config):
+            raise ConfigError("the run manifest's signature does not verify: refusing it")
+
     # ---- owners -------------------------------------------------------------------------------
     def _link(self, owner: str) -> Transport:
         """The transport to a module owner; the scheduler's own modules use the main one."""
         if owner == self.scheduler_id or self.connect is None:
             return self.transport
         if owner not in self._links:
-            if owner not in self.addresses:
-                self._refresh_owners()
-            self._links[owner] = self.connect(owner, self.addresses.get(owner, []))
+            if owner not in self.addresses or owner not in self.owner_keys:
+                self._refresh_owners()  # where it is, and the key the scheduler vouches for
+            link = self.connect(owner, self.addresses.get(owner, []))
+            self._links[owner] = link.authenticate(self.identity, self.owner_keys.get(owner))
         return self._links[owner]
 
     def _refresh_owners(self) -> None:
         reply = self._patient(lambda: self.transport.request(m.GetOwners()))
         self.owners.update(reply.owners)
         self.addresses.update(reply.addresses)
+        self.owner_keys.update(reply.keys)
         for owner in list(self._links):
             if owner not in set(reply.owners.values()):
                 self._links.pop(owner).close()
@@ -415,6 +453,7 @@ class Peer:
                     ticket=task.ticket,
                 ),
             )
+            self._check_releases(owner, reply)
             versions.update(reply.versions)
             hashes.update(reply.hashes)
             for key, tensor in reply.tensors.items():
@@ -442,6 +481,19 @@ class Peer:
             self.cache[mid] = (version, tensors)
             modules[mid] = tensors
         return modules
+
+    def _check_releases(self, owner: str, reply: m.Modules) -> None:
+        """Every module version served is signed by the owner that serves it (the key that
+        signed the reply, which the scheduler vouched for), or the task is not trained."""
+        link = self._link(owner)
+        run_id = self.config.get("run_id")
+        for mid, version in reply.versions.items():
+            digest = reply.hashes.get(mid, "")
+            release = {"run": run_id, "module": mid, "version": version, "hash": digest}
+            if not auth.check_payload(
+                link.server_key or "", reply.signatures.get(mid, ""), "release", release
+            ):
+                raise TaskAborted(f"module {mid} v{version}: its release signature does not verify")
 
     def push(
         self,

@@ -9,6 +9,7 @@ mistyped field is a :class:`~dipaco.errors.WireError` naming it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -145,7 +146,8 @@ class GetStatus:
 @message
 class Welcome:
     run_id: str
-    config: dict[str, Any]
+    config: dict[str, Any]  # the run manifest; config["coordinator_key"] is the scheduler's key
+    signature: str = ""  # the scheduler's Ed25519 signature of the manifest ("manifest" purpose)
 
 
 @message
@@ -180,6 +182,8 @@ class Modules:
     versions: dict[str, int]
     hashes: dict[str, str]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # module id -> the owner's signature of its release {run, module, version, hash}
+    signatures: dict[str, str] = field(default_factory=dict)
 
 
 @message
@@ -204,6 +208,7 @@ class ReportAck:
 class Owners:
     owners: dict[str, str]  # module id -> owner id
     addresses: dict[str, list[str]]  # owner id -> how to reach it
+    keys: dict[str, str] = field(default_factory=dict)  # owner id -> its Ed25519 public key
 
 
 @message
@@ -277,7 +282,10 @@ def from_frame(frame: Frame) -> Message:
 
 def _conforms(value: Any, tp: Any) -> bool:
     if tp is Any:
-        return True
+        # Free-form values are stored and echoed back (capabilities in Status, reports in
+        # state files), and the encoder refuses NaN and infinities: refuse them here, where
+        # they arrive, rather than let one request break every later reply.
+        return _finite(value)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return any(_conforms(value, arg) for arg in typing.get_args(tp))
@@ -296,6 +304,17 @@ def _conforms(value: Any, tp: Any) -> bool:
         (it,) = typing.get_args(tp)
         return isinstance(value, list) and all(_conforms(v, it) for v in value)
     return isinstance(value, tp)
+
+
+def _finite(value: Any) -> bool:
+    """No NaN or infinity anywhere in a JSON value (its depth is bounded by the wire limits)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return True
 
 
 def encode_message(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytearray:

@@ -49,6 +49,10 @@ class Limits:
     max_total_bytes: int = 4 << 30
     max_tensors: int = 100_000
     max_ndim: int = 8
+    # Nesting of lists and objects in the header's fields. Without a bound, a few MiB of "[[[["
+    # would exhaust the parser's recursion (a RecursionError, not a WireError), and a value
+    # that only just decodes could still fail to encode again when echoed in a reply.
+    max_depth: int = 64
 
 
 DEFAULT_LIMITS = Limits()
@@ -81,11 +85,15 @@ def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytearray:
         raise WireError(f"fields of {frame.type} are not plain JSON values: {exc}") from None
     if len(header) > limits.max_header_bytes:
         raise WireError(
-            f"header of {len(header)} bytes exceeds the limit {limits.max_header_bytes}"
+            f"header of {len(header)} bytes exceeds the limit {limits.max_header_bytes}",
+            reason="too-large",
         )
     total = _PREFIX.size + len(header) + sum(a.nbytes for a in arrays)
     if total > limits.max_total_bytes:
-        raise WireError(f"message of {total} bytes exceeds the limit {limits.max_total_bytes}")
+        raise WireError(
+            f"message of {total} bytes exceeds the limit {limits.max_total_bytes}",
+            reason="too-large",
+        )
     out = bytearray(total)  # one copy of the tensor bytes, straight into place
     _PREFIX.pack_into(out, 0, MAGIC, VERSION, len(header))
     offset = _PREFIX.size + len(header)
@@ -99,7 +107,10 @@ def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytearray:
 def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Frame:
     view = memoryview(data)
     if len(view) > limits.max_total_bytes:
-        raise WireError(f"message of {len(view)} bytes exceeds the limit {limits.max_total_bytes}")
+        raise WireError(
+            f"message of {len(view)} bytes exceeds the limit {limits.max_total_bytes}",
+            reason="too-large",
+        )
     if len(view) < _PREFIX.size:
         raise WireError(
             f"truncated message: {len(view)} bytes, shorter than the {_PREFIX.size}-byte prefix"
@@ -110,7 +121,10 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
     if version != VERSION:
         raise WireError(f"unsupported wire version {version} (this build speaks {VERSION})")
     if header_len > limits.max_header_bytes:
-        raise WireError(f"header of {header_len} bytes exceeds the limit {limits.max_header_bytes}")
+        raise WireError(
+            f"header of {header_len} bytes exceeds the limit {limits.max_header_bytes}",
+            reason="too-large",
+        )
     end = _PREFIX.size + header_len
     if len(view) < end:
         raise WireError(
@@ -120,13 +134,19 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
         header = json.loads(bytes(view[_PREFIX.size : end]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError(f"header is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise WireError("header nests lists or objects too deeply") from None
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise WireError("header must be an object with a string 'type'")
     fields, specs = header.get("fields", {}), header.get("tensors", [])
     if not isinstance(fields, dict) or not isinstance(specs, list):
         raise WireError("header 'fields' must be an object and 'tensors' a list")
+    if _depth(fields, limits.max_depth + 1) > limits.max_depth:
+        raise WireError(f"header fields nest deeper than the limit {limits.max_depth}")
     if len(specs) > limits.max_tensors:
-        raise WireError(f"{len(specs)} tensors exceed the limit {limits.max_tensors}")
+        raise WireError(
+            f"{len(specs)} tensors exceed the limit {limits.max_tensors}", reason="too-large"
+        )
     tensors: dict[str, torch.Tensor] = {}
     offset = end
     for spec in specs:
@@ -151,13 +171,27 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
     return Frame(header["type"], fields, tensors)
 
 
+def _depth(value: Any, cap: int) -> int:
+    """Nesting depth of a JSON value (a scalar is 0), counted up to ``cap`` without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            level += 1
+            deepest = max(deepest, level)
+            if deepest >= cap:
+                return deepest
+            stack.extend((v, level) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def _check_spec(spec: Any, limits: Limits) -> tuple[str, str, list[int]]:
     if not (isinstance(spec, list) and len(spec) == 3):
         raise WireError(f"tensor spec {spec!r} is not [name, dtype, shape]")
     name, dtype, shape = spec
     if not isinstance(name, str):
         raise WireError(f"tensor name {name!r} is not a string")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise WireError(
             f"tensor {name!r} has unknown or forbidden dtype {dtype!r}; allowed: {sorted(DTYPES)}"
         )
@@ -168,7 +202,9 @@ def _check_spec(spec: Any, limits: Limits) -> tuple[str, str, list[int]]:
     ):
         raise WireError(f"tensor {name!r} has an invalid shape {shape!r}")
     if math.prod(shape) * DTYPES[dtype].itemsize > limits.max_total_bytes:
-        raise WireError(f"tensor {name!r} of shape {shape} exceeds the size limit")
+        raise WireError(
+            f"tensor {name!r} of shape {shape} exceeds the size limit", reason="too-large"
+        )
     return name, dtype, shape
 
 

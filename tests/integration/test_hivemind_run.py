@@ -102,9 +102,14 @@ def start_coordinator(root, config) -> tuple[Proc, str]:
 
 
 def start_owner(address, root, owner_dir) -> Proc:
+    # The owner's key, allowed on the scheduler's side as an operator would.
+    key = subprocess.run([BIN / "dipaco-coordinator", "key", "--run-dir", owner_dir],
+                         capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    subprocess.run([BIN / "dipaco-coordinator", "allow", "--owner", key, "--run-dir", root],
+                   check=True, capture_output=True)  # fmt: skip
     return Proc(BIN / "dipaco-coordinator", "-v", "start", "--join", address, "--owns", SECOND,
-                "--owner-key", root / "coordinator" / "owner.key", "--run-dir", owner_dir,
-                "--report-seconds", "0.5", "--publish-seconds", "2", name="owner")  # fmt: skip
+                "--run-dir", owner_dir, "--report-seconds", "0.5", "--publish-seconds", "2",
+                name="owner")  # fmt: skip
 
 
 def start_peer(address, tmp_path, name, *extra) -> Proc:

@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+from dipaco.coordinator.access import change_access
 from dipaco.coordinator.owner import Reporter, take_over
 from dipaco.coordinator.prepare import prepare
 from dipaco.coordinator.run import MetricsLog, build_coordinator, build_owner
@@ -50,8 +51,9 @@ def test_two_owners_match_one_coordinator_bit_for_bit(run_copy, tiny_config):
         primary.peer_config,
         owner_metrics,
         owner_id="owner-b",
-        secret=primary.secret,
     )
+    # The scheduler's operator allows the second owner's key (dipaco-coordinator allow --owner).
+    change_access(primary.root, second.identity.public_key, allow=True, owner=True)
     assert take_over(second, LocalTransport(primary.handle), SECOND) == SECOND
     assert {mid for mid, o in primary.owners.items() if o == "owner-b"} == set(SECOND)
     assert set(primary.store.modules) == set(prep.config.build_topology().module_ids()) - set(

@@ -22,6 +22,7 @@ from dipaco.coordinator.run import (
 from dipaco.data.shards import TokenShard
 from dipaco.peer.download import RunFiles
 from dipaco.peer.peer import Peer
+from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
 from dipaco.routing.discriminative import LogisticRouter
 from dipaco.routing.routers import load_router
@@ -44,11 +45,10 @@ def test_discriminative_phase_reshards_mid_run_and_peers_download_the_new_shards
     stop = threading.Event()
     peers, threads = [], []
     for i in range(2):
-        files = RunFiles(
-            LocalTransport(handle), f"remote-{i}", peer_config(prep)["files"], tmp_path / f"p{i}"
-        )
+        link = LocalTransport(handle).authenticate(Identity.generate())  # as dipaco-peer does
+        files = RunFiles(link, f"remote-{i}", peer_config(prep)["files"], tmp_path / f"p{i}")
         peer = Peer(
-            LocalTransport(handle),
+            link,
             f"remote-{i}",
             tmp_path / f"state{i}",
             stop=stop,

@@ -2,17 +2,12 @@
 
 import pytest
 import torch
+from _tiny import TOPO, constant_delta, delta_message, initial_modules, tiny_coordinator
 
-from dipaco.coordinator.core import Coordinator
-from dipaco.coordinator.outer import OuterSettings
 from dipaco.errors import RejectedError
-from dipaco.model.topology import Topology
-from dipaco.model.transformer import ModelConfig, new_dense_model
+from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LocalTransport
-
-CFG = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=16)
-TOPO = Topology.parse("2x2", 2)
 
 
 class Clock:
@@ -24,23 +19,15 @@ class Clock:
 
 
 def make(root, clock=None, rounds=2, shard_tokens=None):
-    co = Coordinator(
+    return tiny_coordinator(
         root,
-        TOPO,
         rounds=rounds,
-        inner_steps=5,
         step_offset=10,
         total_steps=30,
-        seed=0,
-        outer=OuterSettings(),
         lease_seconds=10.0,
-        run_id="test",
-        peer_config={},
         shard_tokens=shard_tokens,
         clock=clock or Clock(),
     )
-    co.start(TOPO.init_modules(new_dense_model(CFG, 0).state_dict()))
-    return co
 
 
 def claim(tr, peer, prefer=None):
@@ -48,23 +35,8 @@ def claim(tr, peer, prefer=None):
 
 
 def delta_for(co, task, scale=0.01, peer="a", **override):
-    tensors = {
-        f"{mid}/{k}": torch.full_like(v, scale)
-        for mid in TOPO.path_modules(task.path)
-        for k, v in co.store.params(mid).items()
-    }
-    msg = m.SubmitDelta(
-        peer_id=peer,
-        task_id=task.task_id,
-        path=task.path,
-        base_versions=task.module_versions,
-        tokens=100,
-        losses=[1.0],
-        tensors=tensors,
-    )
-    for k, v in override.items():
-        setattr(msg, k, v)
-    return msg
+    # Without the ticket unless asked: the scheduler then checks its lease table.
+    return delta_message(task, peer, constant_delta(co, task, scale), **{"ticket": "", **override})
 
 
 def test_a_round_steps_every_module_once_all_paths_report(tmp_path):
@@ -80,7 +52,7 @@ def test_a_round_steps_every_module_once_all_paths_report(tmp_path):
     assert sorted(closed) == sorted(TOPO.module_ids())
     assert {co.store.version(mid) for mid in TOPO.module_ids()} == {1}
     # Level modules had 2 paths through them, shared parts 4: the step differs by sqrt(2).
-    init = TOPO.init_modules(new_dense_model(CFG, 0).state_dict())
+    init = initial_modules()
     moved = (
         init["L0.M0"]["layers.0.mlp.up_proj.weight"]
         - co.store.params("L0.M0")["layers.0.mlp.up_proj.weight"]
@@ -127,11 +99,21 @@ def test_bad_deltas_are_rejected_with_reasons_and_counted(tmp_path):
 
 def test_garbage_bytes_get_an_error_reply_not_a_crash(tmp_path):
     co = make(tmp_path)
-    reply = m.decode_message(co.handle(b"\x80\x04garbage"))
+
+    def send(data: bytes, nonce: str = "") -> m.Message:
+        return m.decode_message(auth.open_reply(co.handle(data), nonce, None).body)
+
+    reply = send(b"\x80\x04garbage")  # a pickle's opening bytes
+    assert isinstance(reply, m.Error) and reply.reason == "unsigned"
+    me = auth.Identity.generate()
+    sealed, nonce = auth.seal_request(me, b"\x80\x04garbage")
+    reply = send(sealed, nonce)
     assert isinstance(reply, m.Error) and reply.reason == "bad-message"
-    reply = m.decode_message(co.handle(m.encode_message(m.Welcome(run_id="x", config={}))))
+    sealed, nonce = auth.seal_request(me, m.encode_message(m.Welcome(run_id="x", config={})))
+    reply = send(sealed, nonce)
     assert isinstance(reply, m.Error) and "not a request" in reply.message
     assert co.status().state["rejections"]["bad-message"] == 2
+    assert co.status().state["rejections"]["unsigned"] == 1
 
 
 def test_expired_lease_is_reissued_and_heartbeats_keep_it(tmp_path):

@@ -19,13 +19,14 @@ from dipaco.errors import RejectedError
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig, new_dense_model
 from dipaco.protocols import messages as m
+from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
 
 CFG = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=16)
 TOPO = Topology.parse("2x2", 2)
 INIT = TOPO.init_modules(new_dense_model(CFG, 0).state_dict())
 SHARDS = [1000, 2000, 3000, 4000]
-SECRET = b"test-secret"
+KEY = Identity.generate()  # every coordinator of these tests signs with it
 LEASE = 10.0
 # Path 3 is S.embed, L0.M1, L1.M1, S.head; the other two modules never see it.
 PATH3 = set(TOPO.path_modules(3))
@@ -58,7 +59,7 @@ def make(root, clock=None, *, inner_steps=5, lease=LEASE, events=None, rounds=4,
         clock=clock or Clock(),
         policy=SchedulerSection(lease_seconds=lease, **policy),
         owner_id="a",
-        secret=SECRET,
+        identity=KEY,
     )
     co.start(INIT)
     return co
@@ -79,7 +80,8 @@ def make_owner(root, owner_id="b"):
         peer_config={},
         shard_tokens=SHARDS,
         owner_id=owner_id,
-        secret=SECRET,
+        identity=KEY,
+        scheduler_key=KEY.public_key,
         is_scheduler=False,
     )
     co.start(None)
@@ -423,12 +425,12 @@ def test_a_two_versions_late_delta_is_stale_with_max_staleness_one(tmp_path):
 
 
 def tampered(ticket):
-    """Forgeries of a genuine ticket: none verifies under the run's secret."""
+    """Forgeries of a genuine ticket: none verifies under the scheduler's key."""
     body, _, mac = ticket.partition(".")
-    payload = tickets.read_ticket(SECRET, ticket)
-    forged = tickets.sign_ticket(b"not-the-secret", {**payload, "path": 1})
+    payload = tickets.read_ticket(KEY.public_key, ticket)
+    forged = tickets.sign_ticket(Identity.generate(), {**payload, "path": 1})
     return [
-        body + "." + ("0" if mac[0] != "0" else "1") + mac[1:],  # one digit of the MAC changed
+        body + "." + ("A" if mac[0] != "A" else "B") + mac[1:],  # the signature changed
         forged.partition(".")[0] + "." + mac,  # another payload under the genuine MAC
         forged,  # signed with another key
         "garbage",
@@ -463,8 +465,9 @@ def test_an_owner_that_is_not_the_scheduler_needs_tickets_and_leases_nothing(tmp
     primary = make(tmp_path / "a")
     owner = make_owner(tmp_path / "b")
     take_over(owner, LocalTransport(primary.handle), ["L1.M0"])
-    tr = LocalTransport(owner.handle)
-    task = claim(LocalTransport(primary.handle), "p0", prefer=0)
+    me = Identity.generate()  # one peer: the same key towards the scheduler and the owner
+    tr = LocalTransport(owner.handle).authenticate(me)
+    task = claim(LocalTransport(primary.handle).authenticate(me), "p0", prefer=0)
     no_ticket = m.FetchModules(peer_id="p0", task_id=task.task_id)
     assert rejected(lambda: tr.request(no_ticket)) == "bad-ticket"
     unsigned = delta_for(task, "p0", mids=["L1.M0"], ticket="")
@@ -570,7 +573,11 @@ def test_hand_over_moves_a_module_with_its_pending_delta(tmp_path):
     rest = [mid for mid in TOPO.path_modules(2) if mid != "L1.M0"]
     ack = sched.request(delta_for(task2, "p2", mids=rest))
     assert sorted(ack.accepted) == sorted(rest) and ack.task_done is False
-    ack = LocalTransport(second.handle).request(delta_for(task2, "p2", mids=["L1.M0"]))
+    ack = (
+        LocalTransport(second.handle)
+        .authenticate(KEY)
+        .request(delta_for(task2, "p2", mids=["L1.M0"]))
+    )
     assert ack.closed == ["L1.M0"]  # paths 0 and 2 both reported: the new owner stepped
     assert second.store.version("L1.M0") == 1
     sched.request(second.report())
@@ -609,13 +616,13 @@ def test_owner_reports_and_hand_overs_need_a_valid_proof_and_ownership(tmp_path)
     assert isinstance(sched.request(report), m.ReportAck)
     forged = m.OwnerReport(owner_id="b", proof="0" * 64, modules=report.modules)
     assert rejected(lambda: sched.request(forged)) == "bad-proof"
-    other_key = tickets.prove(b"wrong", "report", "b", report.modules)
+    other_key = tickets.prove(Identity.generate(), "report", "b", report.modules)
     forged = m.OwnerReport(owner_id="b", proof=other_key, modules=report.modules)
     assert rejected(lambda: sched.request(forged)) == "bad-proof"
     # "b" signs a report about L0.M0, which the primary still owns.
     claim_l0 = {"L0.M0": {"version": 9, "hash": "x", "pending": [0, 1]}}
     grab = m.OwnerReport(
-        owner_id="b", proof=tickets.prove(SECRET, "report", "b", claim_l0), modules=claim_l0
+        owner_id="b", proof=tickets.prove(KEY, "report", "b", claim_l0), modules=claim_l0
     )
     assert rejected(lambda: sched.request(grab)) == "not-owner"
     assert primary.version("L0.M0") == 0
@@ -623,7 +630,7 @@ def test_owner_reports_and_hand_overs_need_a_valid_proof_and_ownership(tmp_path)
     bad = m.HandOver(owner_id="c", proof="f" * 64, modules=["L0.M0"])
     assert rejected(lambda: sched.request(bad)) == "bad-proof"
     wrong_purpose = m.HandOver(
-        owner_id="c", proof=tickets.prove(SECRET, "report", "c", ["L0.M0"]), modules=["L0.M0"]
+        owner_id="c", proof=tickets.prove(KEY, "report", "c", ["L0.M0"]), modules=["L0.M0"]
     )
     assert rejected(lambda: sched.request(wrong_purpose)) == "bad-proof"
     assert primary.handing == {}  # nothing is held for a refused hand-over
@@ -632,7 +639,7 @@ def test_owner_reports_and_hand_overs_need_a_valid_proof_and_ownership(tmp_path)
     assert sorted(sched.request(delta_for(task, "p0", mids=rest)).accepted) == sorted(rest)
     # A module another owner holds cannot be handed over by the primary.
     stolen = m.HandOver(
-        owner_id="c", proof=tickets.prove(SECRET, "handover", "c", ["L1.M0"]), modules=["L1.M0"]
+        owner_id="c", proof=tickets.prove(KEY, "handover", "c", ["L1.M0"]), modules=["L1.M0"]
     )
     assert rejected(lambda: sched.request(stolen)) == "not-owner"
 
