@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from _tiny import delta_message
 
 from dipaco.config import SchedulerSection
 from dipaco.coordinator import tickets
@@ -99,19 +100,9 @@ def delta_for(task, peer, mids=None, scale=0.01, **override):
         for mid in (mids or TOPO.path_modules(task.path))
         for k, v in INIT[mid].items()
     }
-    msg = m.SubmitDelta(
-        peer_id=peer,
-        task_id=task.task_id,
-        path=task.path,
-        base_versions=dict(task.module_versions),
-        tokens=100,
-        losses=[1.0],
-        tensors=tensors,
-        ticket=task.ticket,
+    return delta_message(
+        task, peer, tensors, **{"base_versions": dict(task.module_versions), **override}
     )
-    for k, v in override.items():
-        setattr(msg, k, v)
-    return msg
 
 
 def versions(co):
