@@ -176,6 +176,20 @@ class SecuritySection(_Section):
     ban_after: int = Field(20, ge=0)
 
 
+class FlowerSection(_Section):
+    # Under `--transport flower` (docs/flower.md). A round waits for every node's reply, at most
+    # round_timeout seconds; once `quorum` of its nodes have replied, the rest get
+    # straggler_seconds more. A node that has not replied by then loses its task (the path is
+    # trained in a later round) and is asked to say hello before it gets another.
+    round_timeout: float = Field(900.0, gt=0)
+    quorum: float = Field(0.5, gt=0, le=1)
+    straggler_seconds: float = Field(120.0, ge=0)
+    poll_seconds: float = Field(0.2, gt=0)
+    # Shard files a node lacks travel inside the task's message, up to this size in all;
+    # beyond it the node must be given the run's shards some other way (docs/flower.md).
+    max_bundle_mb: float = Field(512.0, gt=0)
+
+
 class RunConfig(_Section):
     name: str = "run"
     model: ModelSection = ModelSection()
@@ -189,6 +203,7 @@ class RunConfig(_Section):
     network: NetworkSection = NetworkSection()
     eval: EvalSection = EvalSection()
     security: SecuritySection = SecuritySection()
+    flower: FlowerSection = FlowerSection()
     baseline: bool = True
 
     @model_validator(mode="after")

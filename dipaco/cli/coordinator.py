@@ -15,7 +15,10 @@ use). ``allow KEY`` and ``revoke KEY`` change who may join (``security.join = "a
 own modules, while the run goes on.
 
 ``--transport loopback`` serves peers on this machine only (127.0.0.1 and a key file), without
-hivemind. Every form restarts from its run folder after a crash or Ctrl-C.
+hivemind. ``--transport flower`` runs the coordinator as a Flower ServerApp behind a SuperLink
+with TLS and SuperNode authentication (docs/flower.md); admit each node's key with
+``dipaco-coordinator add-peer KEY --run-dir DIR``. Every form restarts from its run folder after
+a crash or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -107,6 +110,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     metrics = MetricsLog(run_dir / "metrics.jsonl")
     if args.transport == "loopback":
         return serve_loopback(args, prep, metrics)
+    if args.transport == "flower":
+        return serve_flower(args, prep)
     from dipaco.protocols import discovery
     from dipaco.protocols.hivemind_transport import HivemindNode
 
@@ -298,6 +303,75 @@ def serve_loopback(args, prep, metrics) -> int:
     return 0
 
 
+def serve_flower(args, prep) -> int:
+    """A SuperLink (TLS, node authentication) and the run as a Flower app until it finishes."""
+    from dipaco.flower.launch import FlowerDeployment
+
+    run_dir = Path(args.run_dir)
+    me = Identity.load_or_create(run_dir / "coordinator" / "signing.key")
+    with FlowerDeployment(run_dir, listen=args.listen, names=args.tls_name) as flower:
+        flower.up()
+        address = flower.public_address
+        console.print(
+            f"coordinator for run {prep.run_id} (Flower) at [bold]{address}[/] (TLS, node auth)"
+        )
+        console.print(
+            f"nodes join with: dipaco-peer join --flower {address} --root-certificates "
+            f"{flower.tls.ca} --coordinator-key {me.public_key}",
+            soft_wrap=True,
+        )
+        console.print(
+            f"and are admitted with: dipaco-coordinator add-peer NODE_KEY --run-dir {run_dir}",
+            soft_wrap=True,
+        )
+        (run_dir / "coordinator" / "address").write_text(address + "\n")
+        if args.local_peers:
+            flower.start_local_nodes(args.local_peers)
+        runner = flower.submit(evaluate=not args.no_eval)
+        code = follow(runner, flower.dir / "run.log")
+        result = flower.result()
+        if not result or not result.get("finished"):
+            raise DipacoError(
+                f"the Flower run ended (flwr run exit {code}) before the run finished; "
+                f"see {flower.dir / 'run.log'} and {flower.dir / 'superlink.log'}, then run "
+                "the same command to resume"
+            )
+        console.print(f"run finished: every module at version {result['round']}")
+    return 0
+
+
+def follow(proc, log_file: Path) -> int:
+    """Print a process's log file as it grows, until the process exits; its exit code."""
+    offset = 0
+    while True:
+        code = proc.poll()
+        if log_file.exists():
+            with open(log_file, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            offset += len(chunk)
+            for line in chunk.decode(errors="replace").splitlines():
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
+        if code is not None:
+            return code
+        time.sleep(0.5)
+
+
+def cmd_add_peer(args: argparse.Namespace) -> int:
+    """Admit a Flower SuperNode's key (now, if the run's SuperLink is up; else at its start)."""
+    from dipaco.flower.launch import FlowerDeployment
+
+    run_dir = Path(args.run_dir)
+    if not ((run_dir / "config.json").exists() or (run_dir / "coordinator").is_dir()):
+        raise ConfigError(f"{run_dir} is not a run folder (no config.json or coordinator/)")
+    file, now = FlowerDeployment(args.run_dir).add_node(args.key)
+    console.print(
+        f"SuperNode key admitted ({file.name}); "
+        + ("registered with the running SuperLink" if now else "registered when the run starts")
+    )
+    return 0
+
+
 def cmd_key(args: argparse.Namespace) -> int:
     """Print this coordinator's public key (making its key pair on first use)."""
     me = Identity.load_or_create(Path(args.run_dir) / "coordinator" / "signing.key")
@@ -325,14 +399,22 @@ def main(argv: list[str] | None = None) -> None:
     start.add_argument("--run-dir", required=True)
     start.add_argument(
         "--transport",
-        choices=["hivemind", "loopback"],
+        choices=["hivemind", "loopback", "flower"],
         default="hivemind",
-        help="hivemind (the internet; default) or loopback (this machine only)",
+        help="hivemind (the internet; default), loopback (this machine only), or flower "
+        "(a Flower SuperLink with TLS and node authentication)",
     )
     start.add_argument(
         "--listen",
         default="127.0.0.1:0",
         help="host:port to listen on (port 0 picks a free one; 0.0.0.0 for the internet)",
+    )
+    start.add_argument(
+        "--tls-name",
+        action="append",
+        default=[],
+        help="flower: a host name or address nodes dial, put in the SuperLink's certificate "
+        "(repeatable; with --listen 0.0.0.0:PORT the default is this machine's name)",
     )
     start.add_argument("--join", help="another owner: the address the run's coordinator printed")
     start.add_argument("--owns", help="another owner: comma-separated module ids to take over")
@@ -359,6 +441,10 @@ def main(argv: list[str] | None = None) -> None:
     key = sub.add_parser("key", help="print this coordinator's public key")
     key.add_argument("--run-dir", required=True)
     key.set_defaults(fn=cmd_key)
+    add = sub.add_parser("add-peer", help="admit a Flower SuperNode's public key (ecdsa-...)")
+    add.add_argument("key", help="the node's public key line, or a .pub file")
+    add.add_argument("--run-dir", required=True)
+    add.set_defaults(fn=cmd_add_peer)
     for name, text in (
         ("allow", "let a peer key join (allow-list runs), or a coordinator own modules (--owner)"),
         ("revoke", "refuse a key from now on, in every join mode"),

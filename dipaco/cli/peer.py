@@ -2,6 +2,7 @@
 
     dipaco-peer join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...      (over the internet)
     dipaco-peer join 127.0.0.1:PORT --authkey-file runs/r1/coordinator/authkey   (this machine)
+    dipaco-peer join --flower 10.0.0.5:9092 --root-certificates ca.pem        (a Flower SuperLink)
 
 Over the internet the peer joins the run's DHT in client mode (it only dials out, so it works
 behind NAT), reads and checks the run manifest, downloads the tokenizer and the shards of the
@@ -70,6 +71,10 @@ def stable_peer_id(state_dir: Path, given: str | None) -> str:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    if args.flower:
+        return join_flower(args)
+    if not args.address:
+        raise ConfigError("join needs the address dipaco-coordinator start printed (or --flower)")
     state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / "peer")
     peer_id = stable_peer_id(state_dir, args.peer_id)
     me = Identity.load_or_create(state_dir / "signing.key")
@@ -151,6 +156,72 @@ def cmd_join(args: argparse.Namespace) -> int:
             extra["publisher"].close()
             node.shutdown()
     console.print(f"peer {peer_id} left after {done} tasks")
+    return 0
+
+
+def join_flower(args: argparse.Namespace) -> int:
+    """Run a Flower SuperNode whose ClientApp is dipaco's peer, until Ctrl-C.
+
+    Its node key (ECDSA P-384, ``<state-dir>/flower-node.key``) is made on first use; the run's
+    operator admits it with ``dipaco-coordinator add-peer``. Everything the node keeps between
+    rounds lives in the state folder.
+    """
+    from dipaco.flower import deploy
+
+    state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / "peer").resolve()
+    peer_id = stable_peer_id(state_dir, args.peer_id)
+    Identity.load_or_create(state_dir / "signing.key")
+    if not args.root_certificates:
+        raise ConfigError(
+            "--flower needs --root-certificates: the run's CA (its operator's "
+            "<run-dir>/flower/tls/ca.pem); the SuperLink only admits nodes over TLS"
+        )
+    key_file = state_dir / "flower-node.key"
+    public = deploy.make_node_key(key_file)
+    console.print(f"this node's key: {public}", soft_wrap=True)
+    console.print(
+        "the run's operator admits it with: dipaco-coordinator add-peer "
+        f"'{public}' --run-dir RUN_DIR",
+        soft_wrap=True,
+    )
+    config: dict[str, Any] = {
+        "state-dir": str(state_dir),
+        "peer-id": peer_id,
+        "device": args.device,
+        "superlink": args.flower,
+    }
+    if args.coordinator_key:
+        config["coordinator-key"] = check_public_key(args.coordinator_key)
+    if args.memory_gb:
+        config["memory-gb"] = float(args.memory_gb)
+    node = deploy.SuperNode(
+        state_dir / "flower-home",
+        args.flower,
+        ca=Path(args.root_certificates).resolve(),
+        node_key=key_file,
+        node_config=config,
+        log_file=state_dir / "supernode.log",
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    node.start()
+    console.print(f"SuperNode {peer_id} started for {args.flower} (log: {node.log_file})")
+    try:
+        while not stop.wait(1.0):
+            code = node.returncode
+            if code is None:
+                continue
+            if deploy.REFUSED_LOG_LINE in deploy.strip_ansi(node.log_tail(200)):
+                raise ConfigError(
+                    "the SuperLink refused this node: its key is not registered. Ask the run's "
+                    f"operator to run: dipaco-coordinator add-peer '{public}' --run-dir RUN_DIR"
+                    f"\n{node.log_tail(5)}"
+                )
+            raise TransportError(f"the SuperNode exited with code {code}:\n{node.log_tail(20)}")
+    finally:
+        node.stop()
+    console.print(f"node {peer_id} left")
     return 0
 
 
@@ -245,7 +316,15 @@ def main(argv: list[str] | None = None) -> None:
     parser, sub = command_parser("dipaco-peer", __doc__)
     join = sub.add_parser("join", help="join a run at ADDRESS")
     join.add_argument(
-        "address", help="the address dipaco-coordinator start printed (a multiaddr or host:port)"
+        "address",
+        nargs="?",
+        help="the address dipaco-coordinator start printed (a multiaddr or host:port)",
+    )
+    join.add_argument(
+        "--flower", metavar="SUPERLINK", help="join a Flower run: the SuperLink's host:port"
+    )
+    join.add_argument(
+        "--root-certificates", help="--flower: the run's CA certificate (PEM), for TLS"
     )
     join.add_argument("--authkey-file", help="loopback only: the run's key file")
     join.add_argument("--run", help="the run id, when the DHT announces several")

@@ -792,20 +792,8 @@ class Coordinator:
                     reason="too-large",
                 )
             req = m.decode_message(signed.body)
-            name = getattr(req, "peer_id", None) or getattr(req, "owner_id", None)
-            who = name or who
-            op = self._OPS.get(type(req))
-            if op is None:
-                raise RejectedError(f"{type(req).__name__} is not a request", reason="bad-message")
-            with self.lock:
-                self._caller = key
-                try:
-                    if name:
-                        self.access.bind(name, key)
-                    self._tick()
-                    reply = getattr(self, op)(req)
-                finally:
-                    self._caller = None
+            who = getattr(req, "peer_id", None) or getattr(req, "owner_id", None) or who
+            reply = self._perform(key, req)
         except DipacoError as exc:
             if not exc.counted:
                 with self.lock:
@@ -817,6 +805,50 @@ class Coordinator:
             log.info("rejected %s: %s (%s)", who, exc, exc.reason)
             reply = m.Error(reason=exc.reason, message=str(exc))
         return auth.seal_reply(self.identity, nonce, m.encode_message(reply))
+
+    def act_for(self, key: str, req: m.Message) -> m.Message:
+        """Run ``req`` as the holder of ``key`` would, without an envelope: for a transport that
+        runs in this process and has authenticated the key itself (the Flower ServerApp claims
+        and fetches for its nodes, whose keys it learned from their signed Hello). The key is
+        admitted, rate-limited and bound to the request's name exactly as in :meth:`handle`;
+        a refusal raises :class:`RejectedError`, counted once."""
+        try:
+            self.access.reload()
+            self.access.admit(key)
+            return self._perform(key, req)
+        except DipacoError as exc:
+            if not exc.counted:
+                who = getattr(req, "peer_id", None) or f"key:{auth.fingerprint(key)}"
+                with self.lock:
+                    self._caller = key
+                    try:
+                        self._count(who, exc.reason)
+                    finally:
+                        self._caller = None
+                exc.counted = True
+            raise
+
+    def refuse(self, who: str, reason: str, message: str) -> None:
+        """Count a refusal a transport made before the core saw the request (a malformed
+        Flower reply, say), as :meth:`handle` counts its own."""
+        with self.lock:
+            self._count(who, reason)
+        log.info("rejected %s: %s (%s)", who, message, reason)
+
+    def _perform(self, key: str, req: m.Message) -> m.Message:
+        name = getattr(req, "peer_id", None) or getattr(req, "owner_id", None)
+        op = self._OPS.get(type(req))
+        if op is None:
+            raise RejectedError(f"{type(req).__name__} is not a request", reason="bad-message")
+        with self.lock:
+            self._caller = key
+            try:
+                if name:
+                    self.access.bind(name, key)
+                self._tick()
+                return getattr(self, op)(req)
+            finally:
+                self._caller = None
 
     def tick(self) -> None:
         """Expire leases and close overdue rounds; servers call this every second or so."""

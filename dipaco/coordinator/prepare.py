@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 Stage = Callable[[str], None]
 # Sections that may change when a run resumes: they do not change what is trained.
-OPERATIONAL = {"name", "scheduler", "eval", "security", "baseline"}
+OPERATIONAL = {"name", "scheduler", "eval", "security", "flower", "baseline"}
 
 
 @dataclass

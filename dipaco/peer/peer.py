@@ -136,7 +136,8 @@ class Peer:
         self.feedback = codecs.ErrorFeedback()
 
     # ---- the loop -----------------------------------------------------------------------------
-    def run(self) -> int:
+    def setup(self) -> None:
+        """Say hello, check the run manifest, and size micro-batches for this device."""
         welcome = self._patient(
             lambda: self.transport.request(m.Hello(peer_id=self.peer_id, device=self.device))
         )
@@ -168,6 +169,9 @@ class Peer:
                 self.micro_batch,
                 tc["batch_size"],
             )
+
+    def run(self) -> int:
+        self.setup()
         last_contact = time.monotonic()
         while not self.stop.is_set() and (
             self.max_tasks is None or self.tasks_done < self.max_tasks

@@ -1,0 +1,196 @@
+"""The Flower transport's ServerApp strategy and ClientApp, in one process (no SuperLink).
+
+The real apps (``dipaco.flower.apps``) over :class:`~dipaco.flower.grid.LocalGrid`: real
+training, the real coordinator core and run folder, real node state folders.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import Message
+from flwr.clientapp import ClientApp
+
+from dipaco.config import load_config_dict
+from dipaco.coordinator.prepare import prepare
+from dipaco.coordinator.run import MetricsLog, build_coordinator, run_local_peers
+from dipaco.fileio import write_json_atomic
+from dipaco.flower import records as rec
+from dipaco.flower.apps import client_app, serve
+from dipaco.flower.grid import LocalGrid
+
+
+def configure(root: Path, **sections: dict) -> None:
+    """Change operational settings of a prepared run folder (as an operator edits them)."""
+    file = root / "config.json"
+    config = load_config_dict(json.loads(file.read_text())).replace(**sections)
+    write_json_atomic(file, config.to_dict())
+
+
+def nodes(tmp_path: Path, *ids: int) -> dict[int, dict]:
+    return {nid: {"state-dir": str(tmp_path / f"node{nid}")} for nid in ids}
+
+
+def params(core) -> dict[str, dict[str, torch.Tensor]]:
+    return {mid: dict(core.store.params(mid)) for mid in core.store.modules}
+
+
+def local_reference(root: Path, n_peers: int):
+    """The same run on the local transport (peers in threads)."""
+    config = load_config_dict(json.loads((root / "config.json").read_text()))
+    prep = prepare(root, config)
+    core = build_coordinator(prep, MetricsLog(root / "metrics.jsonl"), evaluate=False)
+    for t in run_local_peers(core, prep, n_peers, stop=threading.Event()):
+        t.join(300)
+    assert core.finished
+    return core
+
+
+def events(root: Path, kind: str) -> list[dict]:
+    lines = (root / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+@pytest.fixture
+def strict(run_copy):
+    """A run folder whose rounds wait for every path (bit-for-bit comparisons)."""
+
+    def make(name: str) -> Path:
+        root = run_copy(name)
+        configure(root, scheduler={"quorum": 1.0})
+        return root
+
+    return make
+
+
+def test_two_nodes_train_every_module_to_the_end(strict, tmp_path, tiny_config):
+    root = strict("flower")
+    grid = LocalGrid(client_app, nodes(tmp_path, 11, 12))
+    core = serve(grid, root, evaluate=False)
+    grid.close()
+    rounds = tiny_config.train.rounds
+    assert core.finished
+    assert {core.store.version(mid) for mid in core.store.modules} == {rounds}
+    assert sum(core.rejections.values()) == 0
+    # Every path trained every round, by one of the two nodes.
+    acked = events(root, "delta_acked")
+    assert {(e["path"], e["base_version"]) for e in acked} == {
+        (p, r) for p in range(4) for r in range(rounds)
+    }
+    assert len({e["peer"] for e in acked}) == 2
+    # What the nodes keep between messages lives on their disks, keyed by path.
+    saved = json.loads((root / "coordinator" / "flower_nodes.json").read_text())
+    assert {n["key"].split(":")[0] for n in saved.values()} == {"ed25519"}
+    for nid in (11, 12):
+        state = tmp_path / f"node{nid}"
+        assert list((state / "inner").glob("P*.dpt")), "inner optimizer state per path"
+        assert list((state / "flower" / "modules").glob("*.dpt")), "cached modules"
+        assert list((state / "runs").rglob("train.tokens")), "the shards it was sent"
+    rounds_run = events(root, "flower_round")
+    assert rounds_run[0]["messages"] == 2 and rounds_run[0].get("accepted", 0) == 0  # hellos
+
+
+@pytest.mark.parametrize("n_nodes,n_peers", [(2, 2), (1, 3)])
+def test_same_parameters_as_the_local_transport(strict, tmp_path, n_nodes, n_peers):
+    """Lossless codec, fixed seeds: the Flower run ends with exactly the local run's modules.
+    Each path's inner optimizer state follows the path on both (local peers share one folder;
+    the ServerApp keeps each path on the node that holds its state), so the node count does
+    not matter."""
+    flower_root, local_root = strict("flower"), strict("local")
+    grid = LocalGrid(client_app, nodes(tmp_path, *range(1, n_nodes + 1)))
+    core = serve(grid, flower_root, evaluate=False)
+    grid.close()
+    reference = local_reference(local_root, n_peers)
+    got, want = params(core), params(reference)
+    assert got.keys() == want.keys()
+    for mid in want:
+        assert core.store.version(mid) == reference.store.version(mid)
+        for name, tensor in want[mid].items():
+            assert torch.equal(got[mid][name], tensor), (mid, name)
+
+
+def test_a_node_that_goes_silent_loses_only_its_task(run_copy, tmp_path, tiny_config):
+    root = run_copy("silent")
+    configure(root, flower={"round_timeout": 20.0, "quorum": 0.5, "straggler_seconds": 1.0})
+    grid = LocalGrid(client_app, nodes(tmp_path, 1, 2))
+    trained = []
+
+    def on_round(info: dict) -> None:
+        trained.append(info)
+        if len(trained) == 2:  # after the hellos and one training round: node 2 dies
+            grid.silence(2)
+
+    try:
+        core = serve(grid, root, evaluate=False, on_round=on_round)
+    finally:
+        grid.close()
+    assert core.finished
+    assert {core.store.version(mid) for mid in core.store.modules} == {tiny_config.train.rounds}
+    lost = events(root, "flower_task_lost")
+    assert lost and all("no reply" in e["why"] for e in lost)
+    lost_paths = {e["path"] for e in lost}
+    # The lost path was trained later, by the node that stayed.
+    late = [e for e in events(root, "delta_acked") if e["path"] in lost_paths]
+    survivor = {e["peer"] for e in events(root, "delta_acked")} - {e["peer"] for e in lost}
+    assert late and {e["peer"] for e in late} <= survivor
+
+
+class Tamper(ClientApp):
+    """A node whose replies are altered on the way: ``how`` picks the damage."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def __call__(self, message: Message, context) -> Message:
+        reply = client_app(message, context)
+        if message.metadata.message_type != "train":
+            return reply
+        meta = rec.meta_of(reply.content)
+        if self.how == "no-record":
+            return Message(rec.pack({"op": "train", "state": "[1, 2"}), reply_to=message)
+        envelope = bytearray(rec.blob(reply.content, "envelope"))
+        envelope[-1] ^= 0xFF  # the body no longer matches its signed hash
+        return Message(rec.pack(meta, {"envelope": envelope}), reply_to=message)
+
+
+@pytest.mark.parametrize("how,reason", [("flip", "bad-signature"), ("no-record", "bad-message")])
+def test_a_damaged_reply_is_refused_counted_and_its_path_trained_again(
+    run_copy, tmp_path, how, reason
+):
+    root = run_copy(how)
+    bad = tmp_path / "bad"
+    good = tmp_path / "good"
+    grid = LocalGrid(Tamper(how), {1: {"state-dir": str(bad)}})
+    # The damaged node alone for three rounds: nothing it sends is applied.
+    core = serve(grid, root, evaluate=False, num_rounds=3)
+    grid.close()
+    assert core.rejections[reason] >= 1, core.rejections
+    assert {core.store.version(mid) for mid in core.store.modules} == {0}
+    assert events(root, "flower_task_lost")
+    # An honest node then trains the run to the end from the same folder.
+    grid = LocalGrid(client_app, {2: {"state-dir": str(good)}})
+    core = serve(grid, root, evaluate=False)
+    grid.close()
+    assert core.finished
+
+
+def test_a_restarted_serverapp_resumes_and_matches_an_uninterrupted_run(strict, tmp_path):
+    whole, split = strict("whole"), strict("split")
+    grid = LocalGrid(client_app, nodes(tmp_path / "a", 1, 2))
+    reference = serve(grid, whole, evaluate=False)
+    grid.close()
+    grid = LocalGrid(client_app, nodes(tmp_path / "b", 1, 2))
+    first = serve(grid, split, evaluate=False, num_rounds=3)  # hellos and two task rounds
+    assert not first.finished and first.round >= 1
+    resumed = serve(grid, split, evaluate=False)  # a new ServerApp over the same folder
+    grid.close()
+    assert resumed.finished and resumed.epoch == 1
+    want, got = params(reference), params(resumed)
+    for mid in want:
+        for name, tensor in want[mid].items():
+            assert torch.equal(got[mid][name], tensor), (mid, name)
