@@ -6,7 +6,10 @@ two nodes with real processes on 127.0.0.1:
 * hivemind: ``dipaco-coordinator start`` (the DHT and libp2p streams) and two
   ``dipaco-peer join`` processes;
 * Flower: ``dipaco-coordinator start --transport flower --local-peers 2`` (a SuperLink with TLS
-  and node authentication, two SuperNodes, dipaco's ServerApp and ClientApp).
+  and node authentication, two ``dipaco-peer join --flower`` nodes whose ClientApps hand each
+  task to the node's warm trainer);
+* Flower, cold: the same with ``dipaco-peer join --flower --cold`` nodes, whose ClientApp
+  processes (one per message) import torch and train themselves.
 
 Printed, from each run's metrics.jsonl: seconds per outer round (first task issued to the last
 outer step, over R), the median task latency (issued -> its delta applied), the wall time
@@ -38,6 +41,7 @@ from rich.table import Table
 
 from dipaco.config import load_config
 from dipaco.coordinator.prepare import prepare
+from dipaco.flower import deploy
 
 BIN = Path(sys.executable).parent
 console = Console(width=140)
@@ -116,16 +120,66 @@ def run_hivemind(root: Path, config: Path, work: Path, rounds: int) -> dict:
     return summarize(root, time.monotonic() - began, rounds)
 
 
-def run_flower(root: Path, config: Path, work: Path, rounds: int) -> dict:
-    log = work / "flower.log"
+def run_flower(root: Path, config: Path, work: Path, rounds: int, cold: bool = False) -> dict:
+    """``--local-peers 2`` (nodes with warm trainers), or two ``dipaco-peer join --flower
+    --cold`` nodes whose ClientApp processes train themselves."""
+    name = "flower-cold" if cold else "flower"
+    log = work / f"{name}.log"
+    states = [work / f"{name}-node{i}" for i in range(2)]
+    if cold:
+        for state in states:
+            public = deploy.make_node_key(state / "flower-node.key")
+            subprocess.run(
+                [BIN / "dipaco-coordinator", "add-peer", public, "--run-dir", root], check=True
+            )
     began = time.monotonic()
+    nodes = []
     with open(log, "w") as out:
         coordinator = subprocess.Popen(
             [BIN / "dipaco-coordinator", "start", "--transport", "flower", "--config", config,
-             "--run-dir", root, "--no-eval", "--local-peers", "2"],
+             "--run-dir", root, "--no-eval", "--local-peers", "0" if cold else "2"],
             stdout=out, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
-        wait(coordinator, log, 900)
+        if cold:
+            pattern = r"--flower (\S+) --root-certificates (\S+) --coordinator-key (ed25519:\S+)"
+            found = None
+            while found is None:
+                if coordinator.poll() is not None or time.monotonic() - began > 120:
+                    raise SystemExit(f"the coordinator did not start; see {log}")
+                found = re.search(pattern, " ".join(log.read_text().split()))
+                time.sleep(0.2)
+            address, ca, key = found.groups()
+            nodes = [
+                subprocess.Popen(
+                    [
+                        BIN / "dipaco-peer",
+                        "join",
+                        "--flower",
+                        address,
+                        "--root-certificates",
+                        ca,
+                        "--coordinator-key",
+                        key,
+                        "--state-dir",
+                        state,
+                        "--peer-id",
+                        state.name,
+                        "--device",
+                        "cpu",
+                        "--cold",
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )  # fmt: skip
+                for state in states
+            ]
+        try:
+            wait(coordinator, log, 900)
+        finally:
+            for node in nodes:
+                node.terminate()
+                node.wait(60)
     return summarize(root, time.monotonic() - began, rounds)
 
 
@@ -147,7 +201,12 @@ def main() -> None:
     with console.status("preparing the tiny run"):
         prepare(base, load_config(config))
     results = {}
-    for name, fn in (("hivemind", run_hivemind), ("flower", run_flower)):
+    runs = (
+        ("hivemind", run_hivemind),
+        ("flower", run_flower),
+        ("flower-cold", lambda *a: run_flower(*a, cold=True)),
+    )
+    for name, fn in runs:
         root = work / name
         shutil.copytree(base, root)
         with console.status(f"training over {name}"):
@@ -158,14 +217,29 @@ def main() -> None:
     for name in results:
         table.add_column(name, justify="right")
     table.add_column("flower / hivemind", justify="right")
-    h, f = results["hivemind"], results["flower"]
+    table.add_column("flower-cold / flower", justify="right")
+    h, f, c = results["hivemind"], results["flower"], results["flower-cold"]
     for key, label in (
         ("per_round", "seconds per outer round"),
         ("task_latency", "task latency, median (s)"),
         ("wall", "wall time with start-up (s)"),
     ):
-        table.add_row(label, f"{h[key]:.1f}", f"{f[key]:.1f}", f"{f[key] / h[key]:.2f}")
-    table.add_row("Flower round, median (s)", "-", f"{f['flower_round']:.1f}", "-")
+        table.add_row(
+            label,
+            f"{h[key]:.1f}",
+            f"{f[key]:.1f}",
+            f"{c[key]:.1f}",
+            f"{f[key] / h[key]:.2f}",
+            f"{c[key] / f[key]:.2f}",
+        )
+    table.add_row(
+        "Flower round, median (s)",
+        "-",
+        f"{f['flower_round']:.1f}",
+        f"{c['flower_round']:.1f}",
+        "-",
+        f"{c['flower_round'] / f['flower_round']:.2f}",
+    )
     console.print(table)
 
 

@@ -194,6 +194,18 @@ def join_flower(args: argparse.Namespace) -> int:
         config["coordinator-key"] = check_public_key(args.coordinator_key)
     if args.memory_gb:
         config["memory-gb"] = float(args.memory_gb)
+    trainer = None
+    if not args.cold:
+        from dipaco.flower.client import NodeTrainer
+
+        def on_task(info: dict) -> None:
+            if info.get("error"):
+                console.print(f"[yellow]{info['op']} failed[/]: {info['error']}", soft_wrap=True)
+            elif info.get("task"):
+                console.print(f"trained {info['task']} in {info['seconds']:.1f} s")
+
+        trainer = NodeTrainer(config, on_task=on_task)
+        config.update(trainer.node_config)
     node = deploy.SuperNode(
         state_dir / "flower-home",
         args.flower,
@@ -221,6 +233,8 @@ def join_flower(args: argparse.Namespace) -> int:
             raise TransportError(f"the SuperNode exited with code {code}:\n{node.log_tail(20)}")
     finally:
         node.stop()
+        if trainer is not None:
+            trainer.close()
     console.print(f"node {peer_id} left")
     return 0
 
@@ -325,6 +339,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     join.add_argument(
         "--root-certificates", help="--flower: the run's CA certificate (PEM), for TLS"
+    )
+    join.add_argument(
+        "--cold",
+        action="store_true",
+        help="--flower: train inside each ClientApp process instead of this process's warm "
+        "trainer (slower: every round imports torch again)",
     )
     join.add_argument("--authkey-file", help="loopback only: the run's key file")
     join.add_argument("--run", help="the run id, when the DHT announces several")

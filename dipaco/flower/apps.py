@@ -2,26 +2,28 @@
 
 The ServerApp reads the run folder from the run config (``run-dir``) and builds the same
 coordinator core as ``dipaco-coordinator start`` (it resumes from the folder after a restart);
-the ClientApp reads the node's state folder from the node config (``state-dir``).
+the ClientApp reads the node's state folder from the node config (``state-dir``). Every message
+starts a new ClientApp process, so this module imports nothing heavy: with a warm trainer (node
+config ``trainer``, set by ``dipaco-peer join --flower``) the ClientApp only forwards bytes to
+it; without one it imports dipaco's peer and trains itself.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
+from multiprocessing import AuthenticationError
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from dipaco.config import load_config_dict
-from dipaco.coordinator.core import Coordinator
-from dipaco.fileio import write_json_atomic
-from dipaco.flower.client import answer
-from dipaco.flower.strategy import DipacoStrategy
+from dipaco.errors import DipacoError
+
+if TYPE_CHECKING:
+    from dipaco.coordinator.core import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +38,12 @@ def serve(
     on_round: Callable[[dict[str, Any]], None] | None = None,
 ) -> Coordinator:
     """Run a prepared run's rounds over ``grid`` until it finishes; returns its core."""
+    import json
+
+    from dipaco.config import load_config_dict
     from dipaco.coordinator.prepare import prepare
     from dipaco.coordinator.run import MetricsLog, build_coordinator
+    from dipaco.flower.strategy import DipacoStrategy
 
     run_dir = Path(run_dir)
     config_file = run_dir / "config.json"
@@ -56,9 +62,6 @@ def serve(
     return core
 
 
-server_app = ServerApp()
-
-
 def _logging() -> None:
     """dipaco's progress lines with timestamps; the HTTP client Flower uses stays quiet."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -66,8 +69,13 @@ def _logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+server_app = ServerApp()
+
+
 @server_app.main()
 def _server_main(grid: Grid, context: Context) -> None:
+    from dipaco.fileio import write_json_atomic
+
     _logging()
     cfg: dict[str, Any] = dict(context.run_config)
     run_dir = Path(str(cfg["run-dir"]))
@@ -83,12 +91,30 @@ def _server_main(grid: Grid, context: Context) -> None:
 client_app = ClientApp()
 
 
+def _answer(op: str, msg: Message, context: Context) -> Message:
+    _logging()
+    cfg = dict(context.node_config)
+    if cfg.get("trainer"):
+        from dipaco.flower import forward
+
+        try:
+            return Message(forward.ask(cfg, op, msg.content), reply_to=msg)
+        except (OSError, EOFError, ValueError, AuthenticationError, DipacoError) as exc:
+            log.warning(
+                "the node's trainer at %s does not answer (%s); training in this process",
+                cfg["trainer"],
+                exc,
+            )
+    from dipaco.flower.client import answer
+
+    return Message(answer(op, msg.content, cfg), reply_to=msg)
+
+
 @client_app.train()
 def _train(msg: Message, context: Context) -> Message:
-    _logging()
-    return Message(answer("train", msg.content, dict(context.node_config)), reply_to=msg)
+    return _answer("train", msg, context)
 
 
 @client_app.query()
 def _hello(msg: Message, context: Context) -> Message:
-    return Message(answer("hello", msg.content, dict(context.node_config)), reply_to=msg)
+    return _answer("hello", msg, context)

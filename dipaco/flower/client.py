@@ -17,22 +17,26 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from flwr.app import RecordDict
 
-from dipaco.errors import ConfigError, CorruptFileError, DipacoError, TransportError
+from dipaco.errors import ConfigError, CorruptFileError, DipacoError, TransportError, WireError
 from dipaco.fileio import write_json_atomic
+from dipaco.flower import forward
 from dipaco.flower import records as rec
 from dipaco.peer.download import RunFiles
 from dipaco.peer.peer import Peer, TaskAborted
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
-from dipaco.protocols.transport import Transport
+from dipaco.protocols.transport import LoopbackServer, Transport
 from dipaco.protocols.wire import Frame, read_tensor_file, tensors_sha256, write_tensor_file
 
 log = logging.getLogger(__name__)
@@ -180,11 +184,14 @@ class NodeState:
         sealed, _ = auth.seal_request(self.identity, m.encode_message(hello))
         return sealed
 
-    def train(self, content: Any) -> tuple[str, bytes]:
-        meta = rec.meta_of(content)
+    def train(
+        self, meta: dict[str, Any], blobs: dict[str, bytes], files: dict[str, bytes]
+    ) -> tuple[str, bytes]:
         welcome = m.decode_message(rec.raw(meta, "welcome"))
         offer = m.decode_message(rec.raw(meta, "offer"))
-        modules = m.decode_message(rec.blob(content, "modules"))
+        if "modules" not in blobs:
+            raise WireError("a train message must carry the modules frame")
+        modules = m.decode_message(blobs["modules"])
         if not (
             isinstance(welcome, m.Welcome)
             and isinstance(offer, m.TaskOffer)
@@ -194,7 +201,7 @@ class NodeState:
         last = rec.text(meta, "last")
         if last:
             log.info("node %s: the coordinator's answer to the last delta: %s", self.peer_id, last)
-        relay = RelayTransport(welcome, offer, modules, rec.files_of(content))
+        relay = RelayTransport(welcome, offer, modules, files)
         offered = str(welcome.config.get("coordinator_key", ""))
         relay.authenticate(self.identity, self.coordinator_key(offered))
         run_id = str(welcome.config.get("run_id", "run"))
@@ -236,28 +243,94 @@ class NodeState:
 
 
 def answer(op: str, content: Any, node_config: dict[str, Any]) -> RecordDict:
-    """The reply content for one message (``hello`` or ``train``); failures become an error
-    field with a reason, so the ServerApp frees the task at once instead of waiting."""
+    """The reply content for one Flower message, computed in this process."""
+    try:
+        meta, blobs, files = rec.meta_of(content), rec.blobs_of(content), rec.files_of(content)
+    except WireError as exc:
+        return rec.pack({"op": op, "error": str(exc), "reason": exc.reason})
+    reply, reply_blobs = respond(op, meta, blobs, files, node_config)
+    return rec.pack(reply, reply_blobs)
+
+
+def respond(
+    op: str,
+    meta: dict[str, Any],
+    blobs: dict[str, bytes],
+    files: dict[str, bytes],
+    node_config: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """The reply (fields and frames) for one operation (``hello`` or ``train``); failures
+    become an error field with a reason, so the ServerApp frees the task at once instead of
+    waiting for the round to time out."""
     state_dir = node_config.get("state-dir")
     if not state_dir:
-        return rec.pack({"op": op, "error": "the node config has no state-dir", "reason": "config"})
+        return {"op": op, "error": "the node config has no state-dir", "reason": "config"}, {}
     node = NodeState(str(state_dir), node_config)
     try:
         if op == "hello":
-            return rec.pack({"op": op, "state": node.report()}, {"envelope": node.hello()})
+            return {"op": op, "state": node.report()}, {"envelope": node.hello()}
         if op == "train":
-            task_id, envelope = node.train(content)
-            return rec.pack(
-                {"op": op, "task": task_id, "state": node.report()}, {"envelope": envelope}
-            )
+            task_id, envelope = node.train(meta, blobs, files)
+            return {"op": op, "task": task_id, "state": node.report()}, {"envelope": envelope}
         raise ConfigError(f"unknown dipaco operation {op!r}")
     except (DipacoError, TaskAborted) as exc:
         reason = getattr(exc, "reason", "aborted")
         log.warning("node %s: %s failed: %s (%s)", node.peer_id, op, exc, reason)
-        return rec.pack({"op": op, "error": str(exc), "reason": reason, "state": node.report()})
+        return {"op": op, "error": str(exc), "reason": reason, "state": node.report()}, {}
     except Exception as exc:  # a bug or a broken device: say so rather than time out
         log.error("node %s: %s failed:\n%s", node.peer_id, op, traceback.format_exc())
-        return rec.pack({"op": op, "error": f"{type(exc).__name__}: {exc}", "reason": "node-error"})
+        return {"op": op, "error": f"{type(exc).__name__}: {exc}", "reason": "node-error"}, {}
+
+
+class NodeTrainer:
+    """The warm half of a node: runs :func:`respond` in the long-lived ``dipaco-peer join
+    --flower`` process, for the ClientApps the SuperNode starts (``forward.ask``), so that a
+    round does not pay for importing torch and dipaco in a fresh process. One task at a time.
+
+    It listens on 127.0.0.1 behind multiprocessing's HMAC challenge, keyed with
+    ``<state-dir>/flower/trainer.key`` (mode 0600): only processes that can read the node's
+    state folder get in.
+    """
+
+    def __init__(
+        self,
+        node_config: dict[str, Any],
+        on_task: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.config = dict(node_config)
+        self.on_task = on_task or (lambda info: None)
+        self.key_file = Path(str(node_config["state-dir"])) / "flower" / "trainer.key"
+        self.key_file.parent.mkdir(parents=True, exist_ok=True)
+        key = secrets.token_bytes(32)
+        fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key.hex())
+        os.chmod(self.key_file, 0o600)
+        self.lock = threading.Lock()
+        self.served = 0  # messages answered
+        self.server = LoopbackServer(self._handle, key, host="127.0.0.1", port=0)
+
+    @property
+    def node_config(self) -> dict[str, Any]:
+        """What the SuperNode's ClientApps need to find this trainer."""
+        return {"trainer": self.server.address, "trainer-key": str(self.key_file)}
+
+    def _handle(self, data: bytes) -> bytes:
+        began = time.monotonic()
+        try:
+            op, meta, parts = forward.decode(data)
+        except WireError as exc:
+            return forward.encode("error", {"error": str(exc), "reason": exc.reason}, {})
+        blobs = {k[5:]: v for k, v in parts.items() if k.startswith("blob:")}
+        files = {k[5:]: v for k, v in parts.items() if k.startswith("file:")}
+        with self.lock:
+            reply, reply_blobs = respond(op, meta, blobs, files, self.config)
+            self.served += 1
+        self.on_task({"op": op, "seconds": time.monotonic() - began, **reply})
+        return forward.encode(op, reply, {f"blob:{k}": v for k, v in reply_blobs.items()})
+
+    def close(self) -> None:
+        self.server.close()
 
 
 def _peer_id(state_dir: Path, given: str) -> str:

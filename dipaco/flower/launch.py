@@ -3,7 +3,8 @@
 tls/             the run's CA and the SuperLink's certificate (peers get tls/ca.pem)
 home/            FLWR_HOME: the flwr CLI's config.toml, logs
 nodes/*.pub      SuperNode public keys admitted with ``dipaco-coordinator add-peer``
-local-nodes/     keys of SuperNodes started on this machine (``--local-peers``)
+node-<i>.log     output of the nodes ``--local-peers`` starts (their keys and state folders
+                 are <run-dir>/peers/flower-<i>)
 app/             the Flower app folder (a pyproject.toml naming dipaco's apps)
 superlink.json   the live SuperLink's address and pid (add-peer registers keys with it)
 result.json      written by the ServerApp when the run has finished
@@ -15,12 +16,15 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 from dipaco.errors import ConfigError
 from dipaco.fileio import write_json_atomic
 from dipaco.flower import deploy
+from dipaco.protocols.auth import Identity
 
 CONNECTION = "dipaco"  # the flwr CLI's name for this run's SuperLink
 
@@ -35,7 +39,7 @@ class FlowerDeployment:
         self.home = self.dir / "home"
         self.listen = listen
         self.superlink: deploy.SuperLink | None = None
-        self.nodes: list[deploy.SuperNode] = []
+        self.nodes: list[subprocess.Popen] = []
         self.runner = None
 
     # ---- node keys ----------------------------------------------------------------------------
@@ -107,28 +111,40 @@ class FlowerDeployment:
             deploy.register_node(self.home, CONNECTION, file)
         return address
 
-    def start_local_nodes(self, count: int, *, device: str = "cpu") -> list[deploy.SuperNode]:
-        """SuperNodes on this machine, each with its own key (registered) and state folder."""
+    def start_local_nodes(self, count: int, *, device: str = "cpu") -> list[subprocess.Popen]:
+        """``dipaco-peer join --flower`` processes on this machine, each with its own key
+        (admitted here) and state folder (``peers/flower-<i>``), as a lab's nodes would run."""
         assert self.superlink is not None
+        me = Identity.load_or_create(self.run_dir / "coordinator" / "signing.key")
         for i in range(count):
-            key = self.dir / "local-nodes" / f"node{i}.key"
-            public = deploy.make_node_key(key)
-            self.add_node(public)
-            node = deploy.SuperNode(
-                self.dir / "local-nodes" / f"home{i}",
-                self.superlink.address,
-                ca=self.tls.ca,
-                node_key=key,
-                node_config={
-                    "state-dir": str(self.run_dir / "peers" / f"flower-{i}"),
-                    "peer-id": f"flower-{i}",
-                    "device": device,
-                    "superlink": self.superlink.address,
-                },
-                log_file=self.dir / "local-nodes" / f"node{i}.log",
+            state = self.run_dir / "peers" / f"flower-{i}"
+            self.add_node(deploy.make_node_key(state / "flower-node.key"))
+            log_file = open(self.dir / f"node-{i}.log", "ab")  # noqa: SIM115 - the child's
+            self.nodes.append(
+                subprocess.Popen(
+                    [
+                        str(Path(sys.executable).parent / "dipaco-peer"),
+                        "join",
+                        "--flower",
+                        self.superlink.address,
+                        "--root-certificates",
+                        str(self.tls.ca),
+                        "--coordinator-key",
+                        me.public_key,
+                        "--state-dir",
+                        str(state),
+                        "--peer-id",
+                        f"flower-{i}",
+                        "--device",
+                        device,
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             )
-            node.start()
-            self.nodes.append(node)
+            log_file.close()
         return self.nodes
 
     def submit(self, *, evaluate: bool = True, env: dict[str, str] | None = None):
@@ -162,8 +178,15 @@ class FlowerDeployment:
                 self.runner.wait(10)
             except Exception:
                 deploy._signal_groups({self.runner.pid}, 9)
+        for node in self.nodes:  # each stops its SuperNode and trainer on SIGTERM
+            if node.poll() is None:
+                node.terminate()
         for node in self.nodes:
-            node.stop()
+            try:
+                node.wait(30)
+            except subprocess.TimeoutExpired:
+                deploy._signal_groups({node.pid, *deploy._pgids(deploy.descendants(node.pid))}, 9)
+                node.wait(10)
         if self.superlink is not None:
             self.superlink.stop()
             (self.dir / "superlink.json").unlink(missing_ok=True)

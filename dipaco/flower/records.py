@@ -63,11 +63,20 @@ def blob(content: Any, name: str) -> bytes:
     return from_array(array, name)
 
 
+def blobs_of(content: Any) -> dict[str, bytes]:
+    return _all_bytes(content, BLOBS)
+
+
 def files_of(content: Any) -> dict[str, bytes]:
+    return _all_bytes(content, FILES)
+
+
+def _all_bytes(content: Any, record_name: str) -> dict[str, bytes]:
+    """Every array of one ArrayRecord as bytes (none if the message has no such record)."""
     try:
-        record = content.array_records.get(FILES)
+        record = content.array_records.get(record_name)
     except Exception:
-        raise WireError("the message's files are not an ArrayRecord") from None
+        raise WireError(f"the message's {record_name} are not an ArrayRecord") from None
     if record is None:
         return {}
     return {name: from_array(array, name) for name, array in record.items()}

@@ -56,6 +56,7 @@ class Node:
     missed: int = 0  # rounds in a row it did not answer
     last: str = ""  # the core's answer to its last delta, told to it with its next task
     tasks: int = 0  # deltas the core accepted from it
+    gave_up: int | None = None  # the path of its last failed or lost task: offered to others first
 
 
 @dataclass
@@ -228,15 +229,19 @@ class DipacoStrategy(Strategy):
         held = {p: nid for nid, node in self.nodes.items() for p in node.paths}
         own, rest = [], []
         for nid in ready:
-            mine = next((p for p in self.nodes[nid].paths if p in free), None)
+            node = self.nodes[nid]
+            mine = next((p for p in node.paths if p in free and p != node.gave_up), None)
             if mine is not None:
                 free.discard(mine)
                 own.append((nid, mine))
             else:
                 rest.append(nid)
         out = list(own)
-        for nid in rest:
-            pick = next((p for p in sorted(free) if held.get(p, nid) == nid), None)
+        # A node whose last task failed picks last, and not that path while another is free:
+        # a node that keeps failing on a path must not hold it by affinity.
+        for nid in sorted(rest, key=lambda n: self.nodes[n].gave_up is not None):
+            gave_up = self.nodes[nid].gave_up
+            pick = next((p for p in sorted(free) if held.get(p, nid) == nid and p != gave_up), None)
             if pick is not None:
                 free.discard(pick)
             out.append((nid, pick))
@@ -355,6 +360,7 @@ class DipacoStrategy(Strategy):
     def _release(self, node: Node, sent: Sent, why: str) -> None:
         if sent.task is None:
             return
+        node.gave_up = sent.task.path
         try:
             self.core.act_for(
                 node.key, m.ReleaseTask(peer_id=node.peer_id, task_id=sent.task.task_id)
@@ -412,6 +418,7 @@ class DipacoStrategy(Strategy):
         node.missed = 0
         if isinstance(answer, m.DeltaAck):
             node.tasks += 1
+            node.gave_up = None
             node.last = f"accepted {', '.join(answer.accepted)}"
             return "accepted"
         node.last = f"refused: {getattr(answer, 'reason', '?')}: {getattr(answer, 'message', '')}"

@@ -21,7 +21,9 @@ from dipaco.coordinator.run import MetricsLog, build_coordinator, run_local_peer
 from dipaco.fileio import write_json_atomic
 from dipaco.flower import records as rec
 from dipaco.flower.apps import client_app, serve
+from dipaco.flower.client import NodeTrainer
 from dipaco.flower.grid import LocalGrid
+from dipaco.protocols import messages as m
 
 
 def configure(root: Path, **sections: dict) -> None:
@@ -94,16 +96,23 @@ def test_two_nodes_train_every_module_to_the_end(strict, tmp_path, tiny_config):
     assert rounds_run[0]["messages"] == 2 and rounds_run[0].get("accepted", 0) == 0  # hellos
 
 
-@pytest.mark.parametrize("n_nodes,n_peers", [(2, 2), (1, 3)])
-def test_same_parameters_as_the_local_transport(strict, tmp_path, n_nodes, n_peers):
+@pytest.mark.parametrize("n_nodes,n_peers,warm", [(2, 2, True), (1, 3, False)])
+def test_same_parameters_as_the_local_transport(strict, tmp_path, n_nodes, n_peers, warm):
     """Lossless codec, fixed seeds: the Flower run ends with exactly the local run's modules.
     Each path's inner optimizer state follows the path on both (local peers share one folder;
     the ServerApp keeps each path on the node that holds its state), so the node count does
-    not matter."""
+    not matter. ``warm``: the ClientApps hand their tasks to a warm trainer per node."""
     flower_root, local_root = strict("flower"), strict("local")
-    grid = LocalGrid(client_app, nodes(tmp_path, *range(1, n_nodes + 1)))
+    configs = nodes(tmp_path, *range(1, n_nodes + 1))
+    trainers = [NodeTrainer(cfg) for cfg in configs.values()] if warm else []
+    for cfg, trainer in zip(configs.values(), trainers, strict=False):
+        cfg.update(trainer.node_config)
+    grid = LocalGrid(client_app, configs)
     core = serve(grid, flower_root, evaluate=False)
     grid.close()
+    for trainer in trainers:
+        trainer.close()
+        assert trainer.served >= 3  # its hello and its tasks went through the warm trainer
     reference = local_reference(local_root, n_peers)
     got, want = params(core), params(reference)
     assert got.keys() == want.keys()
@@ -194,3 +203,34 @@ def test_a_restarted_serverapp_resumes_and_matches_an_uninterrupted_run(strict, 
     for mid in want:
         for name, tensor in want[mid].items():
             assert torch.equal(got[mid][name], tensor), (mid, name)
+
+
+class FailsOnPath(ClientApp):
+    """A node that cannot train one path (say its shard is unreadable there): it reports an
+    error for that path's tasks and trains the others."""
+
+    def __call__(self, message: Message, context) -> Message:
+        bad = context.node_config.get("fail-path")
+        if message.metadata.message_type == "train" and bad is not None:
+            offer = m.decode_message(rec.raw(rec.meta_of(message.content), "offer"))
+            if offer.path == bad:
+                error = {"op": "train", "error": "cannot read the shard", "reason": "bad-data"}
+                return Message(rec.pack(error), reply_to=message)
+        return client_app(message, context)
+
+
+def test_a_node_that_keeps_failing_a_path_does_not_hold_it(run_copy, tmp_path, tiny_config):
+    root = run_copy("failing")
+    configs = nodes(tmp_path, 1, 2)
+    configs[1]["fail-path"] = 0  # the first path it is offered
+    grid = LocalGrid(FailsOnPath(), configs)
+    core = serve(grid, root, evaluate=False, num_rounds=20)  # 6 task rounds suffice
+    grid.close()
+    assert core.finished
+    lost = events(root, "flower_task_lost")
+    assert lost and {e["path"] for e in lost} == {0}
+    assert all("bad-data" in e["why"] for e in lost)
+    # Node 1 failed path 0 at most once per outer round: it then left it to node 2.
+    assert len(lost) <= tiny_config.train.rounds
+    trained_p1 = {e["peer"] for e in events(root, "delta_acked") if e["path"] == 0}
+    assert trained_p1 and lost[0]["peer"] not in trained_p1

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import tomllib
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
 
 import numpy as np
 import pytest
@@ -17,9 +19,9 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from dipaco.errors import ConfigError, TransportError, WireError
-from dipaco.flower import deploy
+from dipaco.flower import deploy, forward
 from dipaco.flower import records as rec
-from dipaco.flower.client import NodeState, RelayTransport
+from dipaco.flower.client import NodeState, NodeTrainer, RelayTransport
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 
@@ -178,3 +180,30 @@ def test_a_node_keeps_its_key_id_and_pinned_coordinator_across_messages(tmp_path
     hello = auth.open_request(again.hello())
     assert hello.key == first.identity.public_key
     assert m.decode_message(hello.body).peer_id == first.peer_id
+
+
+def test_trainer_frames_round_trip_and_refuse_damage():
+    meta = {"op": "train", "welcome": b"\x00\xff", "state": "{}", "n": 3}
+    parts = {"blob:modules": b"abc", "file:shards/P0/train.json": b""}
+    op, got_meta, got_parts = forward.decode(forward.encode("train", meta, parts))
+    assert (op, got_meta, got_parts) == ("train", meta, parts)
+    good = forward.encode("train", meta, parts)
+    for bad in (b"", b"XXXX" + good[4:], good[:-1], good + b"!", good[:10]):
+        with pytest.raises(WireError):
+            forward.decode(bad)
+
+
+def test_a_warm_trainer_answers_the_clientapp_and_refuses_strangers(tmp_path):
+    trainer = NodeTrainer({"state-dir": str(tmp_path / "node")})
+    try:
+        cfg = {"state-dir": str(tmp_path / "node"), **trainer.node_config}
+        assert (tmp_path / "node" / "flower" / "trainer.key").stat().st_mode & 0o777 == 0o600
+        reply = forward.ask(cfg, "hello", rec.pack({"op": "hello"}))
+        hello = auth.open_request(rec.blob(reply, "envelope"))
+        assert hello.key == NodeState(tmp_path / "node", {}).identity.public_key
+        # Without the key file's secret the connection is refused.
+        host, _, port = trainer.server.address.rpartition(":")
+        with pytest.raises(AuthenticationError):
+            Client((host, int(port)), authkey=b"not the key")
+    finally:
+        trainer.close()
