@@ -553,6 +553,12 @@ def _groups_alive(pgids: set[int]) -> bool:
     return False
 
 
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal a process's group and the groups of all its descendants (Flower's SuperExec
+    detaches into a session of its own)."""
+    _signal_groups(_pgids([pid, *descendants(pid)]) | {pid}, sig)
+
+
 class _Managed:
     """A Flower program in its own process group, logging to a file."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -173,11 +174,11 @@ class FlowerDeployment:
     def down(self) -> None:
         """Stop the run's processes: flwr run, local SuperNodes, then the SuperLink."""
         if self.runner is not None and self.runner.poll() is None:
-            deploy._signal_groups({self.runner.pid}, 15)
+            deploy.kill_tree(self.runner.pid, signal.SIGTERM)
             try:
                 self.runner.wait(10)
-            except Exception:
-                deploy._signal_groups({self.runner.pid}, 9)
+            except subprocess.TimeoutExpired:
+                deploy.kill_tree(self.runner.pid)
         for node in self.nodes:  # each stops its SuperNode and trainer on SIGTERM
             if node.poll() is None:
                 node.terminate()
@@ -185,7 +186,7 @@ class FlowerDeployment:
             try:
                 node.wait(30)
             except subprocess.TimeoutExpired:
-                deploy._signal_groups({node.pid, *deploy._pgids(deploy.descendants(node.pid))}, 9)
+                deploy.kill_tree(node.pid)
                 node.wait(10)
         if self.superlink is not None:
             self.superlink.stop()
