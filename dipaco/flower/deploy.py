@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import json
 import math
 import os
 import re
@@ -48,7 +47,6 @@ REFUSED_NO_KEY = "[code: 2001] SuperNode authentication is enabled."
 #: A ServerApp exception is logged as "Exit Code: 201" in the run's log stream, yet
 #: ``flwr run --stream`` still exits 0; the run's status is then "finished:failed".
 SERVERAPP_FAILED_LOG_LINE = "Exit Code: 201"
-_RUN_ID = re.compile(r"Successfully started run (\d+)")
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
@@ -851,18 +849,6 @@ def _output(proc: subprocess.CompletedProcess) -> str:
     return strip_ansi((proc.stdout or "") + (proc.stderr or "")).strip()
 
 
-def _json_from(text: str) -> Any:
-    """The JSON document in flwr's ``--format json`` output (it may print other lines too)."""
-    text = strip_ansi(text)
-    start = min((i for i in (text.find("{"), text.find("[")) if i >= 0), default=-1)
-    if start < 0:
-        raise ValueError("no JSON in output")
-    doc = json.JSONDecoder().raw_decode(text[start:])[0]
-    if isinstance(doc, dict) and doc.get("success") is False:
-        raise ValueError(str(doc.get("error-message", doc)))
-    return doc
-
-
 def register_node(home: Path, superlink_name: str, public_key: str | Path) -> None:
     """Register a SuperNode public key with the SuperLink; an already known key is fine."""
     line = read_public_key(public_key)
@@ -878,74 +864,6 @@ def register_node(home: Path, superlink_name: str, public_key: str | Path) -> No
     raise ConfigError(
         f"flwr supernode register failed (exit {proc.returncode}) for {line[:40]}...:\n{out}"
     )
-
-
-def registered_nodes(home: Path, superlink_name: str) -> list[dict]:
-    """The SuperLink's node table (``flwr supernode list --format json``)."""
-    proc = _flwr(home, ["supernode", "list", superlink_name, "--format", "json"])
-    out = _output(proc)
-    if proc.returncode != 0:
-        raise TransportError(f"flwr supernode list failed (exit {proc.returncode}):\n{out}")
-    try:
-        doc = _json_from(proc.stdout)
-    except ValueError as err:
-        raise TransportError(f"flwr supernode list: unreadable output:\n{out}") from err
-    if isinstance(doc, dict):
-        for key in ("nodes", "supernodes"):
-            if isinstance(doc.get(key), list):
-                return list(doc[key])
-        return [doc]
-    return list(doc)
-
-
-def list_runs(home: Path, superlink_name: str) -> list[dict]:
-    """The SuperLink's runs (``flwr ls --format json``): ids, status, timestamps."""
-    proc = _flwr(home, ["ls", superlink_name, "--format", "json"])
-    out = _output(proc)
-    if proc.returncode != 0:
-        raise TransportError(f"flwr ls failed (exit {proc.returncode}):\n{out}")
-    try:
-        doc = _json_from(proc.stdout)
-    except ValueError as err:
-        raise TransportError(f"flwr ls: unreadable output:\n{out}") from err
-    if isinstance(doc, dict):
-        return list(doc.get("runs", [doc]))
-    return list(doc)
-
-
-def run_id_from_log(log_file: Path) -> int | None:
-    """The run id that ``flwr run`` printed ("Successfully started run N"), once it has."""
-    if not Path(log_file).exists():
-        return None
-    match = _RUN_ID.search(strip_ansi(Path(log_file).read_text(errors="replace")))
-    return int(match.group(1)) if match else None
-
-
-def run_status(home: Path, superlink_name: str, run_id: int | str) -> dict:
-    """One run's record from ``flwr ls --run-id``; ``status`` is e.g. "running",
-    "finished:completed", "finished:failed" (``status-details`` then holds the exception)."""
-    proc = _flwr(home, ["ls", superlink_name, "--run-id", str(run_id), "--format", "json"])
-    out = _output(proc)
-    if proc.returncode != 0:
-        raise TransportError(f"flwr ls --run-id {run_id} failed (exit {proc.returncode}):\n{out}")
-    try:
-        doc = _json_from(proc.stdout)
-    except ValueError as err:
-        raise TransportError(f"flwr ls: unreadable output:\n{out}") from err
-    runs = doc.get("runs", [doc]) if isinstance(doc, dict) else list(doc)
-    for run in runs:
-        if str(run.get("run-id")) == str(run_id):
-            return dict(run)
-    raise TransportError(f"flwr ls: run {run_id} not found:\n{out}")
-
-
-def stop_run(home: Path, superlink_name: str, run_id: int | str) -> None:
-    """``flwr stop``: ask the SuperLink to end a run; a run that already ended is fine."""
-    proc = _flwr(home, ["stop", str(run_id), superlink_name])
-    if proc.returncode != 0 and "already finished" not in _output(proc):  # [code: 18]
-        raise TransportError(
-            f"flwr stop {run_id} failed (exit {proc.returncode}):\n{_output(proc)}"
-        )
 
 
 def submit_run(
