@@ -19,6 +19,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dipaco demo $(ARGS)
 
 test: $(STAMP) lint
+	.ci/need-chromium
 	$(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP)

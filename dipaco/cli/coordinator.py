@@ -117,7 +117,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
     host, port = _split(args.listen)
     node = HivemindNode(host=host, port=port, identity_path=identity(run_dir))
-    publisher = ticker = None
+    publisher = ticker = dashboard = None
     threads: list[threading.Thread] = []
     stop = threading.Event()
     try:
@@ -170,6 +170,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         publisher.start()
         ticker = Ticker(coordinator)
         ticker.start()
+        dashboard = start_dashboard(args, coordinator)
         address = addresses[0]
         (run_dir / "coordinator" / "address").write_text(address + "\n")
         console.print(f"coordinator for run {run_id} (hivemind) at [bold]{address}[/]")
@@ -192,6 +193,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         for worker in (publisher, ticker):
             if worker is not None:
                 worker.stop.set()
+        if dashboard is not None:
+            dashboard.stop()
         node.shutdown()
     return 0
 
@@ -273,6 +276,21 @@ def start_owner(args: argparse.Namespace) -> int:
     return 0
 
 
+def start_dashboard(args, coordinator):
+    """The dashboard when ``--dashboard HOST:PORT`` was given; prints its URL."""
+    if not args.dashboard:
+        return None
+    from dipaco.watch.server import Dashboard
+
+    host, port = _split(args.dashboard)
+    dashboard = Dashboard(
+        coordinator, Path(args.run_dir), host=host, port=port, token=args.dashboard_token
+    ).start()
+    (Path(args.run_dir) / "coordinator" / "dashboard").write_text(dashboard.url + "\n")
+    console.print(f"dashboard at [bold]{dashboard.url}[/]", soft_wrap=True)
+    return dashboard
+
+
 def serve_loopback(args, prep, metrics) -> int:
     run_dir = Path(args.run_dir)
     key, key_path = authkey(run_dir)
@@ -286,6 +304,7 @@ def serve_loopback(args, prep, metrics) -> int:
         soft_wrap=True,
     )
     (run_dir / "coordinator" / "address").write_text(server.address + "\n")
+    dashboard = start_dashboard(args, coordinator)
     stop = threading.Event()
     ticker = Ticker(coordinator)
     ticker.start()
@@ -300,6 +319,8 @@ def serve_loopback(args, prep, metrics) -> int:
         for t in threads:
             t.join(30)
         server.close()
+        if dashboard is not None:
+            dashboard.stop()
     return 0
 
 
@@ -431,6 +452,15 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=5.0,
         help="seconds to keep answering peers after the run finished",
+    )
+    start.add_argument(
+        "--dashboard",
+        metavar="HOST:PORT",
+        help="serve the web dashboard, /api/status (dipaco status) and /metrics there "
+        "(127.0.0.1:0 picks a port; beyond loopback a token is required)",
+    )
+    start.add_argument(
+        "--dashboard-token", help="the dashboard's token (default: a random one beyond loopback)"
     )
     start.add_argument("--publish-seconds", type=float, default=10.0, help=argparse.SUPPRESS)
     start.add_argument("--report-seconds", type=float, default=1.0, help=argparse.SUPPRESS)

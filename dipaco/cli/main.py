@@ -19,6 +19,7 @@ from rich.progress import (
 )
 
 from dipaco.cli.common import choose_config, command_parser, console, dispatch
+from dipaco.cli.watch import add_status_command
 from dipaco.coordinator.prepare import PreparedRun, prepare
 from dipaco.coordinator.report import plot_run, results_markdown, results_table
 from dipaco.coordinator.run import (
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ev.add_argument("--run-dir", required=True)
     ev.set_defaults(fn=cmd_eval)
+    add_status_command(sub)
     dispatch(parser, argv)
 
 

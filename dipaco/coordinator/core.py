@@ -804,7 +804,13 @@ class Coordinator:
                         self._caller = None
             log.info("rejected %s: %s (%s)", who, exc, exc.reason)
             reply = m.Error(reason=exc.reason, message=str(exc))
-        return auth.seal_reply(self.identity, nonce, m.encode_message(reply))
+        sealed = auth.seal_reply(self.identity, nonce, m.encode_message(reply))
+        with self.lock:  # bytes moved, for the dashboard and `dipaco status`
+            peer = self.peers.get(who)
+            if peer is not None:
+                peer["bytes_in"] = peer.get("bytes_in", 0) + len(data)
+                peer["bytes_out"] = peer.get("bytes_out", 0) + len(sealed)
+        return sealed
 
     def act_for(self, key: str, req: m.Message) -> m.Message:
         """Run ``req`` as the holder of ``key`` would, without an envelope: for a transport that

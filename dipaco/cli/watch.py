@@ -1,0 +1,131 @@
+"""``dipaco status ADDRESS``: a run's state in the terminal, live with ``--watch``, or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.error
+import urllib.request
+from urllib.parse import urlencode, urlsplit
+
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+
+from dipaco.cli.common import console
+from dipaco.errors import TransportError
+
+
+def status_url(address: str, token: str | None) -> str:
+    """``host:port``, ``http://host:port/`` or the dashboard URL the coordinator printed."""
+    if "://" not in address:
+        address = "http://" + address
+    parts = urlsplit(address)
+    if not parts.hostname:
+        raise TransportError(f"{address!r} is not a dashboard address (host:port)")
+    query = dict(p.split("=", 1) for p in parts.query.split("&") if "=" in p)
+    if token:
+        query["token"] = token
+    suffix = ("?" + urlencode(query)) if query else ""
+    return f"{parts.scheme}://{parts.netloc}/api/status{suffix}"
+
+
+def fetch_status(address: str, token: str | None = None, timeout: float = 10.0) -> dict:
+    url = status_url(address, token)
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise TransportError(
+                "the dashboard wants its token: --token, or the URL the coordinator printed "
+                "(the token is also in RUN_DIR/coordinator/dashboard.token)"
+            ) from None
+        raise TransportError(f"{url}: HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise TransportError(
+            f"cannot reach the dashboard at {address}: {reason}. Start the coordinator with "
+            "--dashboard HOST:PORT and give that address"
+        ) from None
+
+
+def render(s: dict) -> Group:
+    state = "[green]finished[/]" if s["finished"] else "training"
+    head = Table.grid(padding=(0, 3))
+    head.add_row(
+        f"run [bold]{s['run_id']}[/]",
+        f"round [bold]{s['round']}/{s['rounds']}[/]",
+        state,
+        f"peers {len(s['peers'])}",
+        f"tasks out {len(s['leases'])}",
+    )
+    routed = s["series"]["routed_ppl"]
+    if routed:
+        head.add_row(f"routed validation ppl {routed[-1]['ppl']:.2f} (round {routed[-1]['round']})")
+    grid = Table(title="modules (version, deltas pending)", title_justify="left")
+    width = max((len(r["modules"]) for r in s["grid"]), default=0)
+    grid.add_column("row")
+    for i in range(width):
+        grid.add_column(f"M{i}")
+    for row in s["grid"]:
+        cells = [
+            f"{m['id']} v{m['version']}"
+            + (f" [yellow]-{m['behind']}[/]" if m["behind"] else "")
+            + (f" ({m['pending']}/{m['paths']})" if m["pending"] else "")
+            for m in row["modules"]
+        ]
+        grid.add_row(row["name"], *cells)
+    peers = Table(title="peers", title_justify="left")
+    for col in ("peer", "device", "task", "path", "tok/s", "tasks", "MB in", "MB out", "seen"):
+        peers.add_column(col, justify="right" if col[0] in "tTMs" and col != "task" else "left")
+    for pid, p in sorted(s["peers"].items()):
+        peers.add_row(
+            pid,
+            str(p.get("device", "")),
+            str(p.get("task") or "idle"),
+            "" if p.get("current_path") is None else f"P{p['current_path']}",
+            f"{p.get('tokens_per_s', 0):.0f}",
+            str(p.get("tasks_done", 0)),
+            f"{p.get('bytes_in', 0) / 1e6:.2f}",
+            f"{p.get('bytes_out', 0) / 1e6:.2f}",
+            f"{p.get('seen_ago', 0):.1f} s",
+        )
+    parts = [head, grid, peers]
+    if s["rejections"]:
+        rej = Table(title="rejections", title_justify="left")
+        rej.add_column("reason")
+        rej.add_column("count", justify="right")
+        for reason, n in sorted(s["rejections"].items()):
+            rej.add_row(reason, str(n))
+        parts.append(rej)
+    return Group(*parts)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if args.json:
+        print(json.dumps(fetch_status(args.address, args.token), indent=2, sort_keys=True))
+        return 0
+    if not args.watch:
+        console.print(render(fetch_status(args.address, args.token)))
+        return 0
+    with Live(console=console, refresh_per_second=4) as live:
+        while True:
+            s = fetch_status(args.address, args.token)
+            live.update(render(s))
+            if s["finished"]:
+                return 0
+            time.sleep(args.interval)
+
+
+def add_status_command(sub) -> None:
+    st = sub.add_parser(
+        "status", help="a run's state from its coordinator's dashboard address (host:port)"
+    )
+    st.add_argument("address", help="the dashboard address the coordinator printed")
+    st.add_argument("--token", help="the dashboard token (when it listens beyond loopback)")
+    st.add_argument("--json", action="store_true", help="print the whole snapshot as JSON")
+    st.add_argument("--watch", action="store_true", help="refresh until the run finishes")
+    st.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    st.set_defaults(fn=cmd_status)

@@ -1,0 +1,165 @@
+"""The dashboard in a real headless Chromium during a live run of real processes, and
+``dipaco status --json`` against the coordinator's own state."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from _waiting import wait_for
+
+BIN = Path(sys.executable).parent
+ARTIFACTS = Path(os.environ.get("DIPACO_ARTIFACTS", Path(__file__).parents[2] / "artifacts"))
+pytestmark = pytest.mark.slow
+
+
+def chromium():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    assert binary and driver, (
+        "Debian's chromium and chromium-driver are needed (.ci/run installs them)"
+    )
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 "--window-size=1400,1500"):  # fmt: skip
+        options.add_argument(flag)
+    return webdriver.Chrome(options=options, service=Service(driver))
+
+
+def start_peer(address, root, tmp_path, i) -> subprocess.Popen:
+    return subprocess.Popen(
+        [BIN / "dipaco-peer", "join", address, "--authkey-file", root / "coordinator" / "authkey",
+         "--peer-id", f"peer{i}", "--state-dir", tmp_path / f"peer{i}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def page(browser, script):
+    return browser.execute_script(script)
+
+
+LOSS_POINTS = "return document.getElementById('loss').data.map(t => t.y.length)"
+GRID_IDS = (
+    "return document.getElementById('grid').data[0].text.flat().filter(Boolean)"
+    ".map(s => s.split('<br>')[0])"
+)
+
+
+def test_dashboard_in_chromium_and_status_json_during_a_live_run(run_copy, tmp_path):
+    root = run_copy()
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'preset = "tiny"\n[train]\ninner_steps = 30\nrounds = 2\n'
+        "[scheduler]\nlease_seconds = 5.0\nheartbeat_seconds = 0.5\n"
+    )
+    cmd = [BIN / "dipaco-coordinator", "start", "--config", config, "--run-dir", root,
+           "--transport", "loopback", "--dashboard", "127.0.0.1:0", "--linger", "120"]  # fmt: skip
+    coordinator = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs, browser = [coordinator], None
+    try:
+        url_file = root / "coordinator" / "dashboard"
+        url = wait_for(lambda: url_file.exists() and url_file.read_text().strip(), 120, "the URL")
+        address = (root / "coordinator" / "address").read_text().strip()
+        browser = chromium()
+        browser.get(url)
+        wait_for(lambda: page(browser, "return document.body.dataset.updates"), 30, "a refresh")
+        assert page(browser, "return document.getElementById('round').dataset.round") == "0"
+        modules = sorted(_module_ids(root))
+        assert sorted(page(browser, GRID_IDS)) == modules  # the grid has every module, at v0
+
+        procs += [start_peer(address, root, tmp_path, i) for i in range(2)]
+        # Round 1 closes: the page follows without a reload.
+        wait_for(
+            lambda: (
+                int(page(browser, "return document.getElementById('round').dataset.round")) >= 1
+            ),
+            240,
+            "the page to show round 1",
+        )
+        wait_for(lambda: all(page(browser, LOSS_POINTS)), 60, "a loss point for every path")
+        assert len(page(browser, LOSS_POINTS)) == 4  # one curve per path
+        wait_for(
+            lambda: (
+                page(browser, "return document.getElementById('state').textContent") == "finished"
+            ),
+            300,
+            "the page to say finished",
+        )
+        assert min(page(browser, LOSS_POINTS)) >= 2  # a point per path per round
+        versions = page(
+            browser,
+            "return document.getElementById('grid').data[0].z.flat().filter(v => v !== null)",
+        )
+        assert set(versions) == {2}
+        peer_rows = page(browser, "return document.querySelectorAll('#peers tbody tr').length")
+        assert peer_rows == 2
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "dashboard.png"))
+        assert (ARTIFACTS / "dashboard.png").stat().st_size > 20_000
+
+        # `dipaco status --json` says what the coordinator's files say.
+        out = subprocess.run(
+            [BIN / "dipaco", "status", url, "--json"], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        status = json.loads(out.stdout)
+        heads = {
+            h.parent.name: json.loads(h.read_text())["version"]
+            for h in (root / "coordinator" / "modules").glob("*/head.json")
+        }
+        assert {mid: info["version"] for mid, info in status["modules"].items()} == heads
+        saved = json.loads((root / "coordinator" / "coordinator.json").read_text())
+        assert status["rejections"] == saved["rejections"]
+        assert sorted(status["peers"]) == ["peer0", "peer1"]
+        assert sum(p["tasks_done"] for p in status["peers"].values()) == 8
+        assert all(p["bytes_in"] > 0 and p["bytes_out"] > 0 for p in status["peers"].values())
+        deltas = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+        assert len([e for e in deltas if e["event"] == "delta"]) == 8
+
+        metrics = urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10).read().decode()
+        assert "dipaco_finished 1.0" in metrics
+        assert 'dipaco_module_version{module="L0.M0"} 2.0' in metrics
+
+        text = subprocess.run(
+            [BIN / "dipaco", "status", url], capture_output=True, text=True, timeout=60
+        )
+        assert text.returncode == 0 and "peer0" in text.stdout and "2/2" in text.stdout
+    finally:
+        if browser is not None:
+            browser.quit()
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    log = coordinator.stdout.read()
+    assert coordinator.returncode in (0, 130), log[-3000:]  # 130: stopped by Ctrl-C, cleanly
+    assert "Traceback" not in log, log[-3000:]
+
+
+def _module_ids(root):
+    from dipaco.config import load_config_dict
+
+    config = load_config_dict(json.loads((root / "config.json").read_text()), origin="config.json")
+    return config.build_topology().module_ids()
+
+
+def test_status_without_a_dashboard_says_how_to_get_one(tmp_path):
+    out = subprocess.run(
+        [BIN / "dipaco", "status", "127.0.0.1:9", "--json"], capture_output=True, text=True
+    )
+    assert out.returncode != 0
+    assert "--dashboard" in out.stdout + out.stderr
