@@ -19,6 +19,8 @@ from rich.progress import (
 )
 
 from dipaco.cli.common import choose_config, command_parser, console, dispatch
+from dipaco.cli.init import add_init_command
+from dipaco.cli.use import add_use_commands
 from dipaco.cli.watch import add_status_command
 from dipaco.coordinator.prepare import PreparedRun, prepare
 from dipaco.coordinator.report import plot_run, results_markdown, results_table
@@ -254,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--run-dir", required=True)
     ev.set_defaults(fn=cmd_eval)
     add_status_command(sub)
+    add_use_commands(sub)
+    add_init_command(sub)
     dispatch(parser, argv)
 
 

@@ -37,6 +37,7 @@ from rich.progress import (
 from dipaco.cli.common import command_parser, console, dispatch
 from dipaco.errors import ConfigError, TransportError
 from dipaco.fileio import write_json_atomic
+from dipaco.peer.doctor import add_doctor_command, check_device
 from dipaco.peer.peer import Peer
 from dipaco.protocols.auth import Identity, check_public_key
 from dipaco.protocols.transport import LoopbackTransport
@@ -53,7 +54,10 @@ def dial_loopback(address: str, key: bytes, patience: float = 60.0) -> LoopbackT
         except TransportError as exc:
             if exc.reason == "auth" or time.monotonic() - began > patience:
                 raise
-            console.print(f"{exc}; retrying")
+            console.print(
+                f"{exc}; retrying (if this goes on: dipaco-peer doctor {address} checks "
+                "the address, firewall and clock)"
+            )
             time.sleep(1.0)
 
 
@@ -96,6 +100,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     acks = state_dir / "acks.jsonl"
 
     def on_ack(info: dict) -> None:
+        acked_tasks.add(info["task"])
         with open(acks, "a") as f:
             f.write(json.dumps(info) + "\n")
 
@@ -104,11 +109,25 @@ def cmd_join(args: argparse.Namespace) -> int:
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[loss]}"),
+        TextColumn("{task.fields[rate]}"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
+        TextColumn("{task.fields[totals]}"),
         console=console,
     )
     current: dict[str, TaskID] = {}
+    first: dict[str, tuple[int, float]] = {}  # task -> (step, time) when this process saw it
+    acked_tasks: set[str] = set()  # on_ack comes once per module of a task
+
+    def totals() -> str:
+        """Tasks done, and the traffic where the transport counts it (hivemind links)."""
+        out = f"{len(acked_tasks)} tasks done"
+        links = extra.get("links")
+        if links:
+            up = sum(t.bytes_sent for t in links) / 1e6
+            down = sum(t.bytes_received for t in links) / 1e6
+            out += f", {up:.1f} MB up, {down:.1f} MB down"
+        return out
 
     def on_progress(info: dict) -> None:
         if "announce" in extra:  # what the DHT shows of this peer: its task and progress
@@ -120,10 +139,22 @@ def cmd_join(args: argparse.Namespace) -> int:
                 progress.update(old, visible=False)
             current.clear()
             current[info["task"]] = progress.add_task(
-                f"task {info['task']} (path P{info['path']})", total=info["steps"], loss=""
+                f"task {info['task']} (path P{info['path']})",
+                total=info["steps"],
+                loss="",
+                rate="",
+                totals=totals(),
             )
+            first[info["task"]] = (info["step"], time.monotonic())
+        step0, t0 = first[info["task"]]
+        seconds = time.monotonic() - t0
+        rate = (info["step"] - step0) * info.get("tokens_per_step", 0) / seconds if seconds else 0
         progress.update(
-            current[info["task"]], completed=info["step"], loss=f"loss {info['loss']:.3f}"
+            current[info["task"]],
+            completed=info["step"],
+            loss=f"loss {info['loss']:.3f}",
+            rate=f"{rate:,.0f} tok/s" if rate else "",
+            totals=totals(),
         )
 
     peer = Peer(
@@ -144,6 +175,11 @@ def cmd_join(args: argparse.Namespace) -> int:
         },
     )
     console.print(f"peer {peer_id} ({peer.device}) joined {args.address}")
+    device_check, _ = check_device(args.device)
+    console.print(
+        f"device: {device_check.detail}"
+        + (f" [yellow]({device_check.advice})[/]" if device_check.advice else "")
+    )
     try:
         with progress:
             done = peer.run()
@@ -371,6 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     key = sub.add_parser("key", help="print this peer's public key (for an allow-list)")
     key.add_argument("--state-dir", help="the peer's state folder (default ~/.cache/dipaco/peer)")
     key.set_defaults(fn=cmd_key)
+    add_doctor_command(sub)
     dispatch(parser, argv)
 
 

@@ -315,6 +315,7 @@ class Peer:
                     "steps": task.inner_steps,
                     "loss": loss,
                     "elapsed": time.monotonic() - start,
+                    "tokens_per_step": self.train_cfg["batch_size"] * self.train_cfg["seq_len"],
                 }
             )
             if time.monotonic() - progress["saved"] > self.checkpoint_seconds:

@@ -61,3 +61,13 @@ def test_demo_interrupted_and_run_again_continues_to_the_table(tmp_path):
     rows = json.loads((run_dir / "results.json").read_text())["rows"]
     assert [r["model"] for r in rows] == ["DiPaCo 2x2", "dense (path-sized)"]
     assert (run_dir / "loss_curves.png").stat().st_size > 10_000
+
+    # The demo's model in use: the prompt is routed to a path, which writes text.
+    gen = subprocess.run(
+        [sys.executable, "-m", "dipaco.cli.main", "generate", "def parse(self, text):",
+         "--run-dir", str(run_dir), "--max-new-tokens", "24", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert gen.returncode == 0, gen.stdout + gen.stderr
+    out = json.loads(gen.stdout)
+    assert out["path"] in range(4) and out["new_tokens"] > 0 and out["text"].strip()

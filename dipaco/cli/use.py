@@ -1,0 +1,69 @@
+"""``dipaco export`` and ``dipaco generate``: use a run folder's modules as language models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from dipaco.cli.common import console
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from dipaco.model.hf_export import export_path, open_run
+    from dipaco.model.transformer import count_parameters
+
+    run = open_run(args.run_dir)
+    out = export_path(run, args.path, args.out)
+    n = count_parameters(run.path_state(args.path))
+    console.print(
+        f"wrote path P{args.path} of {run.topology.spec} as a Hugging Face Llama checkpoint to "
+        f"{out} ({n:,} parameters)"
+    )
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dipaco.model.hf_export import generate
+
+    result = generate(
+        args.run_dir,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        reroute_every=args.reroute_every,
+        path=args.path,
+    )
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    routes = " -> ".join(f"P{p}" for p in result["paths_used"])
+    console.print(f"[bold]path[/] P{result['path']}  (segments: {routes})", highlight=False)
+    console.print(args.prompt + result["text"], markup=False, highlight=False)
+    return 0
+
+
+def add_use_commands(sub: Any) -> None:
+    """Register ``export`` and ``generate`` on the ``dipaco`` command's subparsers."""
+    ex = sub.add_parser("export", help="write one path of a run as a Hugging Face Llama checkpoint")
+    ex.add_argument("--run-dir", required=True, help="a prepared and trained run folder")
+    ex.add_argument("--path", type=int, required=True, help="path index, 0 to num_paths - 1")
+    ex.add_argument("--out", required=True, help="folder to write the checkpoint to")
+    ex.set_defaults(fn=cmd_export)
+    gen = sub.add_parser(
+        "generate", help="sample text from the path the prompt routes to (latest modules)"
+    )
+    gen.add_argument("prompt")
+    gen.add_argument("--run-dir", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=50, help="0: no top-k cut")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--reroute-every", type=int, default=None, help="re-route every N generated tokens"
+    )
+    gen.add_argument("--path", type=int, default=None, help="use this path instead of routing")
+    gen.add_argument("--json", action="store_true", help="print the result as JSON")
+    gen.set_defaults(fn=cmd_generate)
