@@ -38,6 +38,7 @@ from dipaco.cli.common import command_parser, console, dispatch
 from dipaco.errors import ConfigError, TransportError
 from dipaco.fileio import write_json_atomic
 from dipaco.peer.doctor import add_doctor_command, check_device
+from dipaco.peer.metrics import PeerMetrics
 from dipaco.peer.peer import Peer
 from dipaco.protocols.auth import Identity, check_public_key
 from dipaco.protocols.transport import LoopbackTransport
@@ -100,6 +101,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     acks = state_dir / "acks.jsonl"
 
     def on_ack(info: dict) -> None:
+        if meter is not None and info["task"] not in acked_tasks:
+            meter.tasks.inc()
         acked_tasks.add(info["task"])
         with open(acks, "a") as f:
             f.write(json.dumps(info) + "\n")
@@ -118,6 +121,10 @@ def cmd_join(args: argparse.Namespace) -> int:
     current: dict[str, TaskID] = {}
     first: dict[str, tuple[int, float]] = {}  # task -> (step, time) when this process saw it
     acked_tasks: set[str] = set()  # on_ack comes once per module of a task
+
+    def traffic() -> tuple[int, int]:
+        links = extra.get("links") or []
+        return sum(t.bytes_sent for t in links), sum(t.bytes_received for t in links)
 
     def totals() -> str:
         """Tasks done, and the traffic where the transport counts it (hivemind links)."""
@@ -149,6 +156,8 @@ def cmd_join(args: argparse.Namespace) -> int:
         step0, t0 = first[info["task"]]
         seconds = time.monotonic() - t0
         rate = (info["step"] - step0) * info.get("tokens_per_step", 0) / seconds if seconds else 0
+        if meter is not None:
+            meter.progress(info, rate)
         progress.update(
             current[info["task"]],
             completed=info["step"],
@@ -157,6 +166,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             totals=totals(),
         )
 
+    meter: PeerMetrics | None = None
     peer = Peer(
         transport,
         peer_id,
@@ -175,6 +185,11 @@ def cmd_join(args: argparse.Namespace) -> int:
         },
     )
     console.print(f"peer {peer_id} ({peer.device}) joined {args.address}")
+    if args.metrics_port is not None:
+        meter = PeerMetrics(peer_id, str(peer.device), traffic)
+        port = meter.serve(args.metrics_port)
+        (state_dir / "metrics_address").write_text(f"127.0.0.1:{port}\n")
+        console.print(f"this peer's metrics: http://127.0.0.1:{port}/metrics")
     device_check, _ = check_device(args.device)
     console.print(
         f"device: {device_check.detail}"
@@ -185,6 +200,8 @@ def cmd_join(args: argparse.Namespace) -> int:
             done = peer.run()
     finally:
         transport.close()
+        if meter is not None:
+            meter.close()
         if node is not None:
             sent = sum(t.bytes_sent for t in extra["links"])
             received = sum(t.bytes_received for t in extra["links"])
@@ -400,6 +417,11 @@ def main(argv: list[str] | None = None) -> None:
         "--state-dir", help="where inner optimizer state is kept (default ~/.cache/dipaco/<id>)"
     )
     join.add_argument("--max-tasks", type=int)
+    join.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve this peer's Prometheus /metrics on 127.0.0.1:PORT (0 picks one)",
+    )
     join.add_argument(
         "--device", default="auto", help="auto (a CUDA GPU if there is one), cpu, cuda:0, ..."
     )

@@ -38,7 +38,7 @@ def chromium():
 def start_peer(address, root, tmp_path, i) -> subprocess.Popen:
     return subprocess.Popen(
         [BIN / "dipaco-peer", "join", address, "--authkey-file", root / "coordinator" / "authkey",
-         "--peer-id", f"peer{i}", "--state-dir", tmp_path / f"peer{i}"],
+         "--peer-id", f"peer{i}", "--state-dir", tmp_path / f"peer{i}", "--metrics-port", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
     )  # fmt: skip
 
@@ -85,6 +85,11 @@ def test_dashboard_in_chromium_and_status_json_during_a_live_run(run_copy, tmp_p
             240,
             "the page to show round 1",
         )
+        # A peer's own /metrics, while the run goes on.
+        peer_metrics = (tmp_path / "peer0" / "metrics_address").read_text().strip()
+        scraped = urllib.request.urlopen(f"http://{peer_metrics}/metrics", timeout=10).read()
+        assert b'dipaco_peer_info{device="cpu",peer="peer0"} 1.0' in scraped
+        assert b"dipaco_peer_tasks_total" in scraped and b"dipaco_peer_step" in scraped
         wait_for(lambda: all(page(browser, LOSS_POINTS)), 60, "a loss point for every path")
         assert len(page(browser, LOSS_POINTS)) == 4  # one curve per path
         wait_for(
