@@ -201,16 +201,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from dipaco.config import load_config_dict
-    from dipaco.coordinator.store import ModuleStore
+    from dipaco.model.hf_export import open_run
 
-    run_dir = Path(args.run_dir)
-    config = load_config_dict(
-        json.loads((run_dir / "config.json").read_text()), origin=str(run_dir / "config.json")
-    )
-    prep = prepare(run_dir, config)
-    store = ModuleStore(run_dir / "coordinator")
-    store.load(config.build_topology().module_ids())
+    run = open_run(args.run_dir)
+    run_dir, config, prep, store = run.prep.root, run.config, run.prep, run.store
     result = evaluate_modules(prep, store.params)
     report: dict = {
         "ppl": round(result["ppl"], 2),

@@ -10,15 +10,13 @@ from dipaco.cli.common import console
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dipaco.model.hf_export import export_path, open_run
-    from dipaco.model.transformer import count_parameters
+    from dipaco.model.hf_export import export_path
 
-    run = open_run(args.run_dir)
-    out = export_path(run, args.path, args.out)
-    n = count_parameters(run.path_state(args.path))
+    out = export_path(args.run_dir, args.path, args.out)
+    info = json.loads((out / "dipaco_path.json").read_text())
     console.print(
-        f"wrote path P{args.path} of {run.topology.spec} as a Hugging Face Llama checkpoint to "
-        f"{out} ({n:,} parameters)"
+        f"wrote path P{args.path} of {info['topology']} as a Hugging Face Llama checkpoint to "
+        f"{out} ({info['parameters']:,} parameters)"
     )
     return 0
 
