@@ -178,6 +178,8 @@ def cmd_join(args: argparse.Namespace) -> int:
         on_ack=on_ack,
         memory_bytes=int(args.memory_gb * 2**30) if args.memory_gb else None,
         identity=me,
+        precision=args.precision,
+        compile=args.compile,
         **{
             k: v
             for k, v in extra.items()
@@ -209,7 +211,29 @@ def cmd_join(args: argparse.Namespace) -> int:
             extra["publisher"].close()
             node.shutdown()
     console.print(f"peer {peer_id} left after {done} tasks")
+    console.print(time_summary(peer.timings))
+    write_json_atomic(
+        state_dir / "timings.json",
+        {
+            "peer": peer_id,
+            "tasks": done,
+            "tokens": peer.tokens_trained,
+            "seconds": {k: round(v, 4) for k, v in peer.timings.items()},
+        },
+    )
     return 0
+
+
+def time_summary(timings: dict[str, float]) -> str:
+    """``time: train 12.3 s (80%), fetch 0.4 s, push 0.5 s, save 0.1 s, waiting for work 3.2 s``"""
+    total = sum(timings.values()) or 1.0
+    order = ["train", "fetch", "push", "save", "claim"]
+    parts = [
+        f"{'waiting for work' if k == 'claim' else k} {timings[k]:.1f} s"
+        + (f" ({100 * timings[k] / total:.0f}%)" if k == "train" else "")
+        for k in sorted(timings, key=lambda k: order.index(k) if k in order else len(order))
+    ]
+    return "time: " + ", ".join(parts)
 
 
 def join_flower(args: argparse.Namespace) -> int:
@@ -417,6 +441,18 @@ def main(argv: list[str] | None = None) -> None:
         "--state-dir", help="where inner optimizer state is kept (default ~/.cache/dipaco/<id>)"
     )
     join.add_argument("--max-tasks", type=int)
+    join.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default="auto",
+        help="the forward pass's precision (auto: bf16 autocast on a GPU that has it, else fp32)",
+    )
+    join.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.compile the path (auto: on a GPU)",
+    )
     join.add_argument(
         "--metrics-port",
         type=int,

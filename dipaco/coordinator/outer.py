@@ -51,6 +51,16 @@ class OuterSettings:
     norm_ratio: float = 3.0  # the clip, in median norms, when too few paths for a robust combiner
 
 
+def _weights(deltas: list[tuple[Tensors, float]], s: OuterSettings) -> tuple[list[float], float]:
+    """alpha_i (shard size in tokens, or 1/n) and the sqrt(n) rescale."""
+    n = len(deltas)
+    total = sum(tokens for _, tokens in deltas)
+    weights = [
+        tokens / total if s.weight_by_tokens and total > 0 else 1.0 / n for _, tokens in deltas
+    ]
+    return weights, (math.sqrt(n) if s.sqrt_rescale else 1.0)
+
+
 def outer_gradient(
     deltas: list[tuple[Tensors, float]], s: OuterSettings, info: dict | None = None
 ) -> Tensors:
@@ -62,11 +72,7 @@ def outer_gradient(
     if not deltas:
         raise ValueError("an outer step needs at least one delta")
     n = len(deltas)
-    total = sum(tokens for _, tokens in deltas)
-    weights = [
-        tokens / total if s.weight_by_tokens and total > 0 else 1.0 / n for _, tokens in deltas
-    ]
-    scale = math.sqrt(n) if s.sqrt_rescale else 1.0
+    weights, scale = _weights(deltas, s)
     info = info if info is not None else {}
     if s.aggregation != "mean":
         tensors = [d for d, _ in deltas]
@@ -83,23 +89,104 @@ def outer_gradient(
         info.setdefault("aggregation", s.aggregation)
         return {name: (scale * c).float() for name, c in center.items()}
     info["aggregation"] = "mean"
-    names = deltas[0][0].keys()
-    return {
-        name: scale
-        * sum(w * d[name].double() for w, (d, _) in zip(weights, deltas, strict=True)).float()
-        for name in names
-    }
+    names = list(deltas[0][0])
+    average = weighted_average([[_float32(d[k]) for k in names] for d, _ in deltas], weights)
+    return dict(zip(names, torch._foreach_mul(average, scale), strict=True))
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def weighted_average(lists: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
+    """sum_i weights[i] * lists[i] (weights summing to 1), tensor by tensor, one pass per input.
+
+    A chain of foreach lerps, a running mean: m_1 = x_1, m_k = lerp(m_{k-1}, x_k, w_k / W_k) with
+    W_k the weight so far. Float32, in path order, so the same deltas give the same bits on every
+    transport. With one input, that input itself (not a copy): callers must not write to it.
+    """
+    if len(lists) == 1:
+        return lists[0]
+    so_far = weights[0] + weights[1]
+    acc = torch._foreach_lerp(lists[0], lists[1], weights[1] / so_far if so_far else 0.5)
+    for tensors, w in zip(lists[2:], weights[2:], strict=True):
+        so_far += w
+        torch._foreach_lerp_(acc, tensors, w / so_far if so_far else 0.0)
+    if abs(so_far - 1.0) > 1e-12 and so_far > 0:
+        torch._foreach_mul_(acc, so_far)
+    return acc
 
 
 def nesterov_step(
     params: Tensors, momentum: Tensors | None, grad: Tensors, s: OuterSettings
 ) -> tuple[Tensors, Tensors]:
     """New parameters and momentum buffers; inputs are left untouched."""
-    new_params, new_momentum = {}, {}
-    for name, theta in params.items():
-        g = grad[name].to(theta.dtype)
-        b = s.momentum * momentum[name] + g if momentum is not None else g.clone()
-        update = g + s.momentum * b if s.nesterov else b
-        new_params[name] = theta - s.lr * update
-        new_momentum[name] = b
-    return new_params, new_momentum
+    names = list(params)
+    return _nesterov(names, params, momentum, [grad[n] for n in names], 1.0, s)
+
+
+def _nesterov(
+    names: list[str],
+    params: Tensors,
+    momentum: Tensors | None,
+    g: list[torch.Tensor],
+    k: float,
+    s: OuterSettings,
+) -> tuple[Tensors, Tensors]:
+    """Nesterov with the gradient given as k * g, in foreach kernels, no temporaries:
+
+    b = mu * b + k g ;  theta <- theta - lr k g - lr mu b    (theta - lr b without Nesterov)
+    """
+    theta = [params[n] for n in names]
+    g = [t.to(th.dtype) for t, th in zip(g, theta, strict=True)]
+    if momentum is None:
+        b = torch._foreach_mul(g, k)  # b starts at zero, so b = k g (a new tensor)
+    else:
+        b = torch._foreach_mul([momentum[n] for n in names], s.momentum)
+        torch._foreach_add_(b, g, alpha=k)
+    if s.nesterov:
+        new = torch._foreach_add(theta, g, alpha=-s.lr * k)
+        torch._foreach_add_(new, b, alpha=-s.lr * s.momentum)
+    else:
+        new = torch._foreach_add(theta, b, alpha=-s.lr)
+    return dict(zip(names, new, strict=True)), dict(zip(names, b, strict=True))
+
+
+def apply_round(
+    deltas: list[tuple[Tensors, float]],
+    params: Tensors,
+    momentum: Tensors | None,
+    s: OuterSettings,
+    info: dict | None = None,
+) -> tuple[Tensors, Tensors, float]:
+    """One module's whole outer step: new parameters, new momentum, and the outer gradient's norm.
+
+    The plain mean never materialises the gradient: the weighted average is formed in one pass
+    per delta and its sqrt(n) factor folded into the Nesterov update, so a round moves about
+    3(P-1) + 12 times the module's size through memory with P paths (the floor is P + 4).
+    Robust combiners go through ``outer_gradient``. Inputs are left untouched.
+    """
+    info = info if info is not None else {}
+    if s.aggregation != "mean" or not deltas:
+        grad = outer_gradient(deltas, s, info)
+        new_params, new_momentum = nesterov_step(params, momentum, grad, s)
+        return new_params, new_momentum, grad_norm(grad)
+    info["aggregation"] = "mean"
+    names = list(params)
+    weights, scale = _weights(deltas, s)
+    average = weighted_average([[_float32(d[k]) for k in names] for d, _ in deltas], weights)
+    norm = scale * _norm(average)
+    new_params, new_momentum = _nesterov(names, params, momentum, average, scale, s)
+    return new_params, new_momentum, norm
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    if not tensors:
+        return 0.0
+    norms = torch._foreach_norm([_float32(t) for t in tensors])
+    return float(torch.linalg.vector_norm(torch.stack(norms).double()))
+
+
+def grad_norm(grad: Tensors) -> float:
+    """The L2 norm of all of a module's outer gradient, with foreach kernels."""
+    return _norm(list(grad.values()))

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from dipaco.coordinator.outer import OuterSettings, nesterov_step, outer_gradient
+from dipaco.coordinator.outer import OuterSettings, apply_round
 from dipaco.errors import CorruptFileError
 from dipaco.faults import fault_point
 from dipaco.fileio import write_json_atomic
@@ -389,8 +389,7 @@ class ModuleStore:
         included += [p for _, p in sorted(record.late.items())]
         deltas = [(read_tensor_file(p.file).tensors, p.weight) for p in included]
         how: dict = {}
-        grad = outer_gradient(deltas, settings, how)
-        params, momentum = nesterov_step(record.params, record.momentum, grad, settings)
+        params, momentum, norm = apply_round(deltas, record.params, record.momentum, settings, how)
         v = record.version + 1
         write_tensor_file(
             folder / f"v{v}.dpt", Frame("ModuleRelease", {"module": mid, "version": v}, params)
@@ -422,14 +421,13 @@ class ModuleStore:
         shutil.rmtree(old_deltas, ignore_errors=True)
         for stale in (f"v{v - KEEP_VERSIONS}.dpt", f"m{v - KEEP_VERSIONS}.dpt"):
             (folder / stale).unlink(missing_ok=True)
-        grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grad.values())))
         info = {
             "module": mid,
             "version": v,
             "paths": paths,
             "late_paths": late,
             "tasks": [p.task_id for p in included],
-            "outer_grad_norm": grad_norm,
+            "outer_grad_norm": norm,
         }
         if settings.aggregation != "mean":
             factors = how.get("clip_factors", [1.0] * len(included))

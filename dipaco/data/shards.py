@@ -176,5 +176,10 @@ def window_batches(
 ) -> Iterator[torch.Tensor]:
     """Endless (batch, seq_len + 1) training batches, drawn by a generator seeded with ``seed``."""
     rng = np.random.default_rng(list(seed))
+    pinned = device.startswith("cuda") and torch.cuda.is_available()
     while True:
-        yield torch.from_numpy(sample_windows(shard, rng, batch, seq_len + 1)).to(device)
+        windows = torch.from_numpy(sample_windows(shard, rng, batch, seq_len + 1))
+        if pinned:  # page-locked, so the copy to the GPU overlaps the step still running there
+            yield windows.pin_memory().to(device, non_blocking=True)
+        else:
+            yield windows.to(device)

@@ -37,23 +37,40 @@ class InnerSettings:
 
 
 def make_optimizer(model: nn.Module, s: InnerSettings) -> torch.optim.AdamW:
-    """AdamW; no weight decay on norms (1-D tensors), as usual for Llama-style models."""
+    """AdamW; no weight decay on norms (1-D tensors), as usual for Llama-style models.
+
+    The fused kernel (one pass over each parameter for the whole update, on CPU and CUDA) where
+    this torch has it for the parameters' device: on 2 CPU cores it takes a width-256 path's step
+    from 35 ms to 5 ms. Otherwise the foreach kernels.
+    """
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": s.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=s.lr,
-        betas=s.betas,
-        foreach=True,
-    )
+    groups = [
+        {"params": decay, "weight_decay": s.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    try:
+        return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, fused=True)
+    except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
+        return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, foreach=True)
 
 
-def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over a batch of windows (B, T+1)."""
-    logits = model(tokens[:, :-1])
+def lm_loss(
+    model: nn.Module | Callable[[torch.Tensor], torch.Tensor],
+    tokens: torch.Tensor,
+    autocast: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over a batch of windows (B, T+1).
+
+    ``autocast`` (e.g. ``torch.bfloat16`` on a GPU) runs the forward pass in that precision;
+    the loss itself is taken in float32.
+    """
+    if autocast is None:
+        logits = model(tokens[:, :-1])
+    else:
+        with torch.autocast(tokens.device.type, dtype=autocast):
+            logits = model(tokens[:, :-1])
+    logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
@@ -67,8 +84,14 @@ def train_steps(
     step_offset: int,
     on_step: Callable[[int, float], None] | None = None,
     micro_batch: int | None = None,
+    autocast: torch.dtype | None = None,
+    forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[float]:
     """Run ``steps`` optimizer steps; returns the training loss of each.
+
+    ``autocast`` is the forward pass's precision (None: the parameters' own), ``forward`` a
+    compiled form of ``model`` (``torch.compile``) to call instead of it; the parameters, the
+    clip and the optimizer are ``model``'s either way.
 
     With ``micro_batch`` smaller than a batch, the batch is split into chunks of at most
     ``micro_batch`` windows whose gradients accumulate before the single clip and step (gradient
@@ -78,6 +101,7 @@ def train_steps(
     if micro_batch is not None and micro_batch < 1:
         raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
     model.train()
+    fwd = forward or model
     losses = []
     for i in range(steps):
         lr = settings.lr_at(step_offset + i)
@@ -85,13 +109,13 @@ def train_steps(
             group["lr"] = lr
         batch = next(batches)
         if micro_batch is None or micro_batch >= batch.shape[0]:
-            loss = lm_loss(model, batch)
+            loss = lm_loss(fwd, batch, autocast)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             loss_value = loss.item()
         else:
             optimizer.zero_grad(set_to_none=True)
-            loss_value = _accumulate_gradients(model, batch, micro_batch)
+            loss_value = _accumulate_gradients(fwd, batch, micro_batch, autocast)
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         optimizer.step()
         losses.append(loss_value)
@@ -100,7 +124,12 @@ def train_steps(
     return losses
 
 
-def _accumulate_gradients(model: nn.Module, batch: torch.Tensor, micro_batch: int) -> float:
+def _accumulate_gradients(
+    model: nn.Module | Callable[[torch.Tensor], torch.Tensor],
+    batch: torch.Tensor,
+    micro_batch: int,
+    autocast: torch.dtype | None = None,
+) -> float:
     """Backpropagate ``batch`` in chunks of at most ``micro_batch`` rows; returns the mean loss.
 
     Each chunk's mean loss is weighted by its share of the rows, so the accumulated gradient is
@@ -109,7 +138,7 @@ def _accumulate_gradients(model: nn.Module, batch: torch.Tensor, micro_batch: in
     rows = batch.shape[0]
     total = torch.zeros((), dtype=torch.float32, device=batch.device)
     for chunk in batch.split(micro_batch, dim=0):
-        scaled = lm_loss(model, chunk) * (chunk.shape[0] / rows)
+        scaled = lm_loss(model, chunk, autocast) * (chunk.shape[0] / rows)
         scaled.backward()
         total += scaled.detach().float()
     return total.item()
@@ -136,9 +165,14 @@ def load_optimizer_state_tensors(
             key.split("/", 1)[0]: t for key, t in tensors.items() if key.split("/", 1)[1] == name
         }
         if state:
-            # Moments live with the parameter; AdamW keeps its step counter on the CPU.
+            # Moments live with the parameter. The step counter: on the CPU for the foreach
+            # kernels, on the parameter's device in float32 for the fused (and capturable) ones.
+            on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
             optimizer.state[p] = {
-                k: v.clone().to(p.device) if v.dim() else v.clone() for k, v in state.items()
+                k: v.clone().to(p.device)
+                if v.dim()
+                else (v.to(p.device, torch.float32) if on_device else v.clone())
+                for k, v in state.items()
             }
 
 

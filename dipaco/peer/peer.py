@@ -18,7 +18,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,36 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def training_features(device: str, precision: str = "auto", compile: str = "auto") -> dict:
+    """What the inner loop uses on this device: autocast dtype, torch.compile, fused AdamW.
+
+    ``precision``: "auto" (bfloat16 autocast on a GPU that has it, float32 elsewhere), "fp32"
+    or "bf16". ``compile``: "auto" (on a GPU), "on" or "off". The fused AdamW kernel is used
+    wherever torch has one (CPU and CUDA), see ``dipaco.model.optim.make_optimizer``.
+    """
+    if precision not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"precision must be auto, fp32 or bf16, not {precision!r}")
+    if compile not in ("auto", "on", "off"):
+        raise ConfigError(f"compile must be auto, on or off, not {compile!r}")
+    gpu = device.startswith("cuda") and torch.cuda.is_available()
+    bf16 = precision == "bf16" or (precision == "auto" and gpu and torch.cuda.is_bf16_supported())
+    probe = torch.nn.Linear(1, 1, device=device)
+    try:
+        torch.optim.AdamW(probe.parameters(), fused=True)
+        fused = True
+    except (RuntimeError, ValueError):
+        fused = False
+    return {
+        "autocast": torch.bfloat16 if bf16 else None,
+        "compile": compile == "on" or (compile == "auto" and gpu),
+        "fused": fused,
+    }
+
+
 Connect = Callable[[str, list[str]], Transport]
 # An owner is busy handing modules over, or its disk is full for now: try again shortly.
 RETRIABLE = {"handover", "disk-full"}
+TIMED = ("claim", "fetch", "train", "push", "save")
 
 
 class Peer:
@@ -95,6 +123,8 @@ class Peer:
         manifest_sha256: str | None = None,
         run_over: threading.Event | None = None,
         identity: auth.Identity | None = None,
+        precision: str = "auto",
+        compile: str = "auto",
     ) -> None:
         self.manifest_sha256 = manifest_sha256
         # The peer's key signs every request, to the scheduler and to every module owner alike:
@@ -115,6 +145,7 @@ class Peer:
         self.peer_id = peer_id
         self.state_dir = Path(state_dir)
         self.device = resolve_device(device)
+        self.features = training_features(str(self.device), precision, compile)
         self.max_tasks = max_tasks
         self.give_up_seconds, self.retry_seconds = give_up_seconds, retry_seconds
         self.stop = stop or threading.Event()
@@ -127,6 +158,11 @@ class Peer:
         self.cache: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
         self.last_path: int | None = None
         self.tasks_done = 0
+        # Where this peer's time went, in seconds: "claim" (asking for work, and waiting for it
+        # or for a round to close, retries), "fetch", "train" (building the path's model and
+        # optimizer, the inner steps), "push", and "save" (inner state, checkpoints dropped).
+        self.timings: dict[str, float] = dict.fromkeys(TIMED, 0.0)
+        self.tokens_trained = 0
         self.config: dict[str, Any] = {}
         self.micro_batch: int | None = None
         self.owners: dict[str, str] = {}
@@ -172,7 +208,17 @@ class Peer:
 
     def run(self) -> int:
         self.setup()
-        last_contact = time.monotonic()
+        began = time.monotonic()
+        busy = sum(self.timings.values())
+        try:
+            return self._loop(began)
+        finally:
+            # The loop's time that no task step took: claims, waiting for work or for a round
+            # to close, and retries.
+            steps = sum(self.timings.values()) - busy
+            self.timings["claim"] += max(0.0, time.monotonic() - began - steps)
+
+    def _loop(self, last_contact: float) -> int:
         while not self.stop.is_set() and (
             self.max_tasks is None or self.tasks_done < self.max_tasks
         ):
@@ -234,6 +280,15 @@ class Peer:
             link.close()
         return self.tasks_done
 
+    @contextmanager
+    def _timed(self, what: str) -> Iterator[None]:
+        """Add the time spent in the ``with`` block to ``self.timings[what]``."""
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self.timings[what] += time.monotonic() - began
+
     def _patient(self, call: Callable[[], Any]) -> Any:
         """Retry ``call`` over transport errors for up to ``give_up_seconds``."""
         began = time.monotonic()
@@ -270,7 +325,9 @@ class Peer:
         log.info("peer %s: training %s (path P%d)", self.peer_id, task.task_id, task.path)
         if task.owners:
             self.owners.update(task.owners)
-        modules = self.fetch(task)
+        with self._timed("fetch"):
+            modules = self.fetch(task)
+        training = time.monotonic()
         model = self.topology.build_path(
             self.model_cfg,
             task.path,
@@ -332,8 +389,11 @@ class Peer:
                 step_offset=task.step_offset + done_steps,
                 on_step=on_step,
                 micro_batch=self.micro_batch,
+                autocast=self.features["autocast"],
+                forward=torch.compile(model) if self.features["compile"] else None,
             )
         except TaskAborted:
+            self.timings["train"] += time.monotonic() - training
             if self.stop.is_set():
                 # Leave cleanly: hand the task back at once rather than let it expire.
                 self.transport.request(m.ReleaseTask(peer_id=self.peer_id, task_id=task.task_id))
@@ -350,11 +410,15 @@ class Peer:
             for mid in modules
         }
         tokens = task.inner_steps * tc["batch_size"] * tc["seq_len"]
+        self.timings["train"] += time.monotonic() - training
         fault_point("peer.before_push")
-        self.push(task, delta, tokens, losses)
-        self._save_inner_state(task.path, optimizer, names)
-        self._drop_checkpoint()
+        with self._timed("push"):
+            self.push(task, delta, tokens, losses)
+        with self._timed("save"):
+            self._save_inner_state(task.path, optimizer, names)
+            self._drop_checkpoint()
         self.tasks_done += 1
+        self.tokens_trained += tokens
         self.last_path = task.path
         log.info(
             "peer %s: %s done, loss %.3f -> %.3f", self.peer_id, task.task_id, losses[0], losses[-1]

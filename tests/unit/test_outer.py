@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dipaco.coordinator.outer import OuterSettings, nesterov_step, outer_gradient
+from dipaco.coordinator.outer import OuterSettings, apply_round, nesterov_step, outer_gradient
 
 
 def t(*xs):
@@ -51,3 +51,29 @@ def test_nesterov_agrees_with_torch_sgd():
         sgd.step()
         params, momentum = nesterov_step(params, momentum, {"w": g}, s)
         assert torch.allclose(params["w"], w.detach(), atol=1e-6)
+
+
+@pytest.mark.parametrize("paths", [1, 2, 5])
+@pytest.mark.parametrize("with_momentum", [False, True])
+def test_the_fused_round_equals_gradient_then_nesterov(paths, with_momentum):
+    """apply_round (the store's one-pass form) = outer_gradient + nesterov_step, to rounding."""
+    gen = torch.Generator().manual_seed(paths)
+    shapes = {"w": (6, 5), "norm": (5,)}
+    rand = lambda: {k: torch.randn(*v, generator=gen) for k, v in shapes.items()}  # noqa: E731
+    deltas = [(rand(), 1000.0 * (i + 1)) for i in range(paths)]
+    params, momentum = rand(), rand() if with_momentum else None
+    before = {k: v.clone() for k, v in params.items()}
+    s = OuterSettings()
+    info: dict = {}
+    new_params, new_momentum, norm = apply_round(deltas, params, momentum, s, info)
+    grad = outer_gradient(deltas, s)
+    want_params, want_momentum = nesterov_step(params, momentum, grad, s)
+    for k in shapes:
+        assert torch.allclose(new_params[k], want_params[k], atol=1e-5)
+        assert torch.allclose(new_momentum[k], want_momentum[k], atol=1e-5)
+        assert torch.equal(params[k], before[k])  # inputs untouched
+    whole = torch.cat([g.reshape(-1) for g in grad.values()])
+    assert norm == pytest.approx(float(whole.norm()), rel=1e-5)
+    assert info == {"aggregation": "mean"}
+    again = apply_round(deltas, params, momentum, s)
+    assert all(torch.equal(again[0][k], new_params[k]) for k in shapes)  # deterministic

@@ -1,0 +1,304 @@
+"""Scale with peers: tokens per second of a whole run with 1, 2, 4 and 8 peers, against 1 peer.
+
+Real processes on 127.0.0.1: ``dipaco-coordinator start --transport loopback`` and N
+``dipaco-peer join`` processes, each peer pinned to one CPU core (core i mod the cores this
+process may use) with one thread (OMP_NUM_THREADS=1, MKL_NUM_THREADS=1), so that peers do not
+fight over cores; the coordinator gets one thread too. The run is the tiny preset on a 2x4
+topology (8 paths, so that 8 peers all have work each round), quorum 1.0, and the same work for
+every N: rounds x 8 paths x H inner steps. The run is prepared once and copied for each N.
+
+Measured per N: the wall time from the peers' start (their processes being launched, so torch's
+import counts) to the coordinator's last ``round`` event in the run's metrics.jsonl; the tokens
+trained (the sum of the peers' ``timings.json``); tokens per second; its ratio to 1 peer and the
+efficiency ratio / N; and where the peers' time went, time-weighted over the peers: compute
+(train), transfer (fetch, push, save) and waiting (claims, waiting for work or for the round).
+
+On a machine with C cores the ratio cannot exceed about C: with more peers than cores, peers
+share cores (the script says so in what it prints).
+
+    python bench/scale.py                 # --peers 1 2 4 8, 3 rounds of H = 100
+    python bench/scale.py --quick         # 1 and 2 peers, 1 round (CI's short form)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _report import add_report_args, record
+from rich.console import Console
+from rich.table import Table
+
+from dipaco.config import preset_config
+from dipaco.coordinator.prepare import prepare
+
+BIN = Path(sys.executable).parent
+TOPOLOGY = "2x4"
+console = Console(width=150)
+
+
+def cores() -> list[int]:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def one_thread_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "COLUMNS": "120"}
+
+
+def pinned(core: int):
+    """A preexec_fn that pins the child process to one core."""
+
+    def pin() -> None:
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {core})
+
+    return pin
+
+
+def run_config(work: Path, rounds: int, inner_steps: int) -> Path:
+    file = work / "run.toml"
+    file.write_text(
+        f'preset = "tiny"\n[topology]\nlevels = "{TOPOLOGY}"\n'
+        f"[train]\ninner_steps = {inner_steps}\nrounds = {rounds}\n"
+        "[scheduler]\nquorum = 1.0\nmin_step_fraction = 1.0\nheartbeat_seconds = 1.0\n"
+    )
+    return file
+
+
+def wait_for(predicate, timeout: float, what: str, procs=()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        for p in procs:
+            if p.poll() is not None and p.returncode != 0:
+                raise RuntimeError(f"{what}: a process exited with code {p.returncode}")
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def events(root: Path) -> list[dict]:
+    file = root / "metrics.jsonl"
+    if not file.exists():
+        return []
+    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+
+
+def one_run(prepared: Path, work: Path, config: Path, n: int, rounds: int, timeout: float) -> dict:
+    root = work / f"peers{n}"
+    shutil.copytree(prepared, root)
+    logs = work / f"logs{n}"
+    logs.mkdir()
+    env = one_thread_env()
+    procs: list[subprocess.Popen] = []
+    try:
+        coordinator = subprocess.Popen(
+            [BIN / "dipaco-coordinator", "start", "--config", config, "--run-dir", root,
+             "--no-eval", "--transport", "loopback", "--linger", "2"],
+            stdout=open(logs / "coordinator.log", "w"),  # noqa: SIM115 - closed with the process
+            stderr=subprocess.STDOUT,
+            env=env,
+        )  # fmt: skip
+        procs.append(coordinator)
+        address_file = root / "coordinator" / "address"
+        address = wait_for(
+            lambda: address_file.exists() and address_file.read_text().strip(),
+            120,
+            "the coordinator to listen",
+            procs,
+        )
+        where = cores()
+        began = time.time()
+        for i in range(n):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        BIN / "dipaco-peer",
+                        "join",
+                        address,
+                        "--authkey-file",
+                        root / "coordinator" / "authkey",
+                        "--peer-id",
+                        f"peer{i}",
+                        "--state-dir",
+                        root / "peers" / f"peer{i}",
+                        "--device",
+                        "cpu",
+                    ],
+                    stdout=open(logs / f"peer{i}.log", "w"),  # noqa: SIM115
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    preexec_fn=pinned(where[i % len(where)]),
+                )  # fmt: skip
+            )
+        if coordinator.wait(timeout) != 0:
+            raise RuntimeError(f"the coordinator failed: {(logs / 'coordinator.log').read_text()}")
+        for p in procs[1:]:
+            if p.wait(60) != 0:
+                raise RuntimeError(f"a peer failed: see {logs}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    log = events(root)
+    last = [e["time"] for e in log if e["event"] == "round" and e["round"] == rounds]
+    if not last:
+        raise RuntimeError(f"{root}: the run did not reach round {rounds}")
+    issued = [e["time"] for e in log if e["event"] == "task_issued"]
+    peers = [
+        json.loads((root / "peers" / f"peer{i}" / "timings.json").read_text()) for i in range(n)
+    ]
+    seconds = {k: sum(p["seconds"].get(k, 0.0) for p in peers) for k in peers[0]["seconds"]}
+    busy = sum(seconds.values()) or 1.0
+    wall = last[0] - began
+    tokens = sum(p["tokens"] for p in peers)
+    return {
+        "peers": n,
+        "wall_s": wall,
+        "start_s": min(issued) - began if issued else None,  # launch to the first task issued
+        "tasks": sum(p["tasks"] for p in peers),
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "compute": seconds.get("train", 0.0) / busy,
+        "transfer": sum(seconds.get(k, 0.0) for k in ("fetch", "push", "save")) / busy,
+        "waiting": seconds.get("claim", 0.0) / busy,
+        "peer_seconds": seconds,
+    }
+
+
+def plot(rows: list[dict], file: Path) -> Path | None:
+    """Tokens/s against peers (with the linear ideal), and the peers' time shares, as HTML."""
+    try:
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+    except ImportError:
+        return None
+    ns = [r["peers"] for r in rows]
+    base = rows[0]["tokens_per_s"] / rows[0]["peers"]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s", "share of the peers' time"))
+    fig.add_trace(go.Scatter(x=ns, y=[r["tokens_per_s"] for r in rows], name="measured"), 1, 1)
+    fig.add_trace(
+        go.Scatter(x=ns, y=[base * n for n in ns], name="linear", line={"dash": "dash"}), 1, 1
+    )
+    for part in ("compute", "transfer", "waiting"):
+        fig.add_trace(go.Bar(x=[str(n) for n in ns], y=[r[part] for r in rows], name=part), 1, 2)
+    fig.update_layout(barmode="stack", title=f"dipaco: scaling with peers ({machine_cores()})")
+    fig.update_xaxes(title_text="peers")
+    file.parent.mkdir(parents=True, exist_ok=True)
+    fig.write_html(file, include_plotlyjs="cdn")
+    return file
+
+
+def machine_cores() -> str:
+    return f"{len(cores())} CPU cores"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--peers", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--inner-steps", type=int, default=100, help="H, inner steps per task")
+    ap.add_argument("--quick", action="store_true", help="1 and 2 peers, 1 round of H = 40")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run at most")
+    ap.add_argument("--out", default="runs/bench/scale.json")
+    ap.add_argument("--plot", default="runs/bench/scale.html", help="'' to skip the plot")
+    add_report_args(ap)
+    args = ap.parse_args()
+    if args.quick:
+        args.peers, args.rounds, args.inner_steps = [1, 2], 1, 40
+    peers = sorted(set(args.peers))
+    if peers[0] != 1:
+        peers.insert(0, 1)  # the baseline
+    work = Path(tempfile.mkdtemp(prefix="dipaco-scale-"))
+    rows = []
+    try:
+        config = run_config(work, args.rounds, args.inner_steps)
+        prepared = work / "prepared"
+        console.log(f"preparing the tiny preset ({TOPOLOGY}) once")
+        prepare(
+            prepared,
+            preset_config("tiny").replace(
+                topology={"levels": TOPOLOGY},
+                train={"inner_steps": args.inner_steps, "rounds": args.rounds},
+                scheduler={"quorum": 1.0, "min_step_fraction": 1.0, "heartbeat_seconds": 1.0},
+            ),
+        )
+        for n in peers:
+            console.log(f"{n} peer(s): {args.rounds} rounds x 8 paths x H={args.inner_steps}")
+            rows.append(one_run(prepared, work, config, n, args.rounds, args.timeout))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["ratio"] = r["tokens_per_s"] / base
+        r["efficiency"] = r["ratio"] / r["peers"]
+    n_cores = len(cores())
+    table = Table(
+        title=f"scaling with peers: tiny preset {TOPOLOGY}, {args.rounds} rounds x 8 paths x "
+        f"H={args.inner_steps}, one core and one thread per peer, {n_cores} cores"
+    )
+    for col in ("peers", "wall", "start", "tasks", "tokens", "tokens/s", "vs 1 peer",
+                "efficiency", "compute", "transfer", "waiting"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["peers"]),
+            f"{r['wall_s']:.1f} s",
+            f"{r['start_s']:.1f} s" if r["start_s"] is not None else "-",
+            str(r["tasks"]),
+            f"{r['tokens']:,}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['ratio']:.2f}x",
+            f"{100 * r['efficiency']:.0f}%",
+            f"{100 * r['compute']:.0f}%",
+            f"{100 * r['transfer']:.0f}%",
+            f"{100 * r['waiting']:.0f}%",
+        )
+    console.print(table)
+    console.print(
+        "wall: from launching the peers to the last round's end (start: to the first task "
+        "issued, torch's import included); compute / transfer / waiting: the peers' time in "
+        "train / fetch+push+save / claims and waiting for work or for the round to close"
+    )
+    for r in rows[1:]:
+        console.print(
+            f"ratio {r['peers']} peers / 1 peer: {r['ratio']:.2f}x tokens/s "
+            f"(linear would be {r['peers']}x; efficiency {100 * r['efficiency']:.0f}%)"
+        )
+    capped = [r["peers"] for r in rows if r["peers"] > n_cores]
+    if capped:
+        console.print(
+            f"[yellow]this machine has {n_cores} CPU cores:[/] with {', '.join(map(str, capped))} "
+            f"peers, peers share cores, so the ratio cannot exceed about {n_cores}x there"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"cores": n_cores, "rows": rows}, indent=2))
+    console.print(f"results: {out}")
+    if args.plot:
+        html = plot(rows, Path(args.plot))
+        console.print(f"plot: {html}" if html else "plot skipped (plotly is not installed)")
+    result = ", ".join(
+        f"{r['peers']} peers {r['tokens_per_s']:,.0f} tok/s ({r['ratio']:.2f}x)" for r in rows
+    )
+    record(
+        args,
+        "scale",
+        f"{result}; {n_cores} cores, tiny {TOPOLOGY}, {args.rounds} rounds, H={args.inner_steps}",
+    )
+
+
+if __name__ == "__main__":
+    main()
