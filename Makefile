@@ -30,7 +30,12 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix dipaco tests bench
 	$(VENV)/bin/ruff format dipaco tests bench
 
+# Every row lands in docs/benchmarks.md (about 15 minutes on 2 CPU cores).
 bench: $(STAMP)
+	OMP_NUM_THREADS=2 $(PY) bench/peer_throughput.py
+	$(PY) bench/outer_step.py --store
+	$(PY) bench/codecs.py
+	$(PY) bench/scale.py
 	$(PY) bench/wire.py
 	$(PY) bench/communication.py
 

@@ -7,8 +7,9 @@ fight over cores; the coordinator gets one thread too. The run is the tiny prese
 topology (8 paths, so that 8 peers all have work each round), quorum 1.0, and the same work for
 every N: rounds x 8 paths x H inner steps. The run is prepared once and copied for each N.
 
-Measured per N: the wall time from the peers' start (their processes being launched, so torch's
-import counts) to the coordinator's last ``round`` event in the run's metrics.jsonl; the tokens
+Measured per N: the wall time from the first task issued to the coordinator's last ``round``
+event in the run's metrics.jsonl (start-up, from launching the peers to the first task, is
+printed apart: importing torch N times on a small machine is not training); the tokens
 trained (the sum of the peers' ``timings.json``); tokens per second; its ratio to 1 peer and the
 efficiency ratio / N; and where the peers' time went, time-weighted over the peers: compute
 (train), transfer (fetch, push, save) and waiting (claims, waiting for work or for the round).
@@ -162,7 +163,10 @@ def one_run(prepared: Path, work: Path, config: Path, n: int, rounds: int, timeo
     ]
     seconds = {k: sum(p["seconds"].get(k, 0.0) for p in peers) for k in peers[0]["seconds"]}
     busy = sum(seconds.values()) or 1.0
-    wall = last[0] - began
+    # Training time: from the first task handed out to the last round closed. Start-up (the
+    # processes importing torch, the peers saying hello) is printed apart: it grows with N on a
+    # small machine and says nothing about how a long run scales.
+    wall = last[0] - (min(issued) if issued else began)
     tokens = sum(p["tokens"] for p in peers)
     return {
         "peers": n,
@@ -268,8 +272,8 @@ def main() -> None:
         )
     console.print(table)
     console.print(
-        "wall: from launching the peers to the last round's end (start: to the first task "
-        "issued, torch's import included); compute / transfer / waiting: the peers' time in "
+        "wall: from the first task issued to the last round's end (start: from launching the "
+        "peers to the first task, torch's import included); compute / transfer / waiting: the peers' time in "
         "train / fetch+push+save / claims and waiting for work or for the round to close"
     )
     for r in rows[1:]:
