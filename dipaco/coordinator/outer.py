@@ -158,6 +158,7 @@ def apply_round(
     momentum: Tensors | None,
     s: OuterSettings,
     info: dict | None = None,
+    out: tuple[Tensors, Tensors] | None = None,
 ) -> tuple[Tensors, Tensors, float]:
     """One module's whole outer step: new parameters, new momentum, and the outer gradient's norm.
 
@@ -165,6 +166,10 @@ def apply_round(
     per delta and its sqrt(n) factor folded into the Nesterov update, so a round moves about
     3(P-1) + 12 times the module's size through memory with P paths (the floor is P + 4).
     Robust combiners go through ``outer_gradient``. Inputs are left untouched.
+
+    ``out`` (new parameters, new momentum: float32 contiguous tensors named and shaped like
+    ``params``, aliasing none of the inputs) receives the results in place and is returned:
+    fresh results cost a page fault per 4 KiB on first touch, several times the arithmetic.
     """
     info = info if info is not None else {}
     if s.aggregation != "mean" or not deltas:
@@ -174,10 +179,46 @@ def apply_round(
     info["aggregation"] = "mean"
     names = list(params)
     weights, scale = _weights(deltas, s)
-    average = weighted_average([[_float32(d[k]) for k in names] for d, _ in deltas], weights)
+    lists = [[_float32(d[k]) for k in names] for d, _ in deltas]
+    if out is None:
+        average = weighted_average(lists, weights)
+        norm = scale * _norm(average)
+        new_params, new_momentum = _nesterov(names, params, momentum, average, scale, s)
+        return new_params, new_momentum, norm
+    new = [out[0][n] for n in names]
+    b = [out[1][n] for n in names]
+    theta = [params[n] for n in names]
+    if len(lists) == 1:
+        average = lists[0]
+    else:  # the running mean, built in the momentum's buffers
+        so_far = weights[0] + weights[1]
+        for x, y, o in zip(lists[0], lists[1], b, strict=True):
+            torch.lerp(x, y, weights[1] / so_far if so_far else 0.5, out=o)
+        for tensors, w in zip(lists[2:], weights[2:], strict=True):
+            so_far += w
+            torch._foreach_lerp_(b, tensors, w / so_far if so_far else 0.0)
+        if abs(so_far - 1.0) > 1e-12 and so_far > 0:
+            torch._foreach_mul_(b, so_far)
+        average = b
     norm = scale * _norm(average)
-    new_params, new_momentum = _nesterov(names, params, momentum, average, scale, s)
-    return new_params, new_momentum, norm
+    # theta - lr k g first, while g is still whole (it may live in the momentum's buffers)
+    lr_g = -s.lr * scale if s.nesterov else 0.0
+    for th, g, o in zip(theta, average, new, strict=True):
+        torch.add(th, g, alpha=lr_g, out=o)
+    if average is b:  # b = mu * m + k * g, in place over g
+        torch._foreach_mul_(b, scale)
+        if momentum is not None:
+            torch._foreach_add_(b, [momentum[n] for n in names], alpha=s.momentum)
+    else:
+        if momentum is None:
+            for g, o in zip(average, b, strict=True):
+                torch.mul(g, scale, out=o)
+        else:
+            for n, o in zip(names, b, strict=True):
+                torch.mul(momentum[n], s.momentum, out=o)
+            torch._foreach_add_(b, average, alpha=scale)
+    torch._foreach_add_(new, b, alpha=-s.lr * s.momentum if s.nesterov else -s.lr)
+    return out[0], out[1], norm
 
 
 def _norm(tensors: list[torch.Tensor]) -> float:

@@ -29,6 +29,7 @@ import logging
 import math
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,6 +149,11 @@ class ModuleStore:
         self.modules: dict[str, ModuleRecord] = {}
         self.quarantined: list[str] = []  # corrupt files moved aside by load (for the log)
         self.rolled_back: dict[str, tuple[int, int]] = {}  # module -> (bad version, used one)
+        # The version before the head, per module, whose buffers the next outer step writes
+        # into (see _spare_buffers). Off, every step allocates its results afresh: half the
+        # memory, and on 2 CPU cores about three times slower for large modules (page faults).
+        self.reuse_buffers = True
+        self._spare: dict[str, tuple[Tensors, Tensors | None]] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def initialize(self, modules: dict[str, Tensors]) -> None:
@@ -389,7 +395,10 @@ class ModuleStore:
         included += [p for _, p in sorted(record.late.items())]
         deltas = [(read_tensor_file(p.file).tensors, p.weight) for p in included]
         how: dict = {}
-        params, momentum, norm = apply_round(deltas, record.params, record.momentum, settings, how)
+        out = self._spare_buffers(mid, record.params)
+        params, momentum, norm = apply_round(
+            deltas, record.params, record.momentum, settings, how, out
+        )
         v = record.version + 1
         write_tensor_file(
             folder / f"v{v}.dpt", Frame("ModuleRelease", {"module": mid, "version": v}, params)
@@ -418,6 +427,8 @@ class ModuleStore:
         old_deltas = self.root / "deltas" / mid / f"v{record.version - 1}"
         paths, late = sorted(record.pending), sorted(record.late)
         self.modules[mid] = ModuleRecord(v, digest, params, momentum, applied, reported)
+        if self.reuse_buffers:
+            self._spare[mid] = (record.params, record.momentum)
         shutil.rmtree(old_deltas, ignore_errors=True)
         for stale in (f"v{v - KEEP_VERSIONS}.dpt", f"m{v - KEEP_VERSIONS}.dpt"):
             (folder / stale).unlink(missing_ok=True)
@@ -438,6 +449,38 @@ class ModuleStore:
                 if f < 1.0
             ]
         return info
+
+    def _spare_buffers(self, mid: str, like: Tensors) -> tuple[Tensors, Tensors] | None:
+        """The previous version's tensors, to be overwritten, if nothing else can see them.
+
+        Each must be float32, contiguous, shaped like the module, and referenced by nobody but
+        the store: no other Python reference to the tensor, no view or NumPy array on its
+        storage (a reply being encoded, an evaluation holding it). Anything less: None, and the
+        step allocates its results afresh.
+        """
+        spare = self._spare.pop(mid, None)
+        if spare is None or spare[1] is None:
+            return None
+        try:
+            for tensors in spare:
+                # the tuple's reference, the loop's and getrefcount's: nobody holds the dict
+                if sys.getrefcount(tensors) > 3 or tensors.keys() != like.keys():
+                    return None
+                for name, ref in like.items():
+                    t = tensors[name]
+                    if (
+                        t.dtype != torch.float32
+                        or t.shape != ref.shape
+                        or not t.is_contiguous()
+                        or t.device != ref.device
+                        # the dict's reference, t's and getrefcount's own: nobody else's
+                        or sys.getrefcount(t) > 3
+                        or torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
+                    ):
+                        return None
+        except AttributeError:  # a torch without the storage count: never share
+            return None
+        return spare[0], spare[1]
 
     def delta_tensors(self, delta: PendingDelta) -> Tensors:
         return read_tensor_file(delta.file).tensors

@@ -77,3 +77,26 @@ def test_the_fused_round_equals_gradient_then_nesterov(paths, with_momentum):
     assert info == {"aggregation": "mean"}
     again = apply_round(deltas, params, momentum, s)
     assert all(torch.equal(again[0][k], new_params[k]) for k in shapes)  # deterministic
+
+
+@pytest.mark.parametrize("paths", [1, 2, 5])
+@pytest.mark.parametrize("with_momentum", [False, True])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_the_round_into_given_buffers_equals_the_fresh_one(paths, with_momentum, nesterov):
+    """apply_round(out=...) writes the same results into the buffers it is given."""
+    gen = torch.Generator().manual_seed(10 + paths)
+    shapes = {"w": (6, 5), "norm": (5,)}
+    rand = lambda: {k: torch.randn(*v, generator=gen) for k, v in shapes.items()}  # noqa: E731
+    deltas = [(rand(), 1000.0 * (i + 1)) for i in range(paths)]
+    params, momentum = rand(), rand() if with_momentum else None
+    kept = [({k: v.clone() for k, v in d.items()}, w) for d, w in deltas]
+    s = OuterSettings(nesterov=nesterov)
+    fresh = apply_round(deltas, params, momentum, s)
+    out = (rand(), rand())  # garbage in, overwritten
+    into = apply_round(deltas, params, momentum, s, out=out)
+    assert into[0] is out[0] and into[1] is out[1]
+    for k in shapes:
+        assert torch.allclose(into[0][k], fresh[0][k], atol=1e-6)
+        assert torch.allclose(into[1][k], fresh[1][k], atol=1e-6)
+        assert all(torch.equal(d[k], c[k]) for (d, _), (c, _) in zip(deltas, kept, strict=True))
+    assert into[2] == pytest.approx(fresh[2], rel=1e-6)
