@@ -155,6 +155,7 @@ class Peer:
         self.shard_source = shard_source
         self.memory_bytes = memory_bytes
         self.checkpoint_seconds = checkpoint_seconds
+        self._checkpointing: threading.Thread | None = None  # a checkpoint being written
         self.cache: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
         self.last_path: int | None = None
         self.tasks_done = 0
@@ -652,16 +653,42 @@ class Peer:
         return self.state_dir / "task"
 
     def _checkpoint(self, task, model, optimizer, names, step: int, losses: list[float]) -> None:
-        tensors = {f"model/{k}": v.detach().cpu() for k, v in model.state_dict().items()}
+        """Snapshot the task (a copy of the model and optimizer state), written in the background.
+
+        Copying takes milliseconds; encoding, hashing, writing and fsync-ing the file run in a
+        thread while training goes on (one write at a time; the next snapshot, dropping the
+        checkpoint and leaving wait for it). A failed write is logged: the task trains on, and
+        a restart would resume from the last checkpoint that was written whole.
+        """
+        tensors = {
+            f"model/{k}": v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
+        }
         tensors.update(
-            {f"optim/{k}": v for k, v in optimizer_state_tensors(optimizer, names).items()}
+            {
+                f"optim/{k}": v.detach().to("cpu", copy=True)
+                for k, v in optimizer_state_tensors(optimizer, names).items()
+            }
         )
+        self._wait_checkpoint()
+        frame = Frame("TaskCheckpoint", {"task_id": task.task_id, "step": step}, tensors)
+        meta = {"task_id": task.task_id, "losses": list(losses)}
+        self._checkpointing = threading.Thread(
+            target=self._write_checkpoint, args=(frame, meta), name="checkpoint", daemon=True
+        )
+        self._checkpointing.start()
+
+    def _write_checkpoint(self, frame: Frame, meta: dict) -> None:
         folder = self._task_dir()
-        write_tensor_file(
-            folder / "checkpoint.dpt",
-            Frame("TaskCheckpoint", {"task_id": task.task_id, "step": step}, tensors),
-        )
-        write_json_atomic(folder / "task.json", {"task_id": task.task_id, "losses": losses})
+        try:
+            write_tensor_file(folder / "checkpoint.dpt", frame)
+            write_json_atomic(folder / "task.json", meta)
+        except OSError as exc:
+            log.warning("peer %s: could not write a checkpoint: %s", self.peer_id, exc)
+
+    def _wait_checkpoint(self) -> None:
+        writer, self._checkpointing = self._checkpointing, None
+        if writer is not None:
+            writer.join()
 
     def _resume(self, task, model, optimizer, names) -> tuple[int, list[float]]:
         folder = self._task_dir()
@@ -684,6 +711,7 @@ class Peer:
         return step, list(meta.get("losses", []))[:step]
 
     def _drop_checkpoint(self) -> None:
+        self._wait_checkpoint()
         for name in ("checkpoint.dpt", "task.json"):
             (self._task_dir() / name).unlink(missing_ok=True)
 
