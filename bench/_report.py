@@ -5,7 +5,7 @@ row to the table in ``docs/benchmarks.md`` (benchmark, result, machine, command,
 destination is ``--doc PATH`` or ``$DIPACO_BENCH_DOC``; ``--no-record`` skips it (CI's short
 forms write to a temporary file, never to the docs).
 
-    from _report import add_report_args, record
+    from _report import add_report_args, best, path_modules, record
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import os
 import platform
 import shlex
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -79,3 +81,39 @@ def record(args: argparse.Namespace, benchmark: str, result: str) -> Path | None
     os.replace(tmp, doc)
     print(f"recorded in {doc}")
     return doc
+
+
+def best(fn: Callable[[], object], repeat: int) -> float:
+    """The shortest of ``repeat`` timed calls, in seconds (noise only ever adds time)."""
+    times = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def path_modules(dim: int, layers: int) -> dict[str, dict[str, torch.Tensor]]:
+    """A dense path of width ``dim`` split into its modules on a 2x2 topology (path 0)."""
+    from dipaco.model.topology import Topology
+    from dipaco.model.transformer import ModelConfig, new_dense_model
+
+    cfg = ModelConfig(vocab_size=4096, dim=dim, n_layers=layers, n_heads=8, max_seq_len=128)
+    topo = Topology.parse("2x2", cfg.n_layers)
+    return topo.split_path_state(0, new_dense_model(cfg, 0).state_dict())
+
+
+def submit_delta(module_ids, tensors: dict[str, torch.Tensor]):
+    """The SubmitDelta a peer sends for path 0 with these wire tensors (a benchmark's payload)."""
+    from dipaco.protocols import messages as m
+
+    base = dict.fromkeys(module_ids, 0)
+    return m.SubmitDelta(
+        peer_id="p",
+        task_id="t",
+        path=0,
+        base_versions=base,
+        tokens=1,
+        losses=[1.0],
+        tensors=tensors,
+    )

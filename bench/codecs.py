@@ -18,27 +18,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from dipaco.model.topology import Topology
-from dipaco.model.transformer import ModelConfig, new_dense_model
 from dipaco.protocols import codecs
 from dipaco.protocols import messages as m
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import add_report_args, record  # noqa: E402
-
-
-def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return min(times)
+from _report import add_report_args, best, path_modules, record, submit_delta  # noqa: E402
 
 
 def main() -> None:
@@ -51,12 +39,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.dim, args.layers, args.repeat = 128, 2, 2
-    cfg = ModelConfig(
-        vocab_size=4096, dim=args.dim, n_layers=args.layers, n_heads=8, max_seq_len=128
-    )
-    topo = Topology.parse("2x2", cfg.n_layers)
     gen = torch.Generator().manual_seed(0)
-    modules = topo.split_path_state(0, new_dense_model(cfg, 0).state_dict())
+    modules = path_modules(args.dim, args.layers)
     delta = {
         f"{mid}/{k}": torch.randn(v.shape, generator=gen) * 1e-3
         for mid, ts in modules.items()
@@ -85,17 +69,7 @@ def main() -> None:
         t_dec = best(lambda c=codec, w=wire: codecs.decode(c, w, delta), args.repeat)
         decoded = codecs.decode(codec, wire, delta)
         err = max(float((decoded[n] - delta[n]).abs().max()) for n in names)
-        frame = m.encode_message(
-            m.SubmitDelta(
-                peer_id="p",
-                task_id="t",
-                path=0,
-                base_versions={mid: 0 for mid in modules},
-                tokens=1,
-                losses=[1.0],
-                tensors=wire,
-            )
-        )
+        frame = m.encode_message(submit_delta(modules, wire))
         row = {
             "codec": codec,
             "encode": t_copy / t_enc,

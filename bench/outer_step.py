@@ -40,7 +40,7 @@ from dipaco.coordinator.outer import OuterSettings, apply_round
 from dipaco.coordinator.store import ModuleStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import add_report_args, record  # noqa: E402
+from _report import add_report_args, best, record  # noqa: E402
 
 WIDTH = 1024  # tensors of WIDTH x WIDTH (about a million parameters) plus a norm vector each
 
@@ -56,15 +56,6 @@ def module(n_params: int, fill: float) -> dict[str, torch.Tensor]:
 
 def nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return min(times)
 
 
 def previous_outer(deltas, params, momentum, s: OuterSettings):

@@ -12,23 +12,16 @@ from __future__ import annotations
 
 import argparse
 import io
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from dipaco.model.topology import Topology
-from dipaco.model.transformer import ModelConfig, new_dense_model
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 
-
-def best_of(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import best, path_modules, submit_delta  # noqa: E402
 
 
 def main() -> None:
@@ -37,21 +30,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
-    cfg = ModelConfig(
-        vocab_size=4096, dim=args.dim, n_layers=args.layers, n_heads=8, max_seq_len=128
-    )
-    topo = Topology.parse("2x2", cfg.n_layers)
-    modules = topo.split_path_state(0, new_dense_model(cfg, 0).state_dict())
+    modules = path_modules(args.dim, args.layers)
     tensors = {f"{mid}/{k}": v for mid, ts in modules.items() for k, v in ts.items()}
-    msg = m.SubmitDelta(
-        peer_id="p",
-        task_id="t",
-        path=0,
-        base_versions={mid: 0 for mid in modules},
-        tokens=1,
-        losses=[1.0],
-        tensors=tensors,
-    )
+    msg = submit_delta(modules, tensors)
     mb = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
 
     def ours():
@@ -69,8 +50,8 @@ def main() -> None:
         sealed, _ = auth.seal_request(me, m.encode_message(msg))
         m.decode_message(auth.open_request(sealed).body)
 
-    t_ours, t_base = best_of(ours, args.repeat), best_of(baseline, args.repeat)
-    t_signed = best_of(signed, args.repeat)
+    t_ours, t_base = best(ours, args.repeat), best(baseline, args.repeat)
+    t_signed = best(signed, args.repeat)
     print(
         f"payload {mb:.1f} MiB: dipaco frames {t_ours * 1e3:.1f} ms ({mb / t_ours:.0f} MiB/s), "
         f"torch.save+load {t_base * 1e3:.1f} ms ({mb / t_base:.0f} MiB/s)"
