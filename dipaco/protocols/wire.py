@@ -213,7 +213,7 @@ def _check_spec(spec: Any, limits: Limits) -> tuple[str, str, list[int]]:
 
 def write_tensor_file(path: str | Path, frame: Frame) -> None:
     data = encode(frame)
-    write_atomic(path, data + hashlib.sha256(data).digest())
+    write_atomic(path, data, hashlib.sha256(data).digest())  # no concatenated copy
 
 
 def read_tensor_file(path: str | Path) -> Frame:
@@ -222,10 +222,11 @@ def read_tensor_file(path: str | Path) -> Frame:
         raw = path.read_bytes()
     except FileNotFoundError:
         raise CorruptFileError(f"{path}: file is missing") from None
-    if len(raw) < 32 or hashlib.sha256(raw[:-32]).digest() != raw[-32:]:
+    body = memoryview(raw)[:-32]  # a view: slicing the bytes would copy them
+    if len(raw) < 32 or hashlib.sha256(body).digest() != raw[-32:]:
         raise CorruptFileError(f"{path}: checksum mismatch (truncated or corrupt file)")
     try:
-        return decode(memoryview(raw)[:-32])
+        return decode(body)
     except WireError as exc:
         raise CorruptFileError(f"{path}: {exc}") from None
 
