@@ -56,6 +56,14 @@ def main() -> None:
         f"memcpy {t_copy * 1e3:.1f} ms ({raw / t_copy / 1e9:.2f} GB/s); "
         f"torch threads {torch.get_num_threads()}"
     )
+    values = [delta[n] for n in names]
+    t_aminmax = best(lambda: [codecs._all_finite(t) for t in values], args.repeat)
+    t_isfinite = best(lambda: [bool(torch.isfinite(t).all()) for t in values], args.repeat)
+    print(
+        f"finiteness check (every codec, both ways): aminmax {t_aminmax * 1e3:.1f} ms "
+        f"(ratio {t_copy / t_aminmax:.2f}), isfinite().all() {t_isfinite * 1e3:.1f} ms "
+        f"(ratio {t_copy / t_isfinite:.2f})"
+    )
     print(
         f"{'codec':>9} {'encode ms':>9} {'ratio':>6} {'feedback ms':>11} {'ratio':>6} "
         f"{'decode ms':>9} {'ratio':>6} {'wire MiB':>9} {'vs fp32':>7} {'max err':>9}"

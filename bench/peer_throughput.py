@@ -38,7 +38,7 @@ from dipaco.config import preset_config
 from dipaco.coordinator.prepare import prepare
 from dipaco.coordinator.run import MetricsLog, build_coordinator
 from dipaco.data.shards import TokenShard, window_batches
-from dipaco.model.optim import make_optimizer
+from dipaco.model.optim import InnerSettings, fused_adamw_available, make_optimizer
 from dipaco.peer.peer import Peer
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
@@ -98,10 +98,37 @@ def bare_task(model, batches, device: str, features: dict) -> float:
     return time.perf_counter() - began
 
 
-def _settings():
-    from dipaco.model.optim import InnerSettings
-
+def _settings() -> InnerSettings:
     return InnerSettings(lr=1e-3, warmup_steps=0, total_steps=1)
+
+
+def step_parts(model, device: str, repeat: int = 5) -> dict[str, float]:
+    """Seconds per call of the parts of a step dipaco adds or chooses: the AdamW step (fused
+    and foreach kernels) and the gradient clip, on the path's own parameters and random grads."""
+    model = model.to(device)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    out = {}
+    for name, kind in (("fused", {"fused": True}), ("foreach", {"foreach": True})):
+        if name == "fused" and not fused_adamw_available(device):
+            continue
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **kind)
+        opt.step()  # the state is made on the first step
+        sync(device)
+        out[f"adamw_{name}"] = best(opt.step, repeat, device)
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # noqa: E731
+    out["clip"] = best(clip, repeat, device)
+    return out
+
+
+def best(fn, repeat: int, device: str) -> float:
+    times = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - began)
+    return min(times)
 
 
 def main() -> None:
@@ -219,6 +246,14 @@ def run(args: argparse.Namespace, work: Path) -> None:
             bare_times.append(t_bare)
             inner_times.append(t_inner)
             whole_times.append(t_whole)
+    parts = step_parts(path_model, device)
+    step = min(bare_times) / args.steps
+    print(
+        f"per step of {step * 1e3:.1f} ms (bare loop): AdamW "
+        + (f"fused {parts['adamw_fused'] * 1e3:.1f} ms, " if "adamw_fused" in parts else "")
+        + f"foreach {parts['adamw_foreach'] * 1e3:.1f} ms; gradient clip "
+        f"{parts['clip'] * 1e3:.1f} ms ({parts['clip'] / step:.1%} of the step)"
+    )
     peak, how = matmul_peak(device)
     fpt = flops_per_token(path_model, cfg, args.seq)
     bare_rate = tokens_per_task / min(bare_times)

@@ -8,6 +8,7 @@ gives the same parameters.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,12 +37,23 @@ class InnerSettings:
         return floor + (self.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@functools.cache
+def fused_adamw_available(device: str) -> bool:
+    """Whether this torch has the fused AdamW kernel (one pass per parameter) for ``device``."""
+    probe = torch.zeros(1, device=device, requires_grad=True)
+    try:
+        torch.optim.AdamW([probe], fused=True)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
 def make_optimizer(model: nn.Module, s: InnerSettings) -> torch.optim.AdamW:
     """AdamW; no weight decay on norms (1-D tensors), as usual for Llama-style models.
 
-    The fused kernel (one pass over each parameter for the whole update, on CPU and CUDA) where
-    this torch has it for the parameters' device: on 2 CPU cores it takes a width-256 path's step
-    from 35 ms to 5 ms. Otherwise the foreach kernels.
+    The fused kernel where this torch has it for the parameters' device (CPU and CUDA;
+    ``bench/peer_throughput.py`` prints its step time against the foreach kernels'), else the
+    foreach kernels.
     """
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -49,10 +61,10 @@ def make_optimizer(model: nn.Module, s: InnerSettings) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": s.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    try:
+    device = str(next(model.parameters()).device)
+    if fused_adamw_available(device):
         return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, fused=True)
-    except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
-        return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, foreach=True)
+    return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, foreach=True)
 
 
 def lm_loss(

@@ -37,6 +37,7 @@ from dipaco.faults import fault_point
 from dipaco.fileio import write_json_atomic
 from dipaco.model.optim import (
     InnerSettings,
+    fused_adamw_available,
     load_optimizer_state_tensors,
     make_optimizer,
     optimizer_state_tensors,
@@ -83,16 +84,10 @@ def training_features(device: str, precision: str = "auto", compile: str = "auto
         raise ConfigError(f"compile must be auto, on or off, not {compile!r}")
     gpu = device.startswith("cuda") and torch.cuda.is_available()
     bf16 = precision == "bf16" or (precision == "auto" and gpu and torch.cuda.is_bf16_supported())
-    probe = torch.nn.Linear(1, 1, device=device)
-    try:
-        torch.optim.AdamW(probe.parameters(), fused=True)
-        fused = True
-    except (RuntimeError, ValueError):
-        fused = False
     return {
         "autocast": torch.bfloat16 if bf16 else None,
         "compile": compile == "on" or (compile == "auto" and gpu),
-        "fused": fused,
+        "fused": fused_adamw_available(device),
     }
 
 
