@@ -185,39 +185,40 @@ def apply_round(
         norm = scale * _norm(average)
         new_params, new_momentum = _nesterov(names, params, momentum, average, scale, s)
         return new_params, new_momentum, norm
+    # The very operations of the fresh form, in the same order, so that both give the same
+    # bits: which one runs depends on whether spare buffers were free, and a coordinator that
+    # restarts must redo a step exactly as the run without the restart did it.
     new = [out[0][n] for n in names]
     b = [out[1][n] for n in names]
     theta = [params[n] for n in names]
     if len(lists) == 1:
         average = lists[0]
-    else:  # the running mean, built in the momentum's buffers
+    else:  # the running mean, built in the new parameters' buffers
         so_far = weights[0] + weights[1]
-        for x, y, o in zip(lists[0], lists[1], b, strict=True):
+        for x, y, o in zip(lists[0], lists[1], new, strict=True):
             torch.lerp(x, y, weights[1] / so_far if so_far else 0.5, out=o)
         for tensors, w in zip(lists[2:], weights[2:], strict=True):
             so_far += w
-            torch._foreach_lerp_(b, tensors, w / so_far if so_far else 0.0)
+            torch._foreach_lerp_(new, tensors, w / so_far if so_far else 0.0)
         if abs(so_far - 1.0) > 1e-12 and so_far > 0:
-            torch._foreach_mul_(b, so_far)
-        average = b
+            torch._foreach_mul_(new, so_far)
+        average = new
     norm = scale * _norm(average)
-    # theta - lr k g first, while g is still whole (it may live in the momentum's buffers)
-    lr_g = -s.lr * scale if s.nesterov else 0.0
-    for th, g, o in zip(theta, average, new, strict=True):
-        torch.add(th, g, alpha=lr_g, out=o)
-    if average is b:  # b = mu * m + k * g, in place over g
-        torch._foreach_mul_(b, scale)
-        if momentum is not None:
-            torch._foreach_add_(b, [momentum[n] for n in names], alpha=s.momentum)
+    if momentum is None:  # b = k g
+        for g, o in zip(average, b, strict=True):
+            torch.mul(g, scale, out=o)
+    else:  # b = mu b + k g
+        for n, o in zip(names, b, strict=True):
+            torch.mul(momentum[n], s.momentum, out=o)
+        torch._foreach_add_(b, average, alpha=scale)
+    # theta - lr k g (over g itself when g lives in these buffers: element by element, exact)
+    if s.nesterov:
+        for th, g, o in zip(theta, average, new, strict=True):
+            torch.add(th, g, alpha=-s.lr * scale, out=o)
+        torch._foreach_add_(new, b, alpha=-s.lr * s.momentum)
     else:
-        if momentum is None:
-            for g, o in zip(average, b, strict=True):
-                torch.mul(g, scale, out=o)
-        else:
-            for n, o in zip(names, b, strict=True):
-                torch.mul(momentum[n], s.momentum, out=o)
-            torch._foreach_add_(b, average, alpha=scale)
-    torch._foreach_add_(new, b, alpha=-s.lr * s.momentum if s.nesterov else -s.lr)
+        for th, bb, o in zip(theta, b, new, strict=True):
+            torch.add(th, bb, alpha=-s.lr, out=o)
     return out[0], out[1], norm
 
 
