@@ -58,6 +58,9 @@ class RoutingSection(_Section):
     method: Literal["kmeans", "product", "iid"] = "kmeans"
     balance: float = Field(0.5, ge=0, le=1)
     prefix_tokens: int = Field(32, gt=0)
+    # What the router reads of the prefix: "hidden" (the paper's: the initial LM's mean
+    # last-block state) or "tokens" (a bag of the prefix's token ids; dipaco.routing.features).
+    features: Literal["hidden", "tokens"] = "hidden"
     # Overlapping shards (§2.4.4): each training document goes to its top-n paths; never at eval.
     overlap: int = Field(1, ge=1)
     # Discriminative phases (§2.4.2): after each listed round, score the router documents under
@@ -87,8 +90,28 @@ class OuterSection(_Section):
     lr: float = Field(0.7, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
-    sqrt_rescale: bool = True
+    # How a module's averaged delta is scaled by the number n of paths reporting: none, sqrt
+    # (the paper's section 2.7), linear (n), or norm (to the mean norm of the deltas, at most
+    # sqrt(n)); docs/results.md has the sweep that chose the default.
+    rescale: Literal["none", "sqrt", "linear", "norm"] = "norm"
+    # The older switch: false means rescale = "none", true "sqrt". Kept for existing configs.
+    sqrt_rescale: bool | None = Field(None, exclude=True)
     weight_by_tokens: bool = True
+    # Outer-lr warm-up: a module's k-th outer step uses lr * min(1, k / warmup_rounds).
+    warmup_rounds: int = Field(0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_sqrt_rescale(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("sqrt_rescale") is not None:
+            legacy = "sqrt" if data["sqrt_rescale"] else "none"
+            if "rescale" in data and data["rescale"] != legacy:
+                raise ValueError(
+                    f"outer.sqrt_rescale = {data['sqrt_rescale']} contradicts "
+                    f"outer.rescale = {data['rescale']!r}; keep only outer.rescale"
+                )
+            data = {**data, "rescale": legacy, "sqrt_rescale": None}
+        return data
 
 
 class ValidationSection(_Section):

@@ -66,6 +66,8 @@ FIELDS: dict[str, str] = {
     "routing.method": "'kmeans'/'product': generative routing on prefix features; 'iid': hashed",
     "routing.balance": "how strongly shard sizes are balanced (0: not at all, 1: fully)",
     "routing.prefix_tokens": "tokens of a document's prefix its routing features come from",
+    "routing.features": "'hidden': the initial model's mean state over the prefix; 'tokens': a "
+    "bag of the prefix's token ids",
     "routing.overlap": "each training document goes to its top-n paths (never at eval)",
     "routing.discriminative_after": "rounds after which a discriminative router re-shards the data",
     "routing.router_fraction": "training documents reserved to fit the router, never trained on",
@@ -84,7 +86,8 @@ FIELDS: dict[str, str] = {
     "outer.lr": "outer learning rate applied to the averaged deltas",
     "outer.momentum": "outer momentum",
     "outer.nesterov": "use Nesterov momentum in the outer step",
-    "outer.sqrt_rescale": "rescale a module's outer gradient by the square root of its paths",
+    "outer.rescale": "scale a module's averaged delta by its n paths: none, sqrt, linear, norm",
+    "outer.warmup_rounds": "outer-lr warm-up: a module's k-th step uses lr * min(1, k / this)",
     "outer.weight_by_tokens": "weight each path's delta by the tokens it trained on",
     "validation.norm_check": "a delta whose norm is an outlier is 'reject'ed, 'clip'ped, or 'off'",
     "validation.norm_mads": "outlier bound: median + norm_mads * MAD of recent accepted norms",
@@ -132,6 +135,8 @@ def field_names(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[st
     """Every field of the config, dotted (``train.lr``), sections excluded."""
     names = []
     for name, info in model.model_fields.items():
+        if info.exclude:  # kept for old configs, never written
+            continue
         ann = info.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             names += field_names(ann, f"{prefix}{name}.")
@@ -230,7 +235,9 @@ def render_config(preset: str = "demo", topology: str | None = None) -> str:
             lines += _field_lines(config, name, name, value)
     for section, model in sections:
         lines += ["", f"# {SECTIONS.get(section, section)}", f"[{section}]"]
-        for name in type(model).model_fields:
+        for name, info in type(model).model_fields.items():
+            if info.exclude:
+                continue
             lines += _field_lines(model, name, f"{section}.{name}", getattr(model, name))
     return "\n".join(lines) + "\n"
 

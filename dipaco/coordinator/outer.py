@@ -5,11 +5,20 @@ For module (l, e) with paths i through it, each reporting delta_i = theta_{t-1} 
     g = s * sum_i alpha_i * delta_i          (the outer gradient)
     alpha_i = |D_i| / sum_j |D_j|            (loss reweighing by shard size in tokens, eq. 2-3;
                                               1/n when ``weight_by_tokens`` is off)
-    s = sqrt(n)                              (outer-gradient rescale by the paths through the module)
+    s = rescale(n)                           (outer-gradient rescale by the n paths reporting:
+                                              ``rescale`` none: 1; sqrt: sqrt(n), the paper's
+                                              section 2.7; linear: n; norm: the mean of the
+                                              deltas' norms over the norm of their average, at
+                                              most sqrt(n): 1 when the paths agree, sqrt(n) when
+                                              their deltas are orthogonal)
 
 then Nesterov momentum SGD (DiLoCo: lr 0.7, momentum 0.9), with PyTorch's convention:
 
     b <- mu * b + g ;   theta <- theta - lr * (g + mu * b)     (b starts at zero)
+
+With ``warmup_rounds`` w > 0 the outer learning rate of a module's k-th step (k = 1, 2, ...) is
+lr * min(1, k / w): the first outer steps, taken from deltas of paths that have just forked, are
+the ones that overshoot (docs/results.md, the rescale sweep).
 
 Robust aggregation (``aggregation``, from the run config's ``validation`` section) replaces the
 weighted sum by a coordinate-wise combiner once at least ``min_paths_for_robust`` deltas arrive:
@@ -20,7 +29,7 @@ weighted sum by a coordinate-wise combiner once at least ``min_paths_for_robust`
                   the weight decide alone)
 
 and with fewer deltas clips each to ``norm_ratio`` times their median norm before the weighted
-mean. The sqrt(n) rescale applies to every combiner with n the deltas received: a robust centre
+mean. The rescale applies to every combiner with n the deltas received: a robust centre
 is still an estimate of the mean delta, whose size shrinks with n the same way.
 
 Pure functions over named tensors: the golden tests in tests/unit/test_outer.py check them.
@@ -29,7 +38,7 @@ Pure functions over named tensors: the golden tests in tests/unit/test_outer.py 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,28 +52,53 @@ class OuterSettings:
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
-    sqrt_rescale: bool = True
+    rescale: str = "sqrt"  # "none", "sqrt", "linear" or "norm" (the module docstring)
     weight_by_tokens: bool = True
+    warmup_rounds: int = 0
     aggregation: str = "mean"  # "mean", "trimmed_mean" or "median"
     trim_fraction: float = 0.2
     min_paths_for_robust: int = 3
     norm_ratio: float = 3.0  # the clip, in median norms, when too few paths for a robust combiner
 
 
-def _weights(deltas: list[tuple[Tensors, float]], s: OuterSettings) -> tuple[list[float], float]:
-    """alpha_i (shard size in tokens, or 1/n) and the sqrt(n) rescale."""
+RESCALES = ("none", "sqrt", "linear", "norm")
+
+
+def at_step(s: OuterSettings, version: int) -> OuterSettings:
+    """The settings of the outer step that makes version ``version + 1`` (the lr warm-up)."""
+    if s.warmup_rounds <= 0 or version + 1 >= s.warmup_rounds:
+        return s
+    return replace(s, lr=s.lr * (version + 1) / s.warmup_rounds)
+
+
+def _weights(deltas: list[tuple[Tensors, float]], s: OuterSettings) -> list[float]:
+    """alpha_i: shard size in tokens, or 1/n."""
     n = len(deltas)
     total = sum(tokens for _, tokens in deltas)
-    weights = [
-        tokens / total if s.weight_by_tokens and total > 0 else 1.0 / n for _, tokens in deltas
-    ]
-    return weights, (math.sqrt(n) if s.sqrt_rescale else 1.0)
+    return [tokens / total if s.weight_by_tokens and total > 0 else 1.0 / n for _, tokens in deltas]
+
+
+def _scale(s: OuterSettings, deltas: list[list[torch.Tensor]], average_norm: float) -> float:
+    """The rescale factor of the outer gradient for these n deltas and their average's norm."""
+    n = len(deltas)
+    if s.rescale == "none" or n == 1:
+        return 1.0
+    if s.rescale == "sqrt":
+        return math.sqrt(n)
+    if s.rescale == "linear":
+        return float(n)
+    if s.rescale == "norm":
+        mean_norm = sum(_norm(d) for d in deltas) / n
+        if average_norm <= 0.0:
+            return 1.0
+        return min(math.sqrt(n), max(1.0, mean_norm / average_norm))
+    raise ValueError(f"unknown outer rescale {s.rescale!r}; expected one of {RESCALES}")
 
 
 def outer_gradient(
     deltas: list[tuple[Tensors, float]], s: OuterSettings, info: dict | None = None
 ) -> Tensors:
-    """Weighted average of the paths' deltas (each with its shard size), times sqrt(paths).
+    """Weighted average of the paths' deltas (each with its shard size), times the rescale.
 
     ``info``, when given, receives the combiner used ("aggregation") and, for the clipped mean,
     the factor each delta was scaled by ("clip_factors").
@@ -72,8 +106,10 @@ def outer_gradient(
     if not deltas:
         raise ValueError("an outer step needs at least one delta")
     n = len(deltas)
-    weights, scale = _weights(deltas, s)
+    weights = _weights(deltas, s)
     info = info if info is not None else {}
+    names = list(deltas[0][0])
+    lists = [[_float32(d[k]) for k in names] for d, _ in deltas]
     if s.aggregation != "mean":
         tensors = [d for d, _ in deltas]
         if n >= s.min_paths_for_robust and s.aggregation == "trimmed_mean":
@@ -87,10 +123,13 @@ def outer_gradient(
         else:
             raise ValueError(f"unknown aggregation {s.aggregation!r}")
         info.setdefault("aggregation", s.aggregation)
+        scale = _scale(s, lists, _norm([center[k] for k in names]) if s.rescale == "norm" else 0)
+        info["rescale"] = scale
         return {name: (scale * c).float() for name, c in center.items()}
     info["aggregation"] = "mean"
-    names = list(deltas[0][0])
-    average = weighted_average([[_float32(d[k]) for k in names] for d, _ in deltas], weights)
+    average = weighted_average(lists, weights)
+    scale = _scale(s, lists, _norm(average) if s.rescale == "norm" else 0.0)
+    info["rescale"] = scale
     return dict(zip(names, torch._foreach_mul(average, scale), strict=True))
 
 
@@ -163,7 +202,7 @@ def apply_round(
     """One module's whole outer step: new parameters, new momentum, and the outer gradient's norm.
 
     The plain mean never materialises the gradient: the weighted average is formed in one pass
-    per delta and its sqrt(n) factor folded into the Nesterov update, so a round moves about
+    per delta and its rescale factor folded into the Nesterov update, so a round moves about
     3(P-1) + 12 times the module's size through memory with P paths (the floor is P + 4).
     Robust combiners go through ``outer_gradient``. Inputs are left untouched.
 
@@ -178,11 +217,13 @@ def apply_round(
         return new_params, new_momentum, grad_norm(grad)
     info["aggregation"] = "mean"
     names = list(params)
-    weights, scale = _weights(deltas, s)
+    weights = _weights(deltas, s)
     lists = [[_float32(d[k]) for k in names] for d, _ in deltas]
     if out is None:
         average = weighted_average(lists, weights)
-        norm = scale * _norm(average)
+        norm = _norm(average)
+        scale = info["rescale"] = _scale(s, lists, norm)
+        norm *= scale
         new_params, new_momentum = _nesterov(names, params, momentum, average, scale, s)
         return new_params, new_momentum, norm
     # The very operations of the fresh form, in the same order, so that both give the same
@@ -203,7 +244,9 @@ def apply_round(
         if abs(so_far - 1.0) > 1e-12 and so_far > 0:
             torch._foreach_mul_(new, so_far)
         average = new
-    norm = scale * _norm(average)
+    norm = _norm(average)
+    scale = info["rescale"] = _scale(s, lists, norm)
+    norm *= scale
     if momentum is None:  # b = k g
         for g, o in zip(average, b, strict=True):
             torch.mul(g, scale, out=o)

@@ -383,6 +383,7 @@ def _fit_chunk_router(
         seq_len=c.train.seq_len,
         span=span,
         stride=max(span // 2, 1),
+        kind=c.routing.features,
     )
     try:
         chunk = fit_logistic_router(
@@ -509,7 +510,9 @@ def _features(root: Path, config: RunConfig, part: str, device: str = "cpu") -> 
     model.load_state_dict(read_tensor_file(root / "initial.dpt").tensors)
     model.to(device)
     shard = TokenShard(root / "data" / part)
-    feats = prefix_features(model, shard.docs(), config.routing.prefix_tokens)
+    feats = prefix_features(
+        model, shard.docs(), config.routing.prefix_tokens, kind=config.routing.features
+    )
     buffer = io.BytesIO()
     np.save(buffer, feats, allow_pickle=False)
     write_atomic(path, buffer.getvalue())
@@ -549,7 +552,9 @@ def _reuse(base: Path, root: Path, config: RunConfig) -> None:
             for suffix in (".tokens", ".index.npy", ".json")
         ]
     if _pretrain_key(other) == _pretrain_key(config):
-        names += ["initial.dpt"] + [f"features/{part}.npy" for part in ("train", "val", "router")]
+        names += ["initial.dpt"]
+        if other.routing.features == config.routing.features:
+            names += [f"features/{part}.npy" for part in ("train", "val", "router")]
     for name in names:
         src, dest = base / name, root / name
         if src.exists() and not dest.exists():

@@ -262,6 +262,7 @@ def evaluate_modules(
         seq_len=seq_len,
         prefix_tokens=prefix,
         assign_later=chunk_router.assign if learned and chunk_router is not None else None,
+        kind=prep.config.routing.features,
     )
     return rerouted_perplexity(
         load, docs, routes, window=window, seq_len=seq_len, prefix_tokens=prefix
@@ -438,12 +439,24 @@ def run_local_peers(
     stop: threading.Event,
     on_progress: Callable[[dict], None] | None = None,
     device: str = "cpu",
+    parallel: int = 1,
 ) -> list[threading.Thread]:
     """Start ``n_peers`` peers in threads over the local transport; they stop when the run ends.
 
     Local peers share one state folder, so a path's inner optimizer state follows the path,
     whichever local peer trains it: results then do not depend on thread timing.
+
+    ``parallel`` > 1 makes each peer path-parallel (``Peer.run_batch``): it claims up to that
+    many tasks of a round and trains them together on its device, step-interleaved (each path on
+    its own CUDA stream on a GPU). Meant for ``n_peers=1``: one peer that trains every path of a
+    round at once, with module parameters equal, bit for bit on a CPU, to one sequential peer's.
+    The coordinator's task quota per key is raised to ``parallel`` if it is lower.
     """
+    if parallel > coordinator.security.max_tasks_per_key:
+        # The local peer holds a whole batch of leases on its one key: let it.
+        coordinator.security = coordinator.security.model_copy(
+            update={"max_tasks_per_key": parallel}
+        )
     threads = []
     for i in range(n_peers):
         peer = Peer(
@@ -457,6 +470,7 @@ def run_local_peers(
             stop=stop,
             on_progress=on_progress,
             device=device,
+            parallel=parallel,
         )
         t = threading.Thread(target=peer.run, name=f"peer-{i}", daemon=True)
         t.start()

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from dipaco.coordinator.outer import OuterSettings, apply_round
+from dipaco.coordinator.outer import OuterSettings, apply_round, at_step
 from dipaco.errors import CorruptFileError
 from dipaco.faults import fault_point
 from dipaco.fileio import write_json_atomic
@@ -397,7 +397,7 @@ class ModuleStore:
         how: dict = {}
         out = self._spare_buffers(mid, record.params)
         params, momentum, norm = apply_round(
-            deltas, record.params, record.momentum, settings, how, out
+            deltas, record.params, record.momentum, at_step(settings, record.version), how, out
         )
         v = record.version + 1
         write_tensor_file(
@@ -439,6 +439,7 @@ class ModuleStore:
             "late_paths": late,
             "tasks": [p.task_id for p in included],
             "outer_grad_norm": norm,
+            "rescale": how.get("rescale", 1.0),
         }
         if settings.aggregation != "mean":
             factors = how.get("clip_factors", [1.0] * len(included))

@@ -28,9 +28,17 @@ _SKIP_FILES = frozenset({"pydoc_data/topics.py"})
 _MIN_TEXT_CHARS = 300
 
 
-def stdlib_files() -> list[Path]:
-    """The standard library's ``.py`` files, sorted by their path relative to the stdlib root."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def stdlib_root() -> Path:
+    """The folder holding the running interpreter's standard library sources."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """The standard library's ``.py`` files, sorted by their path relative to the stdlib root.
+
+    ``root`` is the running interpreter's standard library unless given.
+    """
+    root = stdlib_root() if root is None else root
     files = []
     for path in root.rglob("*.py"):
         rel = path.relative_to(root)
@@ -72,7 +80,7 @@ def _bounded_lines(text: str, max_chars: int) -> Iterator[str]:
 
 
 def _source_texts() -> Iterator[tuple[str, str]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = stdlib_root()
     for path in stdlib_files():
         name = "stdlib/" + path.relative_to(root).as_posix()
         yield name, path.read_text(encoding="utf-8", errors="replace")

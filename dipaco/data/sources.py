@@ -136,7 +136,8 @@ def _hf_documents(ds: Iterable[dict[str, Any]], name: str, field: str) -> Iterat
 
 
 def open_source(spec: str, field: str = "text") -> Iterator[Document]:
-    """Open a source by spec: ``hf:NAME[:split]``, ``builtin[:stdlib]``, or a local path.
+    """Open a source by spec: ``hf:NAME[:split]``, ``builtin[:stdlib]``, ``builtin:mixed``, or a
+    local path.
 
     A path ending in ``.jsonl`` is JSON lines, a ``.parquet`` file or a folder holding parquet
     files is parquet, any other file or folder is plain text.
@@ -150,8 +151,14 @@ def open_source(spec: str, field: str = "text") -> Iterator[Document]:
         from dipaco.data.corpus import builtin_corpus
 
         return iter(builtin_corpus())
+    if spec == "builtin:mixed":
+        from dipaco.data.mixed import mixed_corpus
+
+        return iter(mixed_corpus())
     if spec.startswith("builtin:"):
-        raise DataError(f"unknown built-in corpus {spec!r}; available: builtin:stdlib")
+        raise DataError(
+            f"unknown built-in corpus {spec!r}; available: builtin:stdlib, builtin:mixed"
+        )
     path = _existing(spec)
     if path.suffix == ".jsonl":
         return read_jsonl(path, field)

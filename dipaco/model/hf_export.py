@@ -27,7 +27,7 @@ from dipaco.coordinator.store import ModuleStore
 from dipaco.errors import ConfigError, DataError
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig, PathModel, count_parameters
-from dipaco.routing.features import prefix_features
+from dipaco.routing.features import finish_features, position_features, prefix_features
 
 
 @dataclass
@@ -260,7 +260,10 @@ def route_tokens(run: UsableRun, ids: list[int], initial: PathModel | None = Non
         return 0  # i.i.d. shards: no router; every path is a model of the whole data
     initial = initial if initial is not None else run.prep.initial_model()
     feats = prefix_features(
-        initial, [np.asarray(ids, dtype=np.int64)], run.config.routing.prefix_tokens
+        initial,
+        [np.asarray(ids, dtype=np.int64)],
+        run.config.routing.prefix_tokens,
+        kind=run.config.routing.features,
     )
     return int(np.asarray(run.prep.router.assign(feats))[0])
 
@@ -272,8 +275,9 @@ def _reroute(run: UsableRun, initial: PathModel, ids: list[int], window: int) ->
     assert run.prep.router is not None
     ctx = ids[-run.model_config.max_seq_len :]
     span = min(window, run.config.routing.prefix_tokens, len(ctx))
-    _, hidden = initial(torch.tensor([ctx], dtype=torch.long), return_hidden=True)
-    feats = hidden[:, -span:].float().mean(1).numpy()
+    kind = run.config.routing.features
+    hidden = position_features(initial, torch.tensor([ctx], dtype=torch.long), kind)
+    feats = finish_features(hidden[:, -span:].mean(1), kind).cpu().numpy()
     return int(np.asarray(run.prep.router.assign(feats))[0])
 
 

@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from dipaco.model.transformer import PathModel
-from dipaco.routing.features import prefix_features
+from dipaco.routing.features import (
+    FeatureKind,
+    feature_dim,
+    finish_features,
+    position_features,
+    prefix_features,
+)
 
 
 @torch.no_grad()
@@ -168,6 +174,7 @@ def chunk_routes(
     prefix_tokens: int = 32,
     batch_size: int = 32,
     assign_later: Callable[[np.ndarray], np.ndarray] | None = None,
+    kind: FeatureKind = "hidden",
 ) -> np.ndarray:
     """(N, ceil(seq_len / window)) int64: the path of every chunk of every document.
 
@@ -179,7 +186,8 @@ def chunk_routes(
     document, so the route of chunk i reads only tokens before position i * window and no token
     that chunk scores. Chunks past the end of a short document repeat the previous route.
     ``assign_later``, when given, routes chunks i >= 1 instead of ``assign`` (a chunk router
-    trained on such windows, see ``window_features``).
+    trained on such windows, see ``window_features``). ``kind`` is the routing features' kind
+    (``dipaco.routing.features``): for ``tokens`` the spans' token bags stand for hidden states.
     """
     _check_eval_args(seq_len, prefix_tokens, batch_size)
     if prefix_tokens < 1:
@@ -189,7 +197,8 @@ def chunk_routes(
     if not docs:
         return routes
     routes[:, 0] = np.asarray(
-        assign(prefix_features(initial_model, docs, prefix_tokens, batch_size)), dtype=np.int64
+        assign(prefix_features(initial_model, docs, prefix_tokens, batch_size, kind)),
+        dtype=np.int64,
     )
     if n_chunks == 1:
         return routes
@@ -205,14 +214,14 @@ def chunk_routes(
         if length > window:
             # Positions 0..length-1 are the inputs of the target positions; right padding is
             # harmless because attention is causal.
-            _, hidden = initial_model(_pad(windows, length).to(device), return_hidden=True)
+            hidden = position_features(initial_model, _pad(windows, length), kind)
             for i in range(1, n_chunks):
                 s = i * window
                 rows = np.flatnonzero(n_targets > s)
                 if rows.size == 0:
                     break
-                mean = hidden[torch.from_numpy(rows).to(device), s - span : s].float().mean(1)
-                feats.append(mean.cpu().numpy())
+                mean = hidden[torch.from_numpy(rows).to(device), s - span : s].mean(1)
+                feats.append(finish_features(mean, kind).cpu().numpy())
                 where.extend((int(b), i) for b in rows)
                 covered[rows, i] = True
         later = assign_later or assign
@@ -307,6 +316,7 @@ def window_features(
     span: int = 32,
     stride: int = 16,
     batch_size: int = 32,
+    kind: FeatureKind = "hidden",
 ) -> tuple[np.ndarray, np.ndarray]:
     """What a chunk router reads, at every ``stride`` tokens of each document's evaluated window.
 
@@ -325,15 +335,15 @@ def window_features(
         length = int(n_inputs.max()) if len(windows) else 0
         if length < span:
             continue
-        _, hidden = initial_model(_pad(windows, length).to(device), return_hidden=True)
+        hidden = position_features(initial_model, _pad(windows, length), kind)
         for end in range(span, length + 1, stride):
             rows = np.flatnonzero(n_inputs >= end)
             if rows.size == 0:
                 break
-            mean = hidden[torch.from_numpy(rows).to(device), end - span : end].float().mean(1)
-            feats.append(mean.cpu().numpy())
+            mean = hidden[torch.from_numpy(rows).to(device), end - span : end].mean(1)
+            feats.append(finish_features(mean, kind).cpu().numpy())
             index.extend(int(start + b) for b in rows)
-    dim = initial_model.cfg.dim
+    dim = feature_dim(initial_model, kind)
     if not feats:
         return np.zeros((0, dim), dtype=np.float32), np.zeros(0, dtype=np.int64)
     return np.concatenate(feats).astype(np.float32), np.array(index, dtype=np.int64)

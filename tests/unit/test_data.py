@@ -216,6 +216,17 @@ def test_tokenizer_training_is_deterministic(small_tokenizer: Tokenizer, tmp_pat
     assert (tmp_path / "again.model").read_bytes() == small_tokenizer.path.read_bytes()
 
 
+def test_text_with_more_characters_than_pieces_trains_and_round_trips(tmp_path: Path) -> None:
+    # 3,000 distinct CJK characters against 512 pieces: the rare ones are spelled in bytes.
+    rare = "".join(chr(0x4E00 + i) for i in range(3000))
+    texts = [rare[i : i + 60] + " the common words come back often\n" for i in range(0, 3000, 60)]
+    texts = texts * 4
+    tok = Tokenizer.train(texts, tmp_path / "cjk.model", vocab_size=512)
+    ids = tok.encode_batch(texts[:10])
+    assert [tok.decode(i) for i in ids] == texts[:10]
+    assert all(0 <= t < 512 for seq in ids for t in seq)
+
+
 def test_tokenizer_vocab_too_large_for_tiny_text_is_a_data_error(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="vocab_size=4096 is too large"):
         Tokenizer.train(["print('hi')\n" * 20], tmp_path / "t.model", vocab_size=4096)

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from dipaco.coordinator.outer import OuterSettings, apply_round, nesterov_step, outer_gradient
+from dipaco.coordinator.outer import (
+    OuterSettings,
+    apply_round,
+    at_step,
+    nesterov_step,
+    outer_gradient,
+)
 
 
 def t(*xs):
@@ -18,7 +24,7 @@ def test_weighted_average_and_square_root_rescale():
     deltas = [({"w": t(1, 2)}, 1000), ({"w": t(3, -1)}, 3000)]
     g = outer_gradient(deltas, OuterSettings())
     assert g["w"].tolist() == pytest.approx([2.5 * math.sqrt(2), -0.25 * math.sqrt(2)], abs=1e-6)
-    plain = outer_gradient(deltas, OuterSettings(sqrt_rescale=False, weight_by_tokens=False))
+    plain = outer_gradient(deltas, OuterSettings(rescale="none", weight_by_tokens=False))
     assert plain["w"].tolist() == pytest.approx([2.0, 0.5], abs=1e-7)  # the plain mean
     one = outer_gradient([({"w": t(4, 5)}, 7)], OuterSettings())
     assert one["w"].tolist() == pytest.approx([4.0, 5.0])  # sqrt(1) = 1, weight 1
@@ -74,7 +80,7 @@ def test_the_fused_round_equals_gradient_then_nesterov(paths, with_momentum):
         assert torch.equal(params[k], before[k])  # inputs untouched
     whole = torch.cat([g.reshape(-1) for g in grad.values()])
     assert norm == pytest.approx(float(whole.norm()), rel=1e-5)
-    assert info == {"aggregation": "mean"}
+    assert info == {"aggregation": "mean", "rescale": math.sqrt(paths) if paths > 1 else 1.0}
     again = apply_round(deltas, params, momentum, s)
     assert all(torch.equal(again[0][k], new_params[k]) for k in shapes)  # deterministic
 
@@ -100,3 +106,54 @@ def test_the_round_into_given_buffers_equals_the_fresh_one(paths, with_momentum,
         assert torch.equal(into[1][k], fresh[1][k])
         assert all(torch.equal(d[k], c[k]) for (d, _), (c, _) in zip(deltas, kept, strict=True))
     assert into[2] == fresh[2]
+
+
+@pytest.mark.parametrize("rescale", ["none", "sqrt", "linear", "norm"])
+def test_each_rescale_scales_the_average_as_documented(rescale):
+    gen = torch.Generator().manual_seed(7)
+    n = 4
+    deltas = [({"w": torch.randn(40, generator=gen)}, 1.0) for _ in range(n)]
+    s = OuterSettings(rescale=rescale, weight_by_tokens=False)
+    info: dict = {}
+    g = outer_gradient(deltas, s, info)
+    average = torch.stack([d["w"] for d, _ in deltas]).mean(0)
+    mean_norm = sum(float(d["w"].norm()) for d, _ in deltas) / n
+    want = {
+        "none": 1.0,
+        "sqrt": 2.0,
+        "linear": 4.0,
+        "norm": min(2.0, mean_norm / float(average.norm())),
+    }[rescale]
+    assert info["rescale"] == pytest.approx(want, rel=1e-6)
+    assert torch.allclose(g["w"], want * average, atol=1e-6)
+    # The fused round uses the same factor.
+    fused: dict = {}
+    apply_round(deltas, {"w": torch.zeros(40)}, None, s, fused)
+    assert fused["rescale"] == pytest.approx(want, rel=1e-6)
+
+
+def test_norm_rescale_is_one_when_the_paths_agree_and_sqrt_n_when_orthogonal():
+    same = [({"w": torch.ones(8)}, 1.0) for _ in range(4)]
+    info: dict = {}
+    outer_gradient(same, OuterSettings(rescale="norm"), info)
+    assert info["rescale"] == pytest.approx(1.0)
+    eye = torch.eye(4)
+    orthogonal = [({"w": eye[i]}, 1.0) for i in range(4)]
+    outer_gradient(orthogonal, OuterSettings(rescale="norm"), info)
+    assert info["rescale"] == pytest.approx(2.0)
+
+
+def test_outer_lr_warmup_ramps_the_first_steps_then_holds():
+    s = OuterSettings(lr=0.8, warmup_rounds=4)
+    assert [at_step(s, v).lr for v in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 0.8, 0.8])
+    assert at_step(OuterSettings(lr=0.7), 0).lr == 0.7
+
+
+def test_the_old_sqrt_rescale_switch_still_reads():
+    from dipaco.config import load_config_dict
+
+    assert load_config_dict({"outer": {"sqrt_rescale": False}}).outer.rescale == "none"
+    assert load_config_dict({"outer": {"sqrt_rescale": True}}).outer.rescale == "sqrt"
+    assert "sqrt_rescale" not in load_config_dict({}).to_dict()["outer"]
+    with pytest.raises(Exception, match="contradicts"):
+        load_config_dict({"outer": {"sqrt_rescale": False, "rescale": "sqrt"}})

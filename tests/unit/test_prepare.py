@@ -63,3 +63,17 @@ def test_a_run_prepares_from_a_jsonl_file(tmp_path, tiny_config):
     assert len(train) > 250 and train.doc_ids[0].startswith(("stdlib/", "pydoc/"))
     texts = {r["id"]: r["text"] for r in map(json.loads, source.read_text().splitlines())}
     assert prep.tokenizer.decode([int(t) for t in train[0][:-1]]) == texts[train.doc_ids[0]]
+
+
+def test_a_token_routed_run_shards_by_prefix_token_bags(prepared_tiny, tiny_config, tmp_path):
+    config = tiny_config.replace(routing={"features": "tokens"})
+    prep = prepare(tmp_path / "tokens", config, reuse=prepared_tiny)
+    feats = prep.features("val")
+    assert feats.shape[1] == tiny_config.model.vocab_size  # a bag, not the model's width
+    np.testing.assert_allclose(np.linalg.norm(feats, axis=1), 1.0, rtol=1e-5)
+    # The features were computed for this kind, not linked from the hidden-state run.
+    hidden = np.load(prepared_tiny / "features" / "val.npy")
+    assert hidden.shape[1] == tiny_config.model.dim
+    assert list(prep.val_paths) == list(prep.router.assign(feats))
+    stats = json.loads((prep.root / "shards" / "stats.json").read_text())
+    assert all(n > 0 for n in stats["train"]["docs"])

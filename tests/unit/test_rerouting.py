@@ -293,3 +293,37 @@ def test_window_features_are_what_chunk_routes_read_and_a_later_router_routes_la
         assign_later=lambda f: np.ones(len(f), dtype=np.int64),
     )
     assert routes.tolist() == [[0, 1, 1]] * 3
+
+
+def test_token_features_are_the_prefix_bag_everywhere_routing_reads_a_span():
+    from dipaco.routing.evaluate import window_features
+
+    torch.manual_seed(0)
+    model = PathModel(CFG)
+    docs = [np.random.default_rng(i).integers(0, CFG.vocab_size, 60) for i in range(3)]
+    feats = prefix_features(model, docs, 8, kind="tokens")
+    # Square-rooted counts of the first 8 token ids, unit length; the model is not consulted.
+    want = np.zeros((3, CFG.vocab_size))
+    for i, d in enumerate(docs):
+        np.add.at(want[i], d[:8], 1.0)
+    want = np.sqrt(want) / np.linalg.norm(np.sqrt(want), axis=1, keepdims=True)
+    np.testing.assert_allclose(feats, want, rtol=1e-6, atol=1e-7)
+    shuffled = [np.concatenate([d[:8][::-1], d[8:]]) for d in docs]  # a bag ignores order
+    np.testing.assert_allclose(prefix_features(model, shuffled, 8, kind="tokens"), feats)
+    # The learned chunk router's windows and re-routing read the same bags of their spans.
+    windows, _ = window_features(model, docs, seq_len=48, span=8, stride=8, kind="tokens")
+    assert windows.shape == (3 * 6, CFG.vocab_size)
+    np.testing.assert_allclose(windows[:3], feats, rtol=1e-6)
+    seen = []
+    routes = chunk_routes(
+        model,
+        lambda f: (seen.append(f), np.zeros(len(f), dtype=np.int64))[1],
+        docs,
+        window=16,
+        seq_len=48,
+        prefix_tokens=8,
+        kind="tokens",
+    )
+    assert routes.shape == (3, 3)
+    later = [np.concatenate([d[16 - 8 : 16]]) for d in docs]  # chunk 1 reads tokens 8..15
+    np.testing.assert_allclose(seen[1][:3], prefix_features(model, later, 8, kind="tokens"))

@@ -93,7 +93,7 @@ def test_outer_gradient_robust_modes_keep_the_sqrt_rescale_and_report_clipping()
     assert two["aggregation"] == "clipped_mean" and two["clip_factors"][0] < 1.0
     plain: dict = {}
     mean = outer_gradient(deltas, OuterSettings(), plain)
-    assert plain == {"aggregation": "mean"}
+    assert plain == {"aggregation": "mean", "rescale": 2.0}
     same = outer_gradient(deltas, OuterSettings(aggregation="trimmed_mean", trim_fraction=0.0))
     assert torch.allclose(mean["w"], same["w"], atol=1e-7)
 
