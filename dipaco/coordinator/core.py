@@ -348,7 +348,8 @@ class Coordinator:
             if any(self.version(mid) != v for mid, v in held.module_versions.items()):
                 self.scheduler.release(held.task_id, req.peer_id)
                 self.metrics({"event": "task_dropped", "task": held.task_id, "peer": req.peer_id})
-        fresh = not self.scheduler.leases_of(req.peer_id)
+        # A path-parallel peer names the tasks it holds already: it asks for one more.
+        fresh = all(lease.task_id in req.holding for lease in self.scheduler.leases_of(req.peer_id))
         if fresh and self._caller is not None and not self.access.is_owner(self._caller):
             held = [
                 lease
@@ -363,7 +364,7 @@ class Coordinator:
                     f"(at most {self.security.max_tasks_per_key})",
                 )
         lease = self.scheduler.claim(
-            req.peer_id, self.open_paths(), req.prefer_path, self.inner_steps
+            req.peer_id, self.open_paths(), req.prefer_path, self.inner_steps, req.holding
         )
         if lease is None:
             return m.NoTask(

@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 
@@ -75,12 +75,14 @@ class Scheduler:
         open_paths: dict[int, int],
         prefer: int | None,
         steps: int = 0,
+        holding: Collection[str] = (),
     ) -> Lease | None:
         """Lease one open path (path -> round) to ``peer_id``; None if all are taken.
 
-        A peer that already holds a live lease (it restarted) gets the same task back.
+        A peer that already holds a live lease (it restarted) gets the same task back, unless
+        the peer names it in ``holding``: a path-parallel peer asking for one task more.
         """
-        held = self.leases_of(peer_id)
+        held = [lease for lease in self.leases_of(peer_id) if lease.task_id not in holding]
         if held:
             held[0].deadline = self.clock() + self.lease_seconds
             return held[0]

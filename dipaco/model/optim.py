@@ -86,6 +86,44 @@ def lm_loss(
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    settings: InnerSettings,
+    *,
+    step: int,
+    micro_batch: int | None = None,
+    autocast: torch.dtype | None = None,
+    forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One optimizer step on ``batch`` at global step ``step`` of the lr schedule.
+
+    Sets the step's learning rate, zeroes the gradients, runs the forward and backward passes
+    (or accumulates ``micro_batch``-sized chunks, see :func:`train_steps`), clips and steps.
+    Returns the batch's mean loss as a detached 0-dim float32 tensor, *not read*: nothing here
+    waits for the device, so steps of several models issued on their own CUDA streams can run
+    at once (``loss.item()`` when the value is wanted). ``model`` must be in training mode.
+    """
+    if micro_batch is not None and micro_batch < 1:
+        raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
+    lr = settings.lr_at(step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    fwd = forward or model
+    if micro_batch is None or micro_batch >= batch.shape[0]:
+        loss = lm_loss(fwd, batch, autocast)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        loss = loss.detach()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+        loss = _accumulate_gradients(fwd, batch, micro_batch, autocast)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+    optimizer.step()
+    return loss
+
+
 def train_steps(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -99,7 +137,7 @@ def train_steps(
     autocast: torch.dtype | None = None,
     forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[float]:
-    """Run ``steps`` optimizer steps; returns the training loss of each.
+    """Run ``steps`` optimizer steps (:func:`train_step` each); returns the training loss of each.
 
     ``autocast`` is the forward pass's precision (None: the parameters' own), ``forward`` a
     compiled form of ``model`` (``torch.compile``) to call instead of it; the parameters, the
@@ -113,24 +151,19 @@ def train_steps(
     if micro_batch is not None and micro_batch < 1:
         raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
     model.train()
-    fwd = forward or model
     losses = []
     for i in range(steps):
-        lr = settings.lr_at(step_offset + i)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = next(batches)
-        if micro_batch is None or micro_batch >= batch.shape[0]:
-            loss = lm_loss(fwd, batch, autocast)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            loss_value = loss.item()
-        else:
-            optimizer.zero_grad(set_to_none=True)
-            loss_value = _accumulate_gradients(fwd, batch, micro_batch, autocast)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
-        optimizer.step()
-        losses.append(loss_value)
+        loss = train_step(
+            model,
+            optimizer,
+            next(batches),
+            settings,
+            step=step_offset + i,
+            micro_batch=micro_batch,
+            autocast=autocast,
+            forward=forward,
+        )
+        losses.append(loss.item())
         if on_step is not None:
             on_step(step_offset + i, losses[-1])
     return losses
@@ -141,8 +174,9 @@ def _accumulate_gradients(
     batch: torch.Tensor,
     micro_batch: int,
     autocast: torch.dtype | None = None,
-) -> float:
-    """Backpropagate ``batch`` in chunks of at most ``micro_batch`` rows; returns the mean loss.
+) -> torch.Tensor:
+    """Backpropagate ``batch`` in chunks of at most ``micro_batch`` rows; returns the mean loss
+    (a 0-dim float32 tensor, not read).
 
     Each chunk's mean loss is weighted by its share of the rows, so the accumulated gradient is
     the gradient of the full-batch mean (every window has the same length).
@@ -153,7 +187,7 @@ def _accumulate_gradients(
         scaled = lm_loss(model, chunk, autocast) * (chunk.shape[0] / rows)
         scaled.backward()
         total += scaled.detach().float()
-    return total.item()
+    return total
 
 
 def optimizer_state_tensors(

@@ -1,9 +1,12 @@
 """The volunteer's loop: claim a task, fetch the path's modules, train H inner steps, push deltas.
 
 DiPaCo Algorithm 1, lines 5-10, seen from one worker. The peer never holds more than one path
-(promise 5). Its inner AdamW state stays on the peer, per path, in a pickle-free file, so a path
-it trains again continues its own optimizer (DiLoCo does not synchronise inner state); the
-scheduler keeps peers on the path they trained last for that reason.
+(promise 5), except in the path-parallel mode (``parallel`` > 1, for a local run on one device:
+``Peer.run_batch``), where it claims up to ``parallel`` tasks and trains them together,
+step-interleaved, each on its own CUDA stream on a GPU. Its inner AdamW state stays on the peer,
+per path, in a pickle-free file, so a path it trains again continues its own optimizer (DiLoCo
+does not synchronise inner state); the scheduler keeps peers on the path they trained last for
+that reason.
 
 With several module owners, the peer fetches each module from its owner and pushes each
 module's delta to its owner (per-owner requests, retried until acknowledged: an owner that
@@ -19,7 +22,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +46,7 @@ from dipaco.model.optim import (
     make_optimizer,
     optimizer_state_tensors,
     param_names_in_optimizer_order,
-    train_steps,
+    train_step,
 )
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig
@@ -62,6 +66,37 @@ class TaskAborted(Exception):
 
 class RunOver(Exception):
     """The run finished while this peer could not reach its coordinators: stop retrying."""
+
+
+@dataclass(eq=False)
+class TaskRun:
+    """A task between its setup and its finish (``Peer._setup_task``, ``Peer._step`` and
+    ``Peer._stepped`` per inner step, ``Peer._finish_task``): what its steps and its deltas need."""
+
+    task: m.TaskOffer
+    modules: dict[str, dict[str, torch.Tensor]]  # as fetched: the base its deltas are taken from
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    names: list[str]  # parameter names in the optimizer's order (its state files)
+    settings: InnerSettings
+    batches: Iterator[torch.Tensor]  # the task's data slice
+    forward: Callable[[torch.Tensor], torch.Tensor] | None  # torch.compile'd model, or None
+    progress: dict[str, Any]  # "step" (the heartbeats send it), "saved" (last checkpoint)
+    lease_lost: threading.Event  # set by the heartbeats
+    losses: list[float]  # the training loss of each step done
+    step: int = 0  # inner steps done (a resumed task starts at its checkpoint's)
+    began: float = 0.0  # when its steps began (on_progress's "elapsed")
+    checkpoints: bool = True  # snapshot every checkpoint_seconds (off in path-parallel batches)
+    stream: Any = None  # its own CUDA stream in a path-parallel batch on a GPU
+
+    @property
+    def finished(self) -> bool:
+        return self.step >= self.task.inner_steps
+
+
+def _on_stream(stream: Any) -> AbstractContextManager:
+    """Issue the block's kernels on ``stream`` (a CUDA stream), or as usual when it is None."""
+    return nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 def resolve_device(name: str) -> str:
@@ -120,7 +155,13 @@ class Peer:
         identity: auth.Identity | None = None,
         precision: str = "auto",
         compile: str = "auto",
+        parallel: int = 1,
     ) -> None:
+        if parallel < 1:
+            raise ConfigError(f"parallel must be at least 1, got {parallel}")
+        # Tasks trained at once (path-parallel, see run_batch): with more than one, the loop
+        # claims up to this many tasks and trains them together, step-interleaved.
+        self.parallel = parallel
         self.manifest_sha256 = manifest_sha256
         # The peer's key signs every request, to the scheduler and to every module owner alike:
         # the scheduler's tickets name it, and owners accept a task's deltas only from it.
@@ -218,63 +259,104 @@ class Peer:
         while not self.stop.is_set() and (
             self.max_tasks is None or self.tasks_done < self.max_tasks
         ):
-            try:
-                offer = self.transport.request(
-                    m.ClaimTask(peer_id=self.peer_id, prefer_path=self.last_path)
-                )
+            offers, reply = self._claim_batch()
+            if offers or not isinstance(reply, DipacoError):
                 last_contact = time.monotonic()
-            except TransportError as exc:
+            if isinstance(reply, RejectedError) and reply.reason not in ("rate-limited", "quota"):
+                raise reply  # revoked, banned, not on the allow-list...: the user must act
+            if len(offers) > 1:
+                try:
+                    self.run_batch(offers)
+                except RunOver:
+                    log.info("peer %s: the run finished during a batch of tasks", self.peer_id)
+                    break
+                continue
+            if offers:
+                offer = offers[0]
+                try:
+                    self.run_task(offer)
+                except RunOver:
+                    log.info(
+                        "peer %s: the run finished during task %s", self.peer_id, offer.task_id
+                    )
+                    break
+                except (TaskAborted, TransportError, RejectedError) as exc:
+                    self._task_failed(offer, exc)
+                continue
+            if isinstance(reply, TransportError):
                 if self.run_over.is_set():
                     log.info("peer %s: the run has finished", self.peer_id)
                     break
                 # The coordinator may be restarting: it keeps everything it acknowledged.
                 if time.monotonic() - last_contact > self.give_up_seconds:
-                    raise
-                log.warning("peer %s: %s; retrying", self.peer_id, exc)
+                    raise reply
+                log.warning("peer %s: %s; retrying", self.peer_id, reply)
                 self.stop.wait(self.retry_seconds)
-                continue
-            except RejectedError as exc:
-                if exc.reason not in ("rate-limited", "quota"):
-                    raise  # revoked, banned, not on the allow-list...: the user must act
-                log.warning("peer %s: %s; waiting", self.peer_id, exc)
+            elif isinstance(reply, RejectedError):  # rate-limited, or over the key's task quota
+                log.warning("peer %s: %s; waiting", self.peer_id, reply)
                 self.stop.wait(self.retry_seconds)
-                continue
-            if isinstance(offer, m.NoTask):
-                if offer.finished:
+            elif isinstance(reply, m.NoTask):
+                if reply.finished:
                     log.info("peer %s: run finished after %d tasks", self.peer_id, self.tasks_done)
                     break
-                self.stop.wait(offer.retry_after)
-                continue
-            try:
-                self.run_task(offer)
-            except RunOver:
-                log.info("peer %s: the run finished during task %s", self.peer_id, offer.task_id)
-                break
-            except TaskAborted as exc:
-                log.warning("peer %s: task %s aborted: %s", self.peer_id, offer.task_id, exc)
-                if not self.stop.is_set():  # hand it back so that it is re-issued at once
-                    try:
-                        self.transport.request(
-                            m.ReleaseTask(peer_id=self.peer_id, task_id=offer.task_id)
-                        )
-                    except DipacoError as again:
-                        log.warning("peer %s: release failed: %s", self.peer_id, again)
-                self.stop.wait(min(0.5, self.retry_seconds))  # never a hot loop of failures
-            except TransportError as exc:
-                log.warning("peer %s: task %s lost: %s", self.peer_id, offer.task_id, exc)
-            except RejectedError as exc:
-                log.warning(
-                    "peer %s: task %s rejected: %s (%s)",
-                    self.peer_id,
-                    offer.task_id,
-                    exc,
-                    exc.reason,
-                )
-                self._drop_checkpoint()
-                self.stop.wait(min(0.5, self.retry_seconds))
+                self.stop.wait(reply.retry_after)
         for link in self._links.values():
             link.close()
         return self.tasks_done
+
+    def _claim_batch(self) -> tuple[list[m.TaskOffer], m.Message | DipacoError | None]:
+        """Claim up to ``parallel`` tasks (one, preferring the last path, unless path-parallel).
+
+        Returns the offers and the reply that ended the claiming: a ``NoTask``, the transport
+        error or rejection it met (the caller handles it as for a single claim when no task came),
+        or None when the batch is full. A path-parallel peer asks with ``prefer_path=None`` and
+        names the tasks it holds already, so that the scheduler leases it another path.
+        """
+        want = self.parallel
+        if self.max_tasks is not None:
+            want = min(want, self.max_tasks - self.tasks_done)
+        offers: list[m.TaskOffer] = []
+        while len(offers) < want:
+            try:
+                reply = self.transport.request(
+                    m.ClaimTask(
+                        peer_id=self.peer_id,
+                        prefer_path=self.last_path if self.parallel == 1 else None,
+                        holding=[offer.task_id for offer in offers],
+                    )
+                )
+            except (TransportError, RejectedError) as exc:
+                if offers:
+                    log.info("peer %s: claimed %d tasks (%s)", self.peer_id, len(offers), exc)
+                return offers, exc
+            if not isinstance(reply, m.TaskOffer):
+                return offers, reply
+            offers.append(reply)
+        return offers, None
+
+    def _task_failed(self, task: m.TaskOffer, exc: DipacoError, pause: bool = True) -> None:
+        """A task that could not be trained or pushed: log it; hand back an aborted one."""
+        if isinstance(exc, TaskAborted):
+            log.warning("peer %s: task %s aborted: %s", self.peer_id, task.task_id, exc)
+            if not self.stop.is_set():  # hand it back so that it is re-issued at once
+                try:
+                    self.transport.request(
+                        m.ReleaseTask(peer_id=self.peer_id, task_id=task.task_id)
+                    )
+                except DipacoError as again:
+                    log.warning("peer %s: release failed: %s", self.peer_id, again)
+            if pause:
+                self.stop.wait(min(0.5, self.retry_seconds))  # never a hot loop of failures
+        elif isinstance(exc, TransportError):
+            log.warning("peer %s: task %s lost: %s", self.peer_id, task.task_id, exc)
+        else:
+            reason = getattr(exc, "reason", "")
+            log.warning(
+                "peer %s: task %s rejected: %s (%s)", self.peer_id, task.task_id, exc, reason
+            )
+            self._drop_checkpoint()
+            if pause:
+                self.stop.wait(min(0.5, self.retry_seconds))
 
     @contextmanager
     def _timed(self, what: str) -> Iterator[None]:
@@ -299,142 +381,296 @@ class Peer:
                 log.warning("peer %s: %s; retrying", self.peer_id, exc)
                 self.stop.wait(self.retry_seconds)
 
+    # ---- one task -----------------------------------------------------------------------------
     def run_task(self, task: m.TaskOffer) -> None:
         """Fetch, train and push one task, heartbeating all along (downloads can be slow)."""
         progress: dict[str, Any] = {"step": 0}
         lease_lost = threading.Event()
-        beats_done = threading.Event()
-        beats = threading.Thread(
-            target=self._heartbeats,
-            args=(task, progress, lease_lost, beats_done),
-            name=f"{self.peer_id}-heartbeat",
-            daemon=True,
-        )
-        beats.start()
-        try:
+        with self._heartbeating([(task, progress, lease_lost)]):
             self._run_task(task, progress, lease_lost)
-        finally:
-            beats_done.set()
-            beats.join()
 
     def _run_task(self, task: m.TaskOffer, progress: dict, lease_lost: threading.Event) -> None:
-        log.info("peer %s: training %s (path P%d)", self.peer_id, task.task_id, task.path)
-        if task.owners:
-            self.owners.update(task.owners)
-        with self._timed("fetch"):
-            modules = self.fetch(task)
-        training = time.monotonic()
-        model = self.topology.build_path(
-            self.model_cfg,
-            task.path,
-            {mid: {k: v.clone() for k, v in tensors.items()} for mid, tensors in modules.items()},
-        ).to(self.device)
-        tc = self.train_cfg
-        settings = InnerSettings(
-            lr=tc["lr"],
-            warmup_steps=tc["warmup_steps"],
-            total_steps=task.total_steps,
-            min_lr_ratio=tc["min_lr_ratio"],
-            weight_decay=tc["weight_decay"],
-            grad_clip=tc["grad_clip"],
-        )
-        optimizer = make_optimizer(model, settings)
-        names = param_names_in_optimizer_order(model)
-        done_steps, losses = self._resume(task, model, optimizer, names)
-        if done_steps == 0:
-            self._load_inner_state(task.path, optimizer, names)
-        shard = self._shard(task)
-        # The task's data slice: windows drawn by a generator seeded by (run seed, path, round).
-        batches = window_batches(
-            shard, [task.seed, task.path, task.round], tc["batch_size"], tc["seq_len"], self.device
-        )
-        for _ in range(done_steps):  # a resumed task skips the windows it already trained on
-            next(batches)
-        start = time.monotonic()
-        progress.update(step=done_steps, saved=time.monotonic())
-
-        def on_step(step: int, loss: float) -> None:
-            if self.stop.is_set():
-                raise TaskAborted("peer is stopping")
-            if lease_lost.is_set():
-                raise TaskAborted("lease lost")
-            progress["step"] = step - task.step_offset + 1
-            losses.append(loss)
-            self.on_progress(
-                {
-                    "task": task.task_id,
-                    "path": task.path,
-                    "step": progress["step"],
-                    "steps": task.inner_steps,
-                    "loss": loss,
-                    "elapsed": time.monotonic() - start,
-                    "tokens_per_step": self.train_cfg["batch_size"] * self.train_cfg["seq_len"],
-                }
-            )
-            if time.monotonic() - progress["saved"] > self.checkpoint_seconds:
-                self._checkpoint(task, model, optimizer, names, progress["step"], losses)
-                progress["saved"] = time.monotonic()
-
+        run = self._setup_task(task, progress, lease_lost)
         try:
-            train_steps(
-                model,
-                optimizer,
-                batches,
-                settings,
-                steps=task.inner_steps - done_steps,
-                step_offset=task.step_offset + done_steps,
-                on_step=on_step,
-                micro_batch=self.micro_batch,
-                autocast=self.features["autocast"],
-                forward=torch.compile(model) if self.features["compile"] else None,
-            )
+            while not run.finished:
+                self._stepped(run, self._step(run))
         except TaskAborted:
-            self.timings["train"] += time.monotonic() - training
             if self.stop.is_set():
                 # Leave cleanly: hand the task back at once rather than let it expire.
                 self.transport.request(m.ReleaseTask(peer_id=self.peer_id, task_id=task.task_id))
             self._drop_checkpoint()
             raise
-        trained = self.topology.split_path_state(
-            task.path, {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        )
-        delta = {
-            mid: {
-                name: (modules[mid][name] - trained[mid][name]).contiguous()
-                for name in modules[mid]
+        self._finish_task(run)
+
+    def _setup_task(
+        self,
+        task: m.TaskOffer,
+        progress: dict,
+        lease_lost: threading.Event,
+        *,
+        resume: bool = True,
+        stream: Any = None,
+    ) -> TaskRun:
+        """Fetch the path's modules; build its model and optimizer, with its inner state (or the
+        task's checkpoint, with ``resume``); open its data slice. Returns the task's state."""
+        log.info("peer %s: training %s (path P%d)", self.peer_id, task.task_id, task.path)
+        if task.owners:
+            self.owners.update(task.owners)
+        with self._timed("fetch"):
+            modules = self.fetch(task)
+        with self._timed("train"):
+            model = self.topology.build_path(
+                self.model_cfg,
+                task.path,
+                {
+                    mid: {k: v.clone() for k, v in tensors.items()}
+                    for mid, tensors in modules.items()
+                },
+            ).to(self.device)
+            model.train()
+            tc = self.train_cfg
+            settings = InnerSettings(
+                lr=tc["lr"],
+                warmup_steps=tc["warmup_steps"],
+                total_steps=task.total_steps,
+                min_lr_ratio=tc["min_lr_ratio"],
+                weight_decay=tc["weight_decay"],
+                grad_clip=tc["grad_clip"],
+            )
+            optimizer = make_optimizer(model, settings)
+            names = param_names_in_optimizer_order(model)
+            done_steps, losses = self._resume(task, model, optimizer, names) if resume else (0, [])
+            if done_steps == 0:
+                self._load_inner_state(task.path, optimizer, names)
+            shard = self._shard(task)
+            # The task's data slice: windows drawn by a generator seeded by (run seed, path,
+            # round).
+            batches = window_batches(
+                shard,
+                [task.seed, task.path, task.round],
+                tc["batch_size"],
+                tc["seq_len"],
+                self.device,
+            )
+            for _ in range(done_steps):  # a resumed task skips the windows it already trained on
+                next(batches)
+            progress.update(step=done_steps, saved=time.monotonic())
+            return TaskRun(
+                task=task,
+                modules=modules,
+                model=model,
+                optimizer=optimizer,
+                names=names,
+                settings=settings,
+                batches=batches,
+                forward=torch.compile(model) if self.features["compile"] else None,
+                progress=progress,
+                lease_lost=lease_lost,
+                losses=losses,
+                step=done_steps,
+                began=time.monotonic(),
+                checkpoints=resume,
+                stream=stream,
+            )
+
+    def _step(self, run: TaskRun) -> torch.Tensor:
+        """Issue one inner step of ``run`` (on its CUDA stream, if it has one); returns its loss,
+        not read, so that no device sync happens here."""
+        with self._timed("train"), _on_stream(run.stream):
+            return train_step(
+                run.model,
+                run.optimizer,
+                next(run.batches),
+                run.settings,
+                step=run.task.step_offset + run.step,
+                micro_batch=self.micro_batch,
+                autocast=self.features["autocast"],
+                forward=run.forward,
+            )
+
+    def _stepped(self, run: TaskRun, loss: torch.Tensor) -> None:
+        """After a step: abort if the peer stops or the lease was lost; else count the step,
+        report it (``on_progress``) and checkpoint the task when it is time to."""
+        with self._timed("train"):
+            with _on_stream(run.stream):  # the loss is written on the task's stream
+                value = loss.item()
+            if self.stop.is_set():
+                raise TaskAborted("peer is stopping")
+            if run.lease_lost.is_set():
+                raise TaskAborted("lease lost")
+            run.step += 1
+            run.progress["step"] = run.step
+            run.losses.append(value)
+            self.on_progress(
+                {
+                    "task": run.task.task_id,
+                    "path": run.task.path,
+                    "step": run.step,
+                    "steps": run.task.inner_steps,
+                    "loss": value,
+                    "elapsed": time.monotonic() - run.began,
+                    "tokens_per_step": self.train_cfg["batch_size"] * self.train_cfg["seq_len"],
+                }
+            )
+            if (
+                run.checkpoints
+                and time.monotonic() - run.progress["saved"] > self.checkpoint_seconds
+            ):
+                self._checkpoint(
+                    run.task, run.model, run.optimizer, run.names, run.step, run.losses
+                )
+                run.progress["saved"] = time.monotonic()
+
+    def _finish_task(self, run: TaskRun) -> None:
+        """The task's per-module deltas (fetched minus trained), pushed; its inner state saved."""
+        task, tc = run.task, self.train_cfg
+        with self._timed("train"):
+            trained = self.topology.split_path_state(
+                task.path, {k: v.detach().cpu() for k, v in run.model.state_dict().items()}
+            )
+            delta = {
+                mid: {
+                    name: (run.modules[mid][name] - trained[mid][name]).contiguous()
+                    for name in run.modules[mid]
+                }
+                for mid in run.modules
             }
-            for mid in modules
-        }
         tokens = task.inner_steps * tc["batch_size"] * tc["seq_len"]
-        self.timings["train"] += time.monotonic() - training
         fault_point("peer.before_push")
         with self._timed("push"):
-            self.push(task, delta, tokens, losses)
+            self.push(task, delta, tokens, run.losses)
         with self._timed("save"):
-            self._save_inner_state(task.path, optimizer, names)
+            self._save_inner_state(task.path, run.optimizer, run.names)
             self._drop_checkpoint()
         self.tasks_done += 1
         self.tokens_trained += tokens
         self.last_path = task.path
         log.info(
-            "peer %s: %s done, loss %.3f -> %.3f", self.peer_id, task.task_id, losses[0], losses[-1]
+            "peer %s: %s done, loss %.3f -> %.3f",
+            self.peer_id,
+            task.task_id,
+            run.losses[0],
+            run.losses[-1],
         )
 
-    def _heartbeats(
-        self, task: m.TaskOffer, progress: dict, lost: threading.Event, done: threading.Event
-    ) -> None:
-        """Keep the lease alive from a thread of its own, however long a step or a push takes."""
-        while not done.wait(self.config["heartbeat_seconds"]):
+    # ---- several tasks at once (path-parallel) ------------------------------------------------
+    def run_batch(self, tasks: list[m.TaskOffer]) -> None:
+        """Train several tasks (paths) at once, step-interleaved; push each as ``run_task`` does.
+
+        Every task is set up (fetch, model, optimizer, inner state, data), then step i of each
+        task runs before step i + 1 of any, each task on its own CUDA stream on a GPU (so the
+        kernels of different paths can overlap; all are synchronised before the deltas are
+        taken), in plain turns on a CPU. Each task's operations are exactly those of
+        ``run_task``, so its deltas are too. Then each task's deltas are pushed and its inner
+        state saved, in order. One heartbeat thread keeps every lease alive.
+
+        In-flight tasks of a batch are not checkpointed and not resumed (a restarted peer trains
+        them again from their base). A task whose lease is lost is dropped and handed back, the
+        others train on; a stopping peer hands every task of the batch back. Failures of one
+        task (fetch, push) are handled as ``_loop`` handles a single task's.
+        """
+        leases = [(task, {"step": 0}, threading.Event()) for task in tasks]
+        with self._heartbeating(leases):
             try:
-                ack = self.transport.request(
-                    m.Heartbeat(peer_id=self.peer_id, task_id=task.task_id, step=progress["step"])
+                self._run_batch(leases)
+            except TaskAborted as exc:  # the peer is stopping: hand every task back at once
+                log.warning("peer %s: batch of %d aborted: %s", self.peer_id, len(tasks), exc)
+                for task in tasks:
+                    try:
+                        self.transport.request(
+                            m.ReleaseTask(peer_id=self.peer_id, task_id=task.task_id)
+                        )
+                    except DipacoError as again:
+                        log.warning("peer %s: release failed: %s", self.peer_id, again)
+
+    def _run_batch(self, leases: list[tuple[m.TaskOffer, dict, threading.Event]]) -> None:
+        cuda = str(self.device).startswith("cuda") and torch.cuda.is_available()
+        runs: list[TaskRun] = []
+        for task, progress, lost in leases:
+            if self.stop.is_set():
+                raise TaskAborted("peer is stopping")
+            try:
+                runs.append(
+                    self._setup_task(
+                        task,
+                        progress,
+                        lost,
+                        resume=False,  # no checkpoints in a batch (see run_batch)
+                        stream=torch.cuda.Stream(device=self.device) if cuda else None,
+                    )
                 )
-            except DipacoError as exc:
-                log.warning("peer %s: heartbeat failed: %s", self.peer_id, exc)
-                continue
-            if not ack.lease_ok:
-                lost.set()
-                return
+            except (TaskAborted, TransportError, RejectedError) as exc:
+                self._task_failed(task, exc, pause=False)
+        began = time.monotonic()
+        for run in runs:
+            run.began = began
+            if run.stream is not None:  # models, moments and windows were made on this stream
+                run.stream.wait_stream(torch.cuda.current_stream(self.device))
+        active = list(runs)
+        while active:
+            # Step i of every task is issued before any is read: on a GPU they run at once.
+            losses = [self._step(run) for run in active]
+            for run, loss in zip(active, losses, strict=True):
+                try:
+                    self._stepped(run, loss)
+                except TaskAborted as exc:
+                    if self.stop.is_set():
+                        raise
+                    runs.remove(run)  # its lease was lost: drop it, the others train on
+                    self._task_failed(run.task, exc, pause=False)
+            active = [run for run in active if run in runs and not run.finished]
+        if cuda:
+            with self._timed("train"):
+                torch.cuda.synchronize(self.device)
+        for run in runs:
+            try:
+                self._finish_task(run)
+            except (TaskAborted, TransportError, RejectedError) as exc:
+                self._task_failed(run.task, exc, pause=False)
+
+    # ---- leases -------------------------------------------------------------------------------
+    @contextmanager
+    def _heartbeating(
+        self, leases: list[tuple[m.TaskOffer, dict, threading.Event]]
+    ) -> Iterator[None]:
+        """Heartbeat the leases (task, progress, lost) from one thread while the block runs."""
+        done = threading.Event()
+        beats = threading.Thread(
+            target=self._heartbeats,
+            args=(leases, done),
+            name=f"{self.peer_id}-heartbeat",
+            daemon=True,
+        )
+        beats.start()
+        try:
+            yield
+        finally:
+            done.set()
+            beats.join()
+
+    def _heartbeats(
+        self, leases: list[tuple[m.TaskOffer, dict, threading.Event]], done: threading.Event
+    ) -> None:
+        """Keep the leases alive from a thread of its own, however long a step or a push takes.
+
+        A lease the scheduler no longer knows as ours has its ``lost`` event set and is no longer
+        renewed."""
+        live = list(leases)
+        while live and not done.wait(self.config["heartbeat_seconds"]):
+            for lease in list(live):
+                task, progress, lost = lease
+                try:
+                    ack = self.transport.request(
+                        m.Heartbeat(
+                            peer_id=self.peer_id, task_id=task.task_id, step=progress["step"]
+                        )
+                    )
+                except DipacoError as exc:
+                    log.warning("peer %s: heartbeat failed: %s", self.peer_id, exc)
+                    continue
+                if not ack.lease_ok:
+                    lost.set()
+                    live.remove(lease)
 
     def check_manifest(self, welcome: m.Welcome) -> None:
         """The manifest names the scheduler's key, which signed it and the reply that carried it."""

@@ -43,6 +43,9 @@ class Hello:
 class ClaimTask:
     peer_id: str
     prefer_path: int | None = None
+    # Tasks the peer holds and trains with the one it asks for (a path-parallel peer): the
+    # scheduler leases it another path rather than give one of these back.
+    holding: list[str] = field(default_factory=list)
 
 
 @message

@@ -1,0 +1,168 @@
+"""All paths at once on one device: a path-parallel local peer against a sequential one.
+
+One prepared run is copied twice and trained to the end by one local peer each:
+
+  sequential  ``Peer(parallel=1)``: one task (path) at a time, as ``run_local_peers`` does
+  parallel    ``Peer(parallel=P)``: every task of a round claimed at once and trained together,
+              step i of every path before step i + 1 of any, each path on its own CUDA stream
+              on a GPU (plain turns on a CPU); then each task's deltas pushed as usual
+
+Both do the same work (P paths x rounds x H steps, the same pushes and outer steps), so the
+ratio printed is parallel wall / sequential wall for the training (below 1: the parallel mode
+is faster). On a CPU expect about 1 (the paths' steps do not overlap; the win is at most in
+fewer claim round-trips); on a GPU small paths leave the device idle between kernels, and the
+streams of other paths can fill it. Also printed: tokens per second of each, where each
+peer's time went, and whether the modules after both runs are identical (on a CPU they must
+be, bit for bit; tests/unit/test_path_parallel.py checks it).
+
+    python bench/path_parallel.py                        # CPU, 4x4 topology, a tiny model
+    python bench/path_parallel.py --device cuda --dim 256 --layers 8 --steps 20 --rounds 3
+    python bench/path_parallel.py --quick                # CI's short form
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dipaco.config import preset_config
+from dipaco.coordinator.prepare import prepare
+from dipaco.coordinator.run import MetricsLog, build_coordinator
+from dipaco.peer.peer import Peer, resolve_device
+from dipaco.protocols.auth import Identity
+from dipaco.protocols.transport import LocalTransport
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import add_report_args, record  # noqa: E402
+
+
+def train(root: Path, config, parallel: int, device: str) -> tuple[dict, dict]:
+    """Train the prepared run in ``root`` to the end with one local peer: its figures, and the
+    modules' parameters at the end."""
+    # The parallel peer holds a whole round's leases on its one key (run_local_peers does the
+    # same): the quota per key is operational, so the prepared run accepts the change.
+    config = config.replace(
+        security={"max_tasks_per_key": max(parallel, config.security.max_tasks_per_key)}
+    )
+    prep = prepare(root, config, device=device)
+    coordinator = build_coordinator(
+        prep, MetricsLog(root / "metrics.jsonl"), evaluate=False, device=device
+    )
+    peer = Peer(
+        LocalTransport(coordinator.handle).authenticate(Identity.generate()),
+        "bench",
+        root / "peer",
+        device=device,
+        parallel=parallel,
+    )
+    began = time.perf_counter()
+    done = peer.run()
+    wall = time.perf_counter() - began
+    if not coordinator.finished:
+        raise SystemExit(f"the run with parallel={parallel} did not finish")
+    params = {mid: dict(coordinator.store.params(mid)) for mid in coordinator.store.modules}
+    figures = {"wall": wall, "tasks": done, "tokens": peer.tokens_trained, "timings": peer.timings}
+    return figures, params
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
+    ap.add_argument("--topology", default="4x4", help="module levels, e.g. 4x4 (16 paths)")
+    ap.add_argument("--steps", type=int, default=3, help="inner steps H per task")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--work", help="a folder for the runs (default: a temporary one)")
+    ap.add_argument("--quick", action="store_true", help="CI's short form: 2x2, 1 round of 2 steps")
+    add_report_args(ap)
+    args = ap.parse_args()
+    if args.quick:
+        args.topology, args.steps, args.rounds = "2x2", 2, 1
+    with tempfile.TemporaryDirectory(prefix="dipaco-path-parallel-") as tmp:
+        run(args, Path(args.work or tmp))
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
+    device = resolve_device(args.device)
+    heads = 2 if args.dim < 128 else args.dim // 64
+    config = preset_config("tiny").replace(
+        model={
+            "vocab_size": args.vocab,
+            "dim": args.dim,
+            "n_layers": args.layers,
+            "n_heads": heads,
+            "max_seq_len": args.seq,
+        },
+        data={"max_docs": 400, "tokenizer_sample_chars": 200_000},
+        topology={"levels": args.topology},
+        train={
+            "batch_size": args.batch,
+            "seq_len": args.seq,
+            "pretrain_steps": 4,
+            "warmup_steps": 2,
+            "inner_steps": args.steps,
+            "rounds": args.rounds,
+        },
+        scheduler={"lease_seconds": 600.0, "heartbeat_seconds": 5.0},
+        eval={"max_docs": 8},
+    )
+    paths = config.build_topology().num_paths
+    print(f"preparing a run in {work} (tokenizer, pretraining, router, shards)...", flush=True)
+    prepare(work / "prepared", config, device=device)
+    print(
+        f"{paths} paths ({args.topology}), width {args.dim}, {args.layers} blocks, batch "
+        f"{args.batch} x {args.seq}, H = {args.steps}, {args.rounds} rounds; device {device}; "
+        f"torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
+    results, params = {}, {}
+    for name, parallel in (("sequential", 1), ("parallel", paths)):
+        root = work / name
+        shutil.copytree(work / "prepared", root)
+        results[name], params[name] = train(root, config, parallel, device)
+        r = results[name]
+        t = r["timings"]
+        print(
+            f"{name:>10} (parallel={parallel:>2}): {r['wall']:7.2f} s wall, {r['tasks']} tasks, "
+            f"{r['tokens'] / r['wall']:>9,.0f} tok/s | train {t['train']:.2f} s, fetch "
+            f"{t['fetch']:.2f} s, push {t['push']:.2f} s, save {t['save']:.2f} s, claim/wait "
+            f"{t['claim']:.2f} s",
+            flush=True,
+        )
+    seq, par = results["sequential"], results["parallel"]
+    identical = all(
+        torch.equal(params["parallel"][mid][name], tensor)
+        for mid, tensors in params["sequential"].items()
+        for name, tensor in tensors.items()
+    )
+    ratio = par["wall"] / seq["wall"]
+    train_ratio = par["timings"]["train"] / seq["timings"]["train"]
+    print(f"modules identical after both runs: {'yes' if identical else 'NO'}")
+    print(
+        f"ratio parallel/sequential wall: {ratio:.3f} (training phase alone {train_ratio:.3f}); "
+        f"tokens/s sequential {seq['tokens'] / seq['wall']:,.0f}, "
+        f"parallel {par['tokens'] / par['wall']:,.0f}"
+    )
+    record(
+        args,
+        "path_parallel",
+        f"{paths} paths ({args.topology}), width {args.dim}, {args.layers} blocks, "
+        f"H={args.steps} x {args.rounds} rounds, {device}: parallel/sequential wall "
+        f"{ratio:.3f} (training {train_ratio:.3f}); {seq['tokens'] / seq['wall']:,.0f} vs "
+        f"{par['tokens'] / par['wall']:,.0f} tok/s; modules identical: "
+        f"{'yes' if identical else 'no'}",
+    )
+
+
+if __name__ == "__main__":
+    main()
