@@ -6,8 +6,11 @@ steps per path, and the same evaluation (validation perplexity without the first
 
     dense                    topology 1; outer step = the delta itself (plain AdamW training)
     dense, 4x steps          the same, trained four times as many steps
-    dense, 2x2-sized         topology 1 with twice the blocks: as many parameters as DiPaCo 2x2
-    DiLoCo-4 (i.i.d.)        topology 1 with 4 replicas on i.i.d. shards, Nesterov outer step
+    dense, AxB params        topology 1 with as many blocks as DiPaCo AxB has in all: its total
+                             parameters, trained like one path (the paper's dense baseline)
+    dense, AxB params + tokens   the same trained on DiPaCo AxB's tokens (a P-times batch)
+    DiLoCo-P (i.i.d.)        topology 1 with P replicas on i.i.d. shards, Nesterov outer step:
+                             DiPaCo with P paths at equal compute (DiLoCo-16 next to 4x4)
     DiLoCo-4 (k-means)       the same on k-means shards
     flat MoE-4               one level of 4 fully independent paths (nothing shared), k-means
     DiPaCo 2x2               k-means routing
@@ -21,16 +24,29 @@ All models start from one dense pretraining (as in the paper), except those whos
 longer or whose shape differs, which pretrain their own. Each model's run folder is kept under
 ``--out``; a finished model is not trained again, so an interrupted benchmark continues.
 
-    python bench/paper_table.py --preset tiny            # 2 CPU cores, about 18 minutes
+    python bench/paper_table.py --preset tiny            # 2 CPU cores, about 25 minutes
     python bench/paper_table.py --preset small --device cuda   # a GPU; paths of about 20 M
 
-Writes ``paper_table.md``, ``paper_table.json`` and the bar chart ``paper_table.png`` to --out.
+Every row states its compute (training FLOPs, 6 x parameters per path x tokens, plus the scoring
+of a discriminative phase) and its communication (bytes moved per trained token: each task
+downloads its path's shared modules and uploads their deltas, float32; a dense model trained on
+P workers' tokens is charged what a ring all-reduce would move on P workers).
+
+    python bench/paper_table.py --preset capacity    # the long preset: capacity binds, ~90 min
+    python bench/paper_table.py --preset capacity --quick   # its CI form (a couple of minutes)
+
+With ``--curves`` (on for ``capacity``) every model is evaluated after each round and the
+learning curves are drawn against steps per path and against training FLOPs.
+
+Writes ``paper_table.md``, ``paper_table.json``, the bar chart ``paper_table.png`` and (with
+curves) ``curves.png`` to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import threading
@@ -45,7 +61,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from dipaco.config import RunConfig, load_config_dict  # noqa: E402
+from dipaco.config import OuterSection, RunConfig, load_config_dict  # noqa: E402
 from dipaco.coordinator.early_stopping import EarlyStopping  # noqa: E402
 from dipaco.coordinator.prepare import prepare  # noqa: E402
 from dipaco.coordinator.run import (  # noqa: E402
@@ -56,6 +72,7 @@ from dipaco.coordinator.run import (  # noqa: E402
 )
 from dipaco.errors import DipacoError  # noqa: E402
 from dipaco.fileio import write_atomic, write_json_atomic  # noqa: E402
+from dipaco.routing.features import FEATURE_KINDS  # noqa: E402
 
 # The base of every model in a preset; variants change topology, routing, outer step, rounds.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -113,11 +130,57 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# The long preset: paths small enough (4 blocks of width 64, vocabulary 1,024) that their capacity
+# binds within the run on a corpus of several kinds of text (builtin:mixed), trained for
+# thousands of inner steps per path; H and the rounds come from the sweep in docs/results.md.
+PRESETS["capacity"] = {
+    "model": {"vocab_size": 1024, "dim": 64, "n_layers": 4, "n_heads": 4, "max_seq_len": 128},
+    "data": {"source": "builtin:mixed", "tokenizer_sample_chars": 3_000_000},
+    # Token-bag routing features: the 100-step initial model's hidden states lose the source of
+    # a document (docs/results.md, the routing study); the rows ..._features_hidden keep them.
+    "routing": {"features": "tokens"},
+    "train": {
+        "batch_size": 8,
+        "seq_len": 128,
+        "lr": 3e-3,
+        "warmup_steps": 50,
+        "pretrain_steps": 100,
+        "inner_steps": 50,
+        "rounds": 40,
+    },
+    "eval": {"max_docs": 120},
+}
+# The rows each preset trains unless --only names others; "curves": evaluate every round.
+CORE = [
+    "dense",
+    "dense_4x4_params",
+    "diloco4_iid",
+    "dipaco2x2",
+    "diloco16_iid",
+    "dipaco4x4",
+]
+FULL = [
+    "dense",
+    "dense_4x_steps",
+    "dense_2x2_params",
+    "dense_4x4_params",
+    "diloco4_iid",
+    "diloco4_kmeans",
+    "diloco16_iid",
+    "flat_moe4",
+    "dipaco2x2",
+    "dipaco4x4",
+    "dipaco4x4_disc",
+]
+PRESET_ROWS: dict[str, list[str]] = {"capacity": CORE}
+PRESET_CURVES = {"capacity"}
+
 # Local runs: every peer is a thread of this process, so rounds wait for every path and every
 # task is H steps: results are deterministic.
 LOCAL = {"scheduler": {"quorum": 1.0, "min_step_fraction": 1.0}}
-PLAIN = {"lr": 1.0, "momentum": 0.0, "nesterov": False, "sqrt_rescale": False}  # theta <- theta_i
-DILOCO = {"lr": 0.7, "momentum": 0.9, "nesterov": True, "sqrt_rescale": False}
+PLAIN = {"lr": 1.0, "momentum": 0.0, "nesterov": False, "rescale": "none"}  # theta <- theta_i
+DILOCO = {"lr": 0.7, "momentum": 0.9, "nesterov": True, "rescale": "none"}
+DEFAULT_RESCALE = OuterSection().rescale
 
 
 @dataclass
@@ -128,9 +191,17 @@ class Variant:
     rows: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (label, eval options)
 
 
+def total_blocks(levels: str, layers: int) -> int:
+    """Blocks in all of DiPaCo ``levels`` (each level a share of the path's blocks)."""
+    counts = [int(k) for k in levels.split("x")]
+    return sum(k * layers // len(counts) for k in counts)
+
+
 def variants(base: RunConfig, only: set[str] | None) -> list[Variant]:
+    """Every model the benchmark knows, in table order; ``only`` picks some by key."""
     rounds = base.train.rounds
     layers = base.model.n_layers
+    batch = base.train.batch_size
     # The paper's re-routing interval is 64 tokens; shorter sequences re-route at their middle.
     w = 64 if base.train.seq_len > 64 else base.train.seq_len // 2
     out = [
@@ -140,11 +211,28 @@ def variants(base: RunConfig, only: set[str] | None) -> list[Variant]:
             "dense, 4x steps",
             {"topology": {"levels": "1"}, "outer": PLAIN, "train": {"rounds": 4 * rounds}},
         ),
-        Variant(
-            "dense_2x2_params",
-            "dense, DiPaCo-2x2 params",
-            {"topology": {"levels": "1"}, "outer": PLAIN, "model": {"n_layers": 2 * layers}},
-        ),
+    ]
+    for levels in ("2x2", "4x4"):
+        paths = math.prod(int(k) for k in levels.split("x"))
+        big = {"n_layers": total_blocks(levels, layers)}
+        out += [
+            Variant(
+                f"dense_{levels}_params",
+                f"dense, DiPaCo-{levels} params",
+                {"topology": {"levels": "1"}, "outer": PLAIN, "model": big},
+            ),
+            Variant(
+                f"dense_{levels}_tokens",
+                f"dense, DiPaCo-{levels} params and tokens",
+                {
+                    "topology": {"levels": "1"},
+                    "outer": PLAIN,
+                    "model": big,
+                    "train": {"batch_size": paths * batch},
+                },
+            ),
+        ]
+    out += [
         Variant(
             "diloco4_iid",
             "DiLoCo-4, i.i.d. shards",
@@ -155,21 +243,38 @@ def variants(base: RunConfig, only: set[str] | None) -> list[Variant]:
             "DiLoCo-4, k-means shards",
             {"topology": {"levels": "1", "replicas": 4}},
         ),
+        Variant(
+            "diloco16_iid",
+            "DiLoCo-16, i.i.d. shards",
+            {"topology": {"levels": "1", "replicas": 16}, "routing": {"method": "iid"}},
+        ),
         Variant("flat_moe4", "flat MoE-4 (k-means)", {"topology": {"levels": "4", "shared": []}}),
         Variant("dipaco2x2", "DiPaCo 2x2 (k-means)", {"topology": {"levels": "2x2"}}),
-        Variant(
-            "dipaco2x2_norescale",
-            "DiPaCo 2x2 (k-means), no sqrt rescale",
-            {"topology": {"levels": "2x2"}, "outer": {"sqrt_rescale": False}},
-        ),
         Variant("dipaco4x4", "DiPaCo 4x4 (k-means)", {"topology": {"levels": "4x4"}}),
-        # Not in the paper's table (nor is 2x2 without it): the sqrt(paths) rescale multiplies
-        # the shared embedding's and head's outer gradient by 4 with 16 paths.
-        Variant(
-            "dipaco4x4_norescale",
-            "DiPaCo 4x4 (k-means), no sqrt rescale",
-            {"topology": {"levels": "4x4"}, "outer": {"sqrt_rescale": False}},
-        ),
+    ]
+    # The outer-gradient rescales other than the default (docs/results.md: the sweep).
+    for levels in ("2x2", "4x4"):
+        for mode in ("none", "sqrt", "linear", "norm"):
+            if mode != DEFAULT_RESCALE:
+                out.append(
+                    Variant(
+                        f"dipaco{levels}_rescale_{mode}",
+                        f"DiPaCo {levels} (k-means), rescale {mode}",
+                        {"topology": {"levels": levels}, "outer": {"rescale": mode}},
+                    )
+                )
+    # The routing features other than the preset's (dipaco.routing.features).
+    for levels in ("2x2", "4x4"):
+        for kind in FEATURE_KINDS:
+            if kind != base.routing.features:
+                out.append(
+                    Variant(
+                        f"dipaco{levels}_features_{kind}",
+                        f"DiPaCo {levels} (k-means), {kind} routing features",
+                        {"topology": {"levels": levels}, "routing": {"features": kind}},
+                    )
+                )
+    out.append(
         Variant(
             "dipaco4x4_disc",
             "DiPaCo 4x4 + discriminative",
@@ -194,11 +299,14 @@ def variants(base: RunConfig, only: set[str] | None) -> list[Variant]:
                     {"early": True, "window": w // 2, "learned": True},
                 ),
             ],
-        ),
-    ]
+        )
+    )
     for v in out:
         if v.key.startswith("diloco"):
             v.overrides.setdefault("outer", DILOCO)
+    known = {v.key for v in out}
+    if only is not None and only - known:
+        raise SystemExit(f"unknown model keys {sorted(only - known)}; known: {sorted(known)}")
     return [v for v in out if only is None or v.key in only]
 
 
@@ -211,8 +319,50 @@ def variant_config(base: RunConfig, v: Variant) -> RunConfig:
     return load_config_dict(data, origin=f"variant {v.key}")
 
 
+def bytes_per_token(config: RunConfig, base_batch: int) -> float:
+    """Bytes moved between workers per trained token, float32, both directions.
+
+    A task downloads its path's shared modules (those more than one path goes through) and
+    uploads their deltas, once per H steps. A single model trained on k workers' batch (a batch
+    k times the base one) is charged a ring all-reduce of its gradient on k workers every step.
+    """
+    topology = config.build_topology()
+    counts = topology.parameter_counts(config.build_model_config())
+    step_tokens = config.train.batch_size * config.train.seq_len
+    if topology.num_paths == 1:
+        k = config.train.batch_size // base_batch
+        return 2 * (k - 1) / k * 4 * counts["total"] / step_tokens if k > 1 else 0.0
+    sharing: dict[str, int] = {}
+    for p in range(topology.num_paths):
+        for mid in topology.path_modules(p):
+            sharing[mid] = sharing.get(mid, 0) + 1
+    per_path = sum(counts["modules"][mid] for mid in topology.path_modules(0) if sharing[mid] > 1)
+    return 2 * 4 * per_path / (config.train.inner_steps * step_tokens)
+
+
+def curve(metrics: MetricsLog) -> list[dict]:
+    """The run's per-round validation perplexity (the last evaluation of each round)."""
+    by_round: dict[int, dict] = {}
+    for e in metrics.read():
+        if e.get("event") == "eval" and e.get("model") == "dipaco":
+            by_round[e["round"]] = {
+                "round": e["round"],
+                "steps": e["steps_per_path"],
+                "ppl": e["ppl"],
+            }
+    return [by_round[r] for r in sorted(by_round)]
+
+
 def run_variant(
-    out: Path, base_root: Path | None, config: RunConfig, v: Variant, device: str
+    out: Path,
+    base_root: Path | None,
+    config: RunConfig,
+    v: Variant,
+    device: str,
+    *,
+    curves: bool = False,
+    base_batch: int | None = None,
+    path_parallel: bool = False,
 ) -> list[dict]:
     root = out / v.key
     done = root / "bench.json"
@@ -240,9 +390,12 @@ def run_variant(
 
     metrics.listeners.append(on_event)
     t1 = time.monotonic()
-    coordinator = build_coordinator(prep, metrics, evaluate=False, device=device)
+    coordinator = build_coordinator(prep, metrics, evaluate=curves, device=device)
     stop = threading.Event()
-    threads = run_local_peers(coordinator, prep, 1, stop=stop, device=device)
+    # One local peer; path-parallel, it trains every path of a round at once (same parameters,
+    # faster on a GPU whose paths are too small to fill it).
+    parallel = topology.num_paths if path_parallel else 1
+    threads = run_local_peers(coordinator, prep, 1, stop=stop, device=device, parallel=parallel)
     try:
         while not coordinator.finished_event.wait(0.5):
             if not any(t.is_alive() for t in threads):
@@ -278,9 +431,13 @@ def run_variant(
         "paths": topology.num_paths,
         "tokens": tokens,
         "flops": flops,
+        "bytes_per_token": bytes_per_token(c, base_batch or c.train.batch_size),
+        "steps_per_path": c.train.pretrain_steps + c.train.rounds * c.train.inner_steps,
         "train_seconds": round(train_s, 1),
         "prepare_seconds": round(prepared_s, 1),
     }
+    if curves:
+        base_row["curve"] = curve(metrics)
     rows = []
     for label, options in [(v.label, {}), *v.rows]:
         t2 = time.monotonic()
@@ -311,37 +468,61 @@ def run_variant(
 
 
 ORDERINGS = [
-    # (claim, lower, higher): the paper says ppl(lower) < ppl(higher)
-    ("DiPaCo 2x2 below dense at equal per-path size", "DiPaCo 2x2 (k-means)", "dense"),
+    # (claim, lower, higher, target): the paper says ppl(lower) < target * ppl(higher)
+    ("DiPaCo 2x2 below dense at equal per-path size", "DiPaCo 2x2 (k-means)", "dense", 1.0),
+    ("DiLoCo-4 below dense", "DiLoCo-4, i.i.d. shards", "dense", 1.0),
+    (
+        "DiPaCo 2x2 below DiLoCo-4 (equal compute)",
+        "DiPaCo 2x2 (k-means)",
+        "DiLoCo-4, i.i.d. shards",
+        1.0,
+    ),
+    (
+        "DiPaCo 4x4 at or below 0.92x DiLoCo-16 (equal compute)",
+        "DiPaCo 4x4 (k-means)",
+        "DiLoCo-16, i.i.d. shards",
+        0.92,
+    ),
+    ("more paths help: DiPaCo 4x4 below 2x2", "DiPaCo 4x4 (k-means)", "DiPaCo 2x2 (k-means)", 1.0),
+    (
+        "DiPaCo 4x4 below the dense model of its total size",
+        "DiPaCo 4x4 (k-means)",
+        "dense, DiPaCo-4x4 params",
+        1.0,
+    ),
     (
         "discriminative routing below k-means (4x4)",
         "DiPaCo 4x4 + discriminative",
         "DiPaCo 4x4 (k-means)",
+        1.0,
     ),
     (
         "early stopping lowers it further",
         "DiPaCo 4x4 + discriminative + early stopping",
         "DiPaCo 4x4 + discriminative",
+        1.0,
     ),
     (
         "re-routing every 64 tokens lowers it further",
         "DiPaCo 4x4 + discriminative + early stopping + re-routing every 64 tokens",
         "DiPaCo 4x4 + discriminative + early stopping",
+        1.0,
     ),
-    ("DiLoCo-4 below dense", "DiLoCo-4, i.i.d. shards", "dense"),
-    ("more paths help: DiPaCo 4x4 below 2x2", "DiPaCo 4x4 (k-means)", "DiPaCo 2x2 (k-means)"),
 ]
 
 
 def orderings(rows: list[dict]) -> list[dict]:
     ppl = {r["model"]: r["ppl"] for r in rows}
     out = []
-    for claim, lower, higher in ORDERINGS:
+    for claim, lower, higher, target in ORDERINGS:
         if lower in ppl and higher in ppl:
             out.append(
                 {
                     "claim": claim,
-                    "holds": ppl[lower] < ppl[higher],
+                    "holds": ppl[lower] <= target * ppl[higher]
+                    if target < 1
+                    else ppl[lower] < ppl[higher],
+                    "target": target,
                     "lower": lower,
                     "higher": higher,
                     "ratio": ppl[lower] / ppl[higher],
@@ -363,13 +544,16 @@ def _seconds(x: float | None) -> str:
 
 def markdown(rows: list[dict], checks: list[dict], preset: str, device: str) -> str:
     lines = [
-        "| model | params / path | total params | tokens | FLOPs | val ppl | wall time (s) |",
-        "|---|---|---|---|---|---|---|",
+        "| model | params / path | total params | steps / path | tokens | FLOPs | bytes / token "
+        "| val ppl | wall time (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        moved = r.get("bytes_per_token")
         lines.append(
             f"| {r['model']} | {_si(r['params_per_path'])} | {_si(r['total_params'])} | "
-            f"{_si(r['tokens'])} | {_si(r['flops'])} | {r['ppl']:.2f} | "
+            f"{r.get('steps_per_path', '—')} | {_si(r['tokens'])} | {_si(r['flops'])} | "
+            f"{'—' if moved is None else f'{moved:.1f}'} | {r['ppl']:.2f} | "
             f"{_seconds(r.get('train_seconds'))} |"
         )
     lines += ["", f"Orderings (preset `{preset}`, device `{device}`):", ""]
@@ -377,6 +561,34 @@ def markdown(rows: list[dict], checks: list[dict], preset: str, device: str) -> 
         mark = "holds" if ch["holds"] else "does not hold"
         lines.append(f"- {ch['claim']}: **{mark}** (ratio {ch['ratio']:.3f})")
     return "\n".join(lines) + "\n"
+
+
+def curves_chart(rows: list[dict], path: Path, title: str) -> bool:
+    """Validation perplexity after each round, against steps per path and against FLOPs."""
+    with_curves = [r for r in rows if r.get("curve") and "re-routing" not in r["model"]]
+    if not with_curves:
+        return False
+    fig, (by_steps, by_flops) = plt.subplots(1, 2, figsize=(13, 5))
+    for r in with_curves:
+        steps = [c["steps"] for c in r["curve"]]
+        ppl = [c["ppl"] for c in r["curve"]]
+        # Training FLOPs so far: the run's FLOPs in proportion of its steps per path.
+        flops = [r["flops"] * s / r["steps_per_path"] for s in steps]
+        style = "--" if r["model"].startswith(("dense", "DiLoCo")) else "-"
+        by_steps.plot(steps, ppl, style, label=r["model"])
+        by_flops.plot(flops, ppl, style, label=r["model"])
+    for ax, xlabel in ((by_steps, "inner steps per path"), (by_flops, "training FLOPs")):
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation perplexity (routed; first 32 tokens excluded)")
+        ax.grid(True, which="both", alpha=0.3)
+    by_flops.set_xscale("log")
+    by_steps.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def bar_chart(rows: list[dict], path: Path, title: str) -> None:
@@ -412,7 +624,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
     ap.add_argument("--only", nargs="*", help="train only these models (keys as in the table)")
     ap.add_argument("--max-docs", type=int, help="read at most this many documents (evenly spread)")
+    ap.add_argument("--rounds", type=int, help="outer rounds per model (default: the preset's)")
     ap.add_argument("--fresh", action="store_true", help="delete --out first")
+    ap.add_argument(
+        "--curves",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="evaluate after every round and draw curves.png (default: on for capacity)",
+    )
+    ap.add_argument(
+        "--path-parallel",
+        action="store_true",
+        help="train every path of a round at once, each on its own CUDA stream (same results)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the CI form: a few hundred documents, 2 rounds of 10 steps, the same rows",
+    )
     ap.add_argument(
         "--merge",
         nargs="+",
@@ -431,10 +660,19 @@ def main(argv: list[str] | None = None) -> int:
     if device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")  # TF32 matmuls, as GPU training does
     preset = dict(PRESETS[args.preset])
+    if args.quick:
+        preset.update(
+            data={**preset.get("data", {}), "max_docs": 500, "tokenizer_sample_chars": 400_000},
+            train={**preset["train"], "rounds": 2, "inner_steps": 10, "pretrain_steps": 10},
+            eval={**preset.get("eval", {}), "max_docs": 16},
+        )
+    curves = args.curves if args.curves is not None else args.preset in PRESET_CURVES
     if args.source:
         preset["data"] = {**preset.get("data", {}), "source": args.source}
     if args.max_docs:
         preset["data"] = {**preset.get("data", {}), "max_docs": args.max_docs}
+    if args.rounds:
+        preset["train"] = {**preset["train"], "rounds": args.rounds}
     base = load_config_dict({"name": "paper_table", **preset}, origin=f"preset {args.preset}")
     t0 = time.monotonic()
     rows: list[dict] = []
@@ -447,8 +685,18 @@ def main(argv: list[str] | None = None) -> int:
         rows = list(merged.values())
         rows.sort(key=lambda r: order.index(r["key"]) if r["key"] in order else len(order))
     base_root: Path | None = None
-    for v in [] if args.merge else variants(base, set(args.only) if args.only else None):
-        rows += run_variant(out, base_root, variant_config(base, v), v, device)
+    only = set(args.only) if args.only else set(PRESET_ROWS.get(args.preset, FULL))
+    for v in [] if args.merge else variants(base, only):
+        rows += run_variant(
+            out,
+            base_root,
+            variant_config(base, v),
+            v,
+            device,
+            curves=curves,
+            base_batch=base.train.batch_size,
+            path_parallel=args.path_parallel,
+        )
         base_root = base_root or out / v.key
     checks = orderings(rows)
     text = markdown(rows, checks, args.preset, device)
@@ -457,6 +705,8 @@ def main(argv: list[str] | None = None) -> int:
         out / "paper_table.json", {"preset": args.preset, "rows": rows, "orderings": checks}
     )
     bar_chart(rows, out / "paper_table.png", f"dipaco paper table, preset {args.preset} ({device})")
+    if curves_chart(rows, out / "curves.png", f"learning curves, preset {args.preset} ({device})"):
+        print(f"learning curves: {out / 'curves.png'}")
     print(text)
     print(
         f"wrote {out / 'paper_table.md'}, {out / 'paper_table.png'} in {time.monotonic() - t0:.0f} s"

@@ -22,6 +22,7 @@ from dipaco.cli.common import choose_config, command_parser, console, dispatch
 from dipaco.cli.init import add_init_command
 from dipaco.cli.use import add_use_commands
 from dipaco.cli.watch import add_status_command
+from dipaco.coordinator.baselines import train_diloco
 from dipaco.coordinator.prepare import PreparedRun, prepare
 from dipaco.coordinator.report import plot_run, results_markdown, results_table
 from dipaco.coordinator.run import (
@@ -127,12 +128,31 @@ def run_demo(run_dir: Path, config, n_peers: int) -> int:
 
             baseline = train_dense_baseline(prep, metrics, on_step=on_base)
 
-    rows = _results(prep, coordinator, baseline)
+    diloco = None
+    if c.baseline:
+        # DiLoCo with as many workers as DiPaCo has paths: the same compute and communication.
+        replicas = topology.num_paths
+        total = replicas * c.train.rounds * c.train.inner_steps
+        with _progress() as progress:
+            bar = progress.add_task(f"DiLoCo-{replicas} (equal compute)", total=total, info="")
+
+            def on_diloco(e: dict) -> None:
+                if e["event"] == "delta":
+                    progress.update(
+                        bar, advance=c.train.inner_steps, info=f"round {e['round'] + 1}"
+                    )
+                elif e["event"] == "eval" and e["model"] == "dipaco" and e["round"] > 0:
+                    metrics({**e, "model": f"DiLoCo-{replicas}"})
+
+            diloco = train_diloco(prep, replicas, n_peers=n_peers, on_event=on_diloco)
+            progress.update(bar, completed=total)
+
+    rows = _results(prep, coordinator, baseline, diloco)
     write_json_atomic(run_dir / "results.json", {"rows": rows, "seconds": time.time() - t0})
     plot = plot_run(
         metrics.read(),
         run_dir / "loss_curves.png",
-        title=f"dipaco demo: DiPaCo {topology.spec} vs dense ({c.name} preset)",
+        title=f"dipaco demo: DiPaCo {topology.spec} vs dense and DiLoCo ({c.name} preset)",
     )
     console.print(results_table(rows))
     (run_dir / "results.md").write_text(results_markdown(rows) + "\n")
@@ -146,7 +166,10 @@ def _log_initial_eval(prep: PreparedRun, metrics: MetricsLog) -> None:
         return
     initial = prep.config.build_topology().init_modules(prep.initial_state())
     result = evaluate_modules(prep, initial.__getitem__)
-    for model in ("dipaco", "dense"):
+    models = ["dipaco", "dense"]
+    if prep.config.baseline:
+        models.append(f"DiLoCo-{prep.config.build_topology().num_paths}")
+    for model in models:
         metrics(
             {
                 "event": "eval",
@@ -159,7 +182,9 @@ def _log_initial_eval(prep: PreparedRun, metrics: MetricsLog) -> None:
         )
 
 
-def _results(prep: PreparedRun, coordinator, baseline: dict | None) -> list[dict]:
+def _results(
+    prep: PreparedRun, coordinator, baseline: dict | None, diloco: dict | None = None
+) -> list[dict]:
     c = prep.config
     topology = c.build_topology()
     dense_counts = Topology.parse("1", c.model.n_layers).parameter_counts(c.build_model_config())
@@ -187,6 +212,17 @@ def _results(prep: PreparedRun, coordinator, baseline: dict | None) -> list[dict
                 "steps_per_path": steps,
                 "tokens_seen": per_step * steps,
                 "ppl": baseline["ppl"],
+            }
+        )
+    if diloco is not None:
+        rows.append(
+            {
+                "model": f"DiLoCo-{topology.num_paths} (equal compute)",
+                "params_per_path": dense_counts["per_path"],
+                "total_params": dense_counts["total"],
+                "steps_per_path": steps,
+                "tokens_seen": diloco["tokens"],
+                "ppl": diloco["ppl"],
             }
         )
     return rows

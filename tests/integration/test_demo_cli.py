@@ -59,7 +59,14 @@ def test_demo_interrupted_and_run_again_continues_to_the_table(tmp_path):
     steps = Counter((e["module"], e["version"]) for e in events if e["event"] == "outer_step")
     assert set(steps.values()) == {1} and len(steps) == 6 * 5
     rows = json.loads((run_dir / "results.json").read_text())["rows"]
-    assert [r["model"] for r in rows] == ["DiPaCo 2x2", "dense (path-sized)"]
+    assert [r["model"] for r in rows] == [
+        "DiPaCo 2x2",
+        "dense (path-sized)",
+        "DiLoCo-4 (equal compute)",
+    ]
+    # DiLoCo-4 trains exactly DiPaCo's tokens: the comparison at equal compute.
+    assert rows[2]["tokens_seen"] == rows[0]["tokens_seen"]
+    assert all(r["ppl"] > 1 for r in rows)
     assert (run_dir / "loss_curves.png").stat().st_size > 10_000
 
     # The demo's model in use: the prompt is routed to a path, which writes text.
