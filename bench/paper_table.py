@@ -301,6 +301,19 @@ def variants(base: RunConfig, only: set[str] | None) -> list[Variant]:
             ],
         )
     )
+    out.append(
+        Variant(
+            "dipaco4x4_plateau",
+            "DiPaCo 4x4 + discriminative at the held-out plateau",
+            {
+                "topology": {"levels": "4x4"},
+                # A phase once the paths' held-out loss improves by less than 1% in a round.
+                "routing": {"discriminative_plateau": 0.01},
+                "eval": {"early_stopping": True},
+            },
+            rows=[("+ early stopping", {"early": True})],
+        )
+    )
     for v in out:
         if v.key.startswith("diloco"):
             v.overrides.setdefault("outer", DILOCO)
@@ -493,6 +506,12 @@ ORDERINGS = [
     (
         "discriminative routing below k-means (4x4)",
         "DiPaCo 4x4 + discriminative",
+        "DiPaCo 4x4 (k-means)",
+        1.0,
+    ),
+    (
+        "a phase at the held-out plateau below k-means (4x4)",
+        "DiPaCo 4x4 + discriminative at the held-out plateau",
         "DiPaCo 4x4 (k-means)",
         1.0,
     ),

@@ -66,6 +66,10 @@ class RoutingSection(_Section):
     # Discriminative phases (§2.4.2): after each listed round, score the router documents under
     # every path, fit a logistic-regression router on their best paths, and re-shard.
     discriminative_after: list[int] = []
+    # Or decided from held-out losses: a phase starts once the paths' mean held-out loss improved
+    # by less than this fraction over one round (0: off), at most discriminative_phases times.
+    discriminative_plateau: float = Field(0.0, ge=0, lt=1)
+    discriminative_phases: int = Field(1, ge=1)
     # Training documents reserved (by a hash of their id) as the router documents: never trained on.
     router_fraction: float = Field(0.05, ge=0, lt=0.5)
     # Score only each router document's top-c generative candidates (None: every path).
@@ -248,9 +252,15 @@ class RunConfig(_Section):
                 f"routing.discriminative_after must list distinct rounds between 1 and "
                 f"train.rounds - 1 ({self.train.rounds - 1}), got {self.routing.discriminative_after}"
             )
-        if self.routing.discriminative_after and self.routing.method == "iid":
+        phases = self.routing.discriminative_after or self.routing.discriminative_plateau > 0
+        if self.routing.discriminative_after and self.routing.discriminative_plateau > 0:
+            raise ValueError(
+                "routing.discriminative_after and routing.discriminative_plateau both choose when "
+                "phases run: set one"
+            )
+        if phases and self.routing.method == "iid":
             raise ValueError("discriminative phases need feature routing, not routing.method iid")
-        if self.routing.discriminative_after and self.routing.router_fraction == 0:
+        if phases and self.routing.router_fraction == 0:
             raise ValueError(
                 "discriminative phases need router documents: routing.router_fraction > 0"
             )

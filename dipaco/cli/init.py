@@ -70,6 +70,9 @@ FIELDS: dict[str, str] = {
     "bag of the prefix's token ids",
     "routing.overlap": "each training document goes to its top-n paths (never at eval)",
     "routing.discriminative_after": "rounds after which a discriminative router re-shards the data",
+    "routing.discriminative_plateau": "or: re-shard once the paths' mean held-out loss improves by "
+    "less than this fraction in a round (0: off)",
+    "routing.discriminative_phases": "at most this many phases decided by discriminative_plateau",
     "routing.router_fraction": "training documents reserved to fit the router, never trained on",
     "routing.candidates": "score only each router document's top-c paths (unset: every path)",
     "train.seed": "random seed of the whole run",

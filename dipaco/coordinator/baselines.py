@@ -28,7 +28,12 @@ def diloco_config(c: RunConfig, replicas: int) -> RunConfig:
     data["name"] = f"{c.name}-diloco{replicas}"
     data["baseline"] = False
     data["topology"] = {**data["topology"], "levels": "1", "replicas": replicas}
-    data["routing"] = {**data["routing"], "method": "iid", "discriminative_after": []}
+    data["routing"] = {
+        **data["routing"],
+        "method": "iid",
+        "discriminative_after": [],
+        "discriminative_plateau": 0.0,
+    }
     data["outer"] = {**data["outer"], **DILOCO_OUTER, "warmup_rounds": 0}
     data["eval"] = {**data["eval"], "early_stopping": False, "reroute_windows": []}
     return load_config_dict(data, origin=f"DiLoCo-{replicas} of {c.name}")

@@ -142,6 +142,14 @@ class Coordinator:
         # Routing phases (DiPaCo Algorithm 1, line 2): tasks whose base round is at or past
         # phase_rounds[k - 1] train on phase k's shards, and wait until that phase is ready.
         self.phase_rounds = sorted(phase_rounds)
+        # Phases decided during the run (schedule_phase) survive a restart in this file.
+        self._decided = self.root / "decided_phases.json"
+        if self._decided.exists():
+            try:
+                decided = [int(r) for r in json.loads(self._decided.read_text())["after"]]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CorruptFileError(f"{self._decided}: unreadable ({exc})") from exc
+            self.phase_rounds = sorted(set(self.phase_rounds) | set(decided))
         self.phases: dict[int, dict[str, Any]] = {}
         if self.is_scheduler:
             self.phases[0] = {"prefix": "shards", "tokens": shard_tokens, "files": {}}
@@ -302,6 +310,29 @@ class Coordinator:
     def phase_of(self, base_round: int) -> int:
         """The routing phase whose shards a task of this base round trains on."""
         return sum(1 for r in self.phase_rounds if r <= base_round)
+
+    def schedule_phase(self) -> tuple[int, int] | None:
+        """Decide a routing phase now: (its number, the first base round that trains on it).
+
+        That round is past every module's version, so no task already issued changes shards;
+        the decision is written to disk before it is returned. None when no round is left.
+        """
+        with self.lock:
+            versions = [self.version(mid) or 0 for mid in self.topology.module_ids()]
+            after = max([self.round, *versions]) + 1
+            if after >= self.rounds:
+                return None
+            if any(r >= after for r in self.phase_rounds):  # one is pending already
+                return None
+            self.phase_rounds = sorted({*self.phase_rounds, after})
+            previous = []
+            if self._decided.exists():
+                previous = json.loads(self._decided.read_text())["after"]
+            self.root.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self._decided, {"after": sorted({*previous, after})})
+            phase = len(self.phase_rounds)
+            self.metrics({"event": "phase_decided", "phase": phase, "after_round": after})
+            return phase, after
 
     def add_phase(self, phase: int, prefix: str, tokens: list[int], files: dict[str, Path]) -> None:
         """Make a routing phase's shards available: its tasks open and its files are served."""

@@ -319,6 +319,22 @@ def track_early_stopping(
     return losses
 
 
+def heldout_losses(
+    prep: PreparedRun, modules: Callable[[str], dict[str, torch.Tensor]], device: str = "cpu"
+) -> dict[int, float]:
+    """Every path's loss on its held-out slice of the current routing phase's shard."""
+    c = prep.config
+    current = path_loader(prep, modules, device=device)
+    losses = {}
+    for p in range(c.build_topology().num_paths):
+        docs = prep.heldout_docs(p)
+        if docs:
+            losses[p] = heldout_loss(
+                current(p), docs, seq_len=c.train.seq_len, prefix_tokens=c.routing.prefix_tokens
+            )[0]
+    return losses
+
+
 def build_coordinator(
     prep: PreparedRun,
     metrics: MetricsLog,
@@ -335,6 +351,8 @@ def build_coordinator(
     coordinator: Coordinator
     early = EarlyStopping(prep.root / "early_stopping") if c.eval.early_stopping else None
     phase_rounds = sorted(c.routing.discriminative_after)
+    plateau = c.routing.discriminative_plateau
+    last_loss: dict[int, float] = {}  # routing phase -> the paths' mean held-out loss, last round
     running: dict[int, threading.Thread] = {}
 
     def start_phase(phase: int) -> None:
@@ -379,7 +397,41 @@ def build_coordinator(
         running[phase] = threading.Thread(target=work, name=f"routing-phase-{phase}", daemon=True)
         running[phase].start()
 
+    def decide_phase(rnd: int, losses: dict[int, float] | None) -> None:
+        """Start a phase once the held-out loss of the current shards stops improving."""
+        phase = coordinator.phase_of(rnd)
+        if len(coordinator.phase_rounds) >= c.routing.discriminative_phases:
+            return
+        if phase != prep.routing.phase or phase not in coordinator.phases:
+            return  # the current shards' phase is not the one trained on yet
+        if losses is None:
+            losses = heldout_losses(prep, coordinator.store.params, device)
+            metrics(
+                {"event": "heldout", "round": rnd, "losses": {str(p): v for p, v in losses.items()}}
+            )
+        if not losses:
+            return
+        mean = sum(losses.values()) / len(losses)
+        before, last_loss[phase] = last_loss.get(phase), mean
+        if before is None or before - mean >= plateau * before:
+            return
+        decided = coordinator.schedule_phase()
+        if decided is not None:
+            k, after = decided
+            metrics(
+                {
+                    "event": "plateau",
+                    "round": rnd,
+                    "heldout_loss": mean,
+                    "previous": before,
+                    "phase": k,
+                    "after_round": after,
+                }
+            )
+            start_phase(k)
+
     def on_round(rnd: int) -> None:
+        losses = None
         if early is not None:
             losses = track_early_stopping(prep, early, coordinator.store.params, rnd, device)
             metrics(
@@ -398,9 +450,11 @@ def build_coordinator(
                     "per_path": {str(p): v["ppl"] for p, v in result["per_path"].items()},
                 }
             )
-        for k, after in enumerate(phase_rounds, start=1):
+        for k, after in enumerate(coordinator.phase_rounds, start=1):
             if rnd >= after:
                 start_phase(k)
+        if plateau > 0:
+            decide_phase(rnd, losses)
 
     coordinator = coordinator_for(
         c,
@@ -408,7 +462,9 @@ def build_coordinator(
         run_id=prep.run_id,
         peer_config=peer_config(prep),
         shard_tokens=shard_tokens(prep),
-        on_round=on_round if (evaluate and c.eval.every_round) or early or phase_rounds else None,
+        on_round=on_round
+        if (evaluate and c.eval.every_round) or early or phase_rounds or plateau
+        else None,
         metrics=metrics,
         clock=clock,
         owner_id=owner_id,
@@ -424,9 +480,11 @@ def build_coordinator(
             routing.stats["shards"]["train"]["tokens"],
             phase_files(prep, routing.phase),
         )
-    # A restart after a phase's round but before its shards were written runs it now.
-    for k, after in enumerate(phase_rounds, start=1):
-        if coordinator.round >= after:
+    # A restart after a phase's round (or its decision) but before its shards were written runs
+    # it now.
+    for k, after in enumerate(coordinator.phase_rounds, start=1):
+        decided = after not in phase_rounds  # started when decided, a round before its own
+        if coordinator.round >= after - decided:
             start_phase(k)
     return coordinator
 

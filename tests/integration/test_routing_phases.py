@@ -8,6 +8,7 @@ import json
 import threading
 
 import numpy as np
+import pytest
 
 from dipaco.cli.main import main
 from dipaco.coordinator.early_stopping import EarlyStopping
@@ -20,6 +21,7 @@ from dipaco.coordinator.run import (
     run_local_peers,
 )
 from dipaco.data.shards import TokenShard
+from dipaco.errors import ConfigError
 from dipaco.peer.download import RunFiles
 from dipaco.peer.peer import Peer
 from dipaco.protocols.auth import Identity
@@ -181,3 +183,41 @@ def test_two_phases_alternate_like_em(prepared_tiny, tiny_config, tmp_path):
     assert [r.phase for r in prep.routings] == [0, 1, 2]
     # Phase 2's labels came from paths trained on phase 1's shards: a router of its own.
     assert prep.routings[2].router.sha256 != prep.routings[1].router.sha256
+
+
+def test_a_phase_decided_from_held_out_losses_starts_when_they_stop_falling(
+    prepared_tiny, tiny_config, tmp_path
+):
+    # 0.99: any round that improves the held-out loss by less than 99% is a plateau, so the
+    # second measured round (round 2) decides a phase, whose shards round 3 trains on.
+    config = tiny_config.replace(
+        train={"inner_steps": 3, "rounds": 5},
+        routing={"discriminative_plateau": 0.99, "discriminative_phases": 1},
+        eval={"every_round": False},
+    )
+    prep = prepare(tmp_path / "run", config, reuse=prepared_tiny)
+    metrics = MetricsLog(tmp_path / "run" / "metrics.jsonl")
+    coordinator = build_coordinator(prep, metrics, evaluate=False)
+    stop = threading.Event()
+    for t in run_local_peers(coordinator, prep, 2, stop=stop):
+        t.join(300)
+    assert coordinator.finished and coordinator.failure is None
+    events = metrics.read()
+    heldout = [e["round"] for e in events if e["event"] == "heldout"]
+    assert heldout[:2] == [1, 2]
+    (plateau,) = [e for e in events if e["event"] == "plateau"]
+    assert plateau["round"] == 2 and plateau["after_round"] == 3 and plateau["phase"] == 1
+    assert plateau["heldout_loss"] > plateau["previous"] * 0.01
+    assert [e["phase"] for e in events if e["event"] == "routing_phase"] == [1]
+    issued = {(e["round"], e["phase"]) for e in events if e["event"] == "task_issued"}
+    assert issued == {(0, 0), (1, 0), (2, 0), (3, 1), (4, 1)}
+    # The decision survives a restart: a coordinator built again on the run knows the phase.
+    again = build_coordinator(prep, MetricsLog(tmp_path / "m2.jsonl"), evaluate=False)
+    assert again.phase_rounds == [3] and again.phase_of(4) == 1 and 1 in again.phases
+
+
+def test_a_plateau_phase_and_fixed_phase_rounds_are_not_both_allowed(tiny_config):
+    with pytest.raises(ConfigError, match="set one"):
+        tiny_config.replace(routing={"discriminative_plateau": 0.01, "discriminative_after": [1]})
+    with pytest.raises(ConfigError, match="iid"):
+        tiny_config.replace(routing={"discriminative_plateau": 0.01, "method": "iid"})
