@@ -158,7 +158,10 @@ def prepare(
     data_dir = root / "data"
     config_file = root / "config.json"
     if config_file.exists():
-        saved = json.loads(config_file.read_text())
+        # Read through today's schema: a setting added since the run began has its default.
+        saved = load_config_dict(
+            json.loads(config_file.read_text()), origin=str(config_file)
+        ).to_dict()
         changed = sorted(
             k
             for k in set(saved) | set(config.to_dict())

@@ -3,9 +3,11 @@
 import json
 
 import numpy as np
+import pytest
 
 from dipaco.coordinator.prepare import prepare
 from dipaco.data.shards import TokenShard
+from dipaco.errors import ConfigError
 from dipaco.routing.features import prefix_features
 
 
@@ -77,3 +79,18 @@ def test_a_token_routed_run_shards_by_prefix_token_bags(prepared_tiny, tiny_conf
     assert list(prep.val_paths) == list(prep.router.assign(feats))
     stats = json.loads((prep.root / "shards" / "stats.json").read_text())
     assert all(n > 0 for n in stats["train"]["docs"])
+
+
+def test_a_run_begun_before_a_setting_existed_resumes_and_a_changed_one_is_refused(
+    prepared_tiny, tiny_config, tmp_path
+):
+    root = tmp_path / "run"
+    prepare(root, tiny_config, reuse=prepared_tiny)
+    # As an older dipaco wrote it: without a setting added since (it takes its default).
+    saved = json.loads((root / "config.json").read_text())
+    del saved["routing"]["discriminative_plateau"]
+    (root / "config.json").write_text(json.dumps(saved))
+    prep = prepare(root, tiny_config)
+    assert prep.config.routing.discriminative_plateau == 0.0
+    with pytest.raises(ConfigError, match="routing settings differ"):
+        prepare(root, tiny_config.replace(routing={"balance": 0.9}))
