@@ -45,6 +45,7 @@ curves) ``curves.png`` to --out.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import shutil
@@ -355,6 +356,36 @@ def bytes_per_token(config: RunConfig, base_batch: int) -> float:
     return 2 * 4 * per_path / (config.train.inner_steps * step_tokens)
 
 
+def corpus_of(root: Path, config: RunConfig) -> dict:
+    """What a row was trained and scored on: the source, document counts and a fingerprint.
+
+    The fingerprint hashes the tokenized training and validation sets, so two rows share it
+    only if they saw the same documents (``builtin:mixed`` reads what the machine has
+    installed, and changes when a package is added).
+    """
+    manifests = [json.loads((root / "data" / f"{s}.json").read_text()) for s in ("train", "val")]
+    digest = hashlib.sha256(":".join(m["tokens_sha256"] for m in manifests).encode())
+    return {
+        "source": config.data.source,
+        "train_docs": manifests[0]["n_docs"],
+        "val_docs": manifests[1]["n_docs"],
+        "fingerprint": digest.hexdigest()[:12],
+    }
+
+
+def mixed_corpora(rows: list[dict]) -> str | None:
+    """A message naming the rows' corpora if they differ (rows without one are not compared)."""
+    seen: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("corpus"):
+            c = r["corpus"]
+            name = f"{c['source']} ({c['train_docs']} training documents, {c['fingerprint']})"
+            seen.setdefault(name, []).append(r["model"])
+    if len(seen) < 2:
+        return None
+    return "; ".join(f"{name}: {', '.join(models)}" for name, models in seen.items())
+
+
 def curve(metrics: MetricsLog) -> list[dict]:
     """The run's per-round validation perplexity (the last evaluation of each round)."""
     by_round: dict[int, dict] = {}
@@ -450,6 +481,8 @@ def run_variant(
         "steps_per_path": c.train.pretrain_steps + c.train.rounds * c.train.inner_steps,
         "train_seconds": round(train_s, 1),
         "prepare_seconds": round(prepared_s, 1),
+        "inner_lr": c.train.lr,
+        "corpus": corpus_of(root, c),
     }
     if curves:
         base_row["curve"] = curve(metrics)
@@ -577,6 +610,19 @@ def markdown(rows: list[dict], checks: list[dict], preset: str, device: str) -> 
             f"{'—' if moved is None else f'{moved:.1f}'} | {r['ppl']:.2f} | "
             f"{_seconds(r.get('train_seconds'))} |"
         )
+    corpora = {json.dumps(r["corpus"], sort_keys=True) for r in rows if r.get("corpus")}
+    lrs = sorted({r["inner_lr"] for r in rows if r.get("inner_lr") is not None})
+    if len(corpora) == 1:
+        c = json.loads(corpora.pop())
+        lines += [
+            "",
+            f"Corpus `{c['source']}`: {c['train_docs']} training documents, {c['val_docs']} "
+            f"validation documents, fingerprint `{c['fingerprint']}`"
+            + (f"; inner lr {', '.join(f'{x:g}' for x in lrs)}" if lrs else "")
+            + ".",
+        ]
+    elif mixed := mixed_corpora(rows):
+        lines += ["", f"**Rows from different corpora, not comparable across them**: {mixed}."]
     lines += ["", f"Orderings (preset `{preset}`, device `{device}`):", ""]
     for ch in checks:
         mark = "holds" if ch["holds"] else "does not hold"
@@ -646,6 +692,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="train only these models (keys as in the table)")
     ap.add_argument("--max-docs", type=int, help="read at most this many documents (evenly spread)")
     ap.add_argument("--rounds", type=int, help="outer rounds per model (default: the preset's)")
+    ap.add_argument(
+        "--lr",
+        type=float,
+        help="inner (AdamW) learning rate of every model (default: the preset's)",
+    )
     ap.add_argument("--fresh", action="store_true", help="delete --out first")
     ap.add_argument(
         "--curves",
@@ -669,6 +720,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="JSON",
         help="no training: build the table and chart from the rows of earlier paper_table.json "
         "files (a benchmark split over machines or sessions, each with --only)",
+    )
+    ap.add_argument(
+        "--mixed-corpora",
+        action="store_true",
+        help="let --merge join rows trained on different corpora (their fingerprints differ)",
     )
     args = ap.parse_args(argv)
     out = Path(args.out or f"runs/paper_table-{args.preset}")
@@ -694,6 +750,8 @@ def main(argv: list[str] | None = None) -> int:
         preset["data"] = {**preset.get("data", {}), "max_docs": args.max_docs}
     if args.rounds:
         preset["train"] = {**preset["train"], "rounds": args.rounds}
+    if args.lr:
+        preset["train"] = {**preset["train"], "lr": args.lr}
     base = load_config_dict({"name": "paper_table", **preset}, origin=f"preset {args.preset}")
     t0 = time.monotonic()
     rows: list[dict] = []
@@ -705,6 +763,12 @@ def main(argv: list[str] | None = None) -> int:
                 merged[(row["key"], row["model"])] = row
         rows = list(merged.values())
         rows.sort(key=lambda r: order.index(r["key"]) if r["key"] in order else len(order))
+        if (mixed := mixed_corpora(rows)) and not args.mixed_corpora:
+            raise SystemExit(
+                f"--merge: these rows were trained on different corpora, so their perplexities "
+                f"do not compare: {mixed}. Re-run the odd ones out on one corpus, or pass "
+                f"--mixed-corpora to merge them anyway."
+            )
     base_root: Path | None = None
     only = set(args.only) if args.only else set(PRESET_ROWS.get(args.preset, FULL))
     for v in [] if args.merge else variants(base, only):
@@ -719,6 +783,8 @@ def main(argv: list[str] | None = None) -> int:
             path_parallel=args.path_parallel,
         )
         base_root = base_root or out / v.key
+    if not args.merge and (mixed := mixed_corpora(rows)):
+        print(f"warning: rows from different corpora (see the table's note): {mixed}", flush=True)
     checks = orderings(rows)
     text = markdown(rows, checks, args.preset, device)
     write_atomic(out / "paper_table.md", text.encode())

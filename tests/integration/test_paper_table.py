@@ -66,9 +66,35 @@ def test_paper_table_trains_every_model_and_writes_table_and_chart(tmp_path):
     assert (out / "paper_table.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "validation ppl" in first
 
+    # Every row names what it was trained on; one corpus here.
+    fingerprint = by["dense"]["corpus"]["fingerprint"]
+    assert {r["corpus"]["fingerprint"] for r in result["rows"]} == {fingerprint}
+    assert f"fingerprint `{fingerprint}`" in table
+
     again = run_bench(out, "--only", "dense", "dipaco2x2")
     assert "[dense] already done" in again and "[dipaco2x2] already done" in again
     assert "round 1/" not in again
+
+    # A table merged from runs on different corpora would compare what does not compare
+    # (builtin:mixed changes when the machine gains a package): refused, unless asked for.
+    other = tmp_path / "other"
+    run_bench(other, "--only", "dense", "--max-docs", "60")
+    assert (
+        json.loads((other / "paper_table.json").read_text())["rows"][0]["corpus"]["fingerprint"]
+        != fingerprint
+    )
+    merge = [str(out / "paper_table.json"), str(other / "paper_table.json")]
+    refused = subprocess.run(
+        [sys.executable, str(BENCH), "--preset", "smoke", "--out", str(tmp_path / "m"), "--merge"]
+        + merge,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode != 0
+    assert "different corpora" in refused.stderr and "--mixed-corpora" in refused.stderr
+    run_bench(tmp_path / "m", "--mixed-corpora", "--merge", *merge)
+    assert "Rows from different corpora" in (tmp_path / "m" / "paper_table.md").read_text()
 
 
 def test_the_capacity_preset_quick_form_trains_its_core_rows_with_curves(tmp_path):
