@@ -4,11 +4,12 @@ DiPaCo (section 2.7) multiplies a module's averaged delta by the square root of 
 it. With 16 paths that made 4x4 worse than 2x2 in short runs (docs/results.md). This trains DiPaCo
 2x2 with the rescales none, sqrt and norm, DiPaCo 4x4 with each (none, sqrt, linear, norm), both
 with the token-bag routing features (``routing.features = "tokens"``: compare with the norm
-rows), DiPaCo 4x4 with the outer learning rates around the best and with an outer-lr warm-up,
-and gives the baselines the same budget: DiLoCo-4 and DiLoCo-16 over three outer learning rates
-and the dense model over three inner learning rates. Every run goes through ``bench/paper_table.py``'s
-code path, is evaluated after every round, and is kept under --out, so an interrupted sweep
-continues.
+rows), both with token-bag routing and the rescales none and norm, DiPaCo 4x4 with the outer
+learning rates around the best and with an outer-lr warm-up, and gives the baselines the same
+budget: DiLoCo-4 and DiLoCo-16 over three outer learning rates and the dense model over three
+inner learning rates (0.5x, 1x and 2x the preset's, or --lr's). Every run goes through
+``bench/paper_table.py``'s code path, is evaluated after every round, and is kept under --out, so
+an interrupted sweep continues.
 
     python bench/outer_sweep.py --preset capacity --rounds 16     # ~1 h on 2 CPU cores
     python bench/outer_sweep.py --preset smoke                    # the CI form
@@ -84,6 +85,24 @@ def sweep(base_lr: float) -> list[tuple[str, Variant]]:
                 ),
             )
         )
+    # The rescale again under the routing the capacity preset uses: at a lower inner lr the
+    # averaged delta is less noisy, and restoring one path's norm may overshoot where it did not.
+    for levels in ("2x2", "4x4"):
+        for mode in ("none", "norm"):
+            out.append(
+                (
+                    f"DiPaCo {levels}, token-bag routing: rescale",
+                    Variant(
+                        f"dipaco{levels}_tokens_{mode}",
+                        f"DiPaCo {levels}, token-bag routing features, rescale {mode}",
+                        {
+                            "topology": {"levels": levels},
+                            "outer": {"rescale": mode},
+                            "routing": {"features": "tokens"},
+                        },
+                    ),
+                )
+            )
     for mode in ("none", "norm"):
         for lr in (0.5, 1.0):
             out.append(
@@ -179,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, help="rounds per run (default: the preset's)")
     ap.add_argument("--only", nargs="*", help="run only these settings (keys)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--lr",
+        type=float,
+        help="inner (AdamW) learning rate of every run; the dense group sweeps 0.5x, 1x, 2x it",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out or f"runs/outer_sweep-{args.preset}")
     out.mkdir(parents=True, exist_ok=True)
@@ -187,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         preset["data"] = {**preset.get("data", {}), "source": args.source}
     if args.rounds:
         preset["train"] = {**preset["train"], "rounds": args.rounds}
+    if args.lr:
+        preset["train"] = {**preset["train"], "lr": args.lr}
     base = load_config_dict({"name": "outer_sweep", **preset}, origin=f"preset {args.preset}")
     t0 = time.monotonic()
     results: list[dict] = []

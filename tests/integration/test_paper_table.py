@@ -147,6 +147,13 @@ def test_the_capacity_preset_quick_form_trains_its_core_rows_with_curves(tmp_pat
     assert "| source python |" in (out / "routing_study.md").read_text()
 
 
+def groups_of(rows: list[dict]) -> dict[str, list[float]]:
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        groups.setdefault(r["group"], []).append(r["ppl"])
+    return groups
+
+
 def test_the_outer_sweep_gives_every_group_its_runs_and_marks_the_best(tmp_path):
     out = tmp_path / "sweep"
     proc = subprocess.run(
@@ -157,6 +164,8 @@ def test_the_outer_sweep_gives_every_group_its_runs_and_marks_the_best(tmp_path)
             "smoke",
             "--out",
             str(out),
+            "--lr",
+            "0.002",
         ],
         capture_output=True,
         text=True,
@@ -164,9 +173,15 @@ def test_the_outer_sweep_gives_every_group_its_runs_and_marks_the_best(tmp_path)
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((out / "outer_sweep.json").read_text())["rows"]
-    groups: dict[str, list[float]] = {}
-    for r in rows:
-        groups.setdefault(r["group"], []).append(r["ppl"])
+    # --lr sets every run's inner lr; the dense group sweeps around it.
+    assert {r["inner_lr"] for r in rows if r["group"] != "dense: inner lr"} == {0.002}
+    assert sorted(r["inner_lr"] for r in rows if r["group"] == "dense: inner lr") == [
+        0.001,
+        0.002,
+        0.004,
+    ]
+    assert len(groups_of(rows)["DiPaCo 4x4, token-bag routing: rescale"]) == 2
+    groups = groups_of(rows)
     # Each baseline gets as many learning rates as DiPaCo's outer lr sweep has runs.
     assert len(groups["DiLoCo-16: outer lr"]) == 3 and len(groups["dense: inner lr"]) == 3
     assert len(groups["DiPaCo 4x4: rescale"]) == 4
