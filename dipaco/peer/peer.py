@@ -441,7 +441,7 @@ class Peer:
             names = param_names_in_optimizer_order(model)
             done_steps, losses = self._resume(task, model, optimizer, names) if resume else (0, [])
             if done_steps == 0:
-                self._load_inner_state(task.path, optimizer, names)
+                self._load_inner_state(task.path, task.round, optimizer, names)
             shard = self._shard(task)
             # The task's data slice: windows drawn by a generator seeded by (run seed, path,
             # round).
@@ -538,9 +538,19 @@ class Peer:
         tokens = task.inner_steps * tc["batch_size"] * tc["seq_len"]
         fault_point("peer.before_push")
         with self._timed("push"):
-            self.push(task, delta, tokens, run.losses)
+            # The inner state is written before the first delta is sent: once the owners
+            # acknowledge, the round may close and another peer sharing this state folder may
+            # take the path's next round at once, and it must find this round's state.
+            self.push(
+                task,
+                delta,
+                tokens,
+                run.losses,
+                before_send=lambda: self._save_inner_state(
+                    task.path, task.round, run.optimizer, run.names
+                ),
+            )
         with self._timed("save"):
-            self._save_inner_state(task.path, run.optimizer, run.names)
             self._drop_checkpoint()
         self.tasks_done += 1
         self.tokens_trained += tokens
@@ -802,8 +812,13 @@ class Peer:
         delta: dict[str, dict[str, torch.Tensor]],
         tokens: int,
         losses: list[float],
+        before_send: Callable[[], None] | None = None,
     ) -> None:
-        """Each module's delta to its owner, until every owner has acknowledged; then TaskDone."""
+        """Each module's delta to its owner, until every owner has acknowledged; then TaskDone.
+
+        ``before_send`` runs once the deltas are encoded (error-feedback residuals updated) and
+        before anything is sent.
+        """
         codec = task.codec or "lossless"
         key = f"P{task.path}"
         log.info(
@@ -818,6 +833,8 @@ class Peer:
             codec, key, {f"{mid}/{n}": t for mid, ts in delta.items() for n, t in ts.items()}
         )
         try:
+            if before_send is not None:
+                before_send()
             remaining = list(delta)
             scheduler_done = False
             while remaining:
@@ -947,13 +964,29 @@ class Peer:
             (self._task_dir() / name).unlink(missing_ok=True)
 
     # ---- inner optimizer state ----------------------------------------------------------------
-    def _inner_file(self, path: int) -> Path:
-        return self.state_dir / "inner" / f"P{path}.dpt"
+    def _inner_file(self, path: int, round_: int) -> Path:
+        """The path's inner state after training its round ``round_``."""
+        return self.state_dir / "inner" / f"P{path}-r{round_}.dpt"
+
+    def _inner_files(self, path: int) -> dict[int, Path]:
+        found = {}
+        for file in (self.state_dir / "inner").glob(f"P{path}-r*.dpt"):
+            stem = file.stem.rpartition("-r")[2]
+            if stem.isdigit():
+                found[int(stem)] = file
+        return found
 
     def _load_inner_state(
-        self, path: int, optimizer: torch.optim.Optimizer, names: list[str]
+        self, path: int, round_: int, optimizer: torch.optim.Optimizer, names: list[str]
     ) -> None:
-        file = self._inner_file(path)
+        """The state left by the path's latest earlier round (a retried round starts where the
+        first try did); a state folder written before round-named files: its ``P<path>.dpt``."""
+        earlier = [r for r in self._inner_files(path) if r < round_]
+        file = (
+            self._inner_file(path, max(earlier))
+            if earlier
+            else self.state_dir / "inner" / f"P{path}.dpt"
+        )
         if not file.exists():
             return
         try:
@@ -973,11 +1006,19 @@ class Peer:
         }
 
     def _save_inner_state(
-        self, path: int, optimizer: torch.optim.Optimizer, names: list[str]
+        self, path: int, round_: int, optimizer: torch.optim.Optimizer, names: list[str]
     ) -> None:
+        """This round's state; the one before it stays (a retry of this round loads it)."""
         tensors = optimizer_state_tensors(optimizer, names)
         key = f"P{path}|"
         tensors.update(
             {f"ef|{k}": v for k, v in self.feedback.state_tensors().items() if k.startswith(key)}
         )
-        write_tensor_file(self._inner_file(path), Frame("InnerState", {"path": path}, tensors))
+        write_tensor_file(
+            self._inner_file(path, round_),
+            Frame("InnerState", {"path": path, "round": round_}, tensors),
+        )
+        for r, file in self._inner_files(path).items():
+            if r < round_ - 1:
+                file.unlink(missing_ok=True)
+        (self.state_dir / "inner" / f"P{path}.dpt").unlink(missing_ok=True)
