@@ -78,11 +78,11 @@ def test_paper_table_trains_every_model_and_writes_table_and_chart(tmp_path):
     # A table merged from runs on different corpora would compare what does not compare
     # (builtin:mixed changes when the machine gains a package): refused, unless asked for.
     other = tmp_path / "other"
-    run_bench(other, "--only", "dense", "--max-docs", "60")
-    assert (
-        json.loads((other / "paper_table.json").read_text())["rows"][0]["corpus"]["fingerprint"]
-        != fingerprint
-    )
+    run_bench(other, "--only", "dense", "--max-docs", "60", "--dim", "16", "--layers", "2")
+    small = json.loads((other / "paper_table.json").read_text())["rows"][0]
+    assert small["corpus"]["fingerprint"] != fingerprint
+    # --dim shrinks the path (16 wide instead of the smoke preset's 32).
+    assert small["params_per_path"] < by["dense"]["params_per_path"]
     merge = [str(out / "paper_table.json"), str(other / "paper_table.json")]
     refused = subprocess.run(
         [sys.executable, str(BENCH), "--preset", "smoke", "--out", str(tmp_path / "m"), "--merge"]
