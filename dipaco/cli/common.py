@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -59,4 +61,6 @@ def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     """Parse, set up logging, run the chosen subcommand's ``fn`` and exit with its code."""
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to stderr, run goes on
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     sys.exit(run_command(lambda: args.fn(args)))

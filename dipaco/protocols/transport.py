@@ -209,9 +209,16 @@ class LoopbackServer:
                 except OSError:
                     return
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop accepting, and wait for requests being handled to finish."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop accepting, and wait up to ``timeout`` seconds for requests being handled to
+        finish. One that does not is left behind (said in the log): what it made durable stays,
+        and its peer, unanswered, retries against the next coordinator on this folder."""
         self._closed.set()
         self._listener.close()
         with self._idle:
-            self._idle.wait_for(lambda: self._inflight == 0, timeout)
+            if not self._idle.wait_for(lambda: self._inflight == 0, timeout):
+                log.warning(
+                    "stopping with %d request(s) still being handled after %.0f s",
+                    self._inflight,
+                    timeout,
+                )

@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -63,7 +64,11 @@ def test_dashboard_in_chromium_and_status_json_during_a_live_run(run_copy, tmp_p
     )
     cmd = [BIN / "dipaco-coordinator", "start", "--config", config, "--run-dir", root,
            "--transport", "loopback", "--dashboard", "127.0.0.1:0", "--linger", "120"]  # fmt: skip
-    coordinator = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The log goes to a file, not a pipe: nobody reads a pipe until the end, and a coordinator
+    # that fills one (64 KiB) blocks on its next print and cannot stop on Ctrl-C.
+    log_path = tmp_path / "coordinator.log"
+    log_file = log_path.open("w")
+    coordinator = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True)
     procs, browser = [coordinator], None
     try:
         url_file = root / "coordinator" / "dashboard"
@@ -85,6 +90,9 @@ def test_dashboard_in_chromium_and_status_json_during_a_live_run(run_copy, tmp_p
             240,
             "the page to show round 1",
         )
+        # `kill -USR1` prints every thread's stack to the log, and the run goes on.
+        coordinator.send_signal(signal.SIGUSR1)
+        wait_for(lambda: "most recent call first" in log_path.read_text(), 30, "a stack dump")
         # A peer's own /metrics, while the run goes on.
         peer_metrics = (tmp_path / "peer0" / "metrics_address").read_text().strip()
         scraped = urllib.request.urlopen(f"http://{peer_metrics}/metrics", timeout=10).read()
@@ -146,11 +154,14 @@ def test_dashboard_in_chromium_and_status_json_during_a_live_run(run_copy, tmp_p
                 p.send_signal(signal.SIGINT)
         for p in procs:
             try:
-                p.wait(30)
+                p.wait(60)  # the coordinator gives requests in flight 10 s to finish
             except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGUSR1)  # where it is stuck, into the log, then kill it
+                time.sleep(2)
                 p.kill()
                 p.wait()
-    log = coordinator.stdout.read()
+    log_file.close()
+    log = log_path.read_text()
     assert coordinator.returncode in (0, 130), log[-3000:]  # 130: stopped by Ctrl-C, cleanly
     assert "Traceback" not in log, log[-3000:]
 
