@@ -11,11 +11,18 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import (
+    Client,
+    Connection,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+)
 
 from dipaco.errors import RejectedError, TransportError
 from dipaco.protocols import auth
@@ -25,6 +32,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[bytes], bytes]
 BACKLOG = 1024  # connections waiting to be accepted (the kernel caps it at somaxconn)
+HANDSHAKE_SECONDS = 10.0  # a connection silent this long in its handshake is dropped
 
 
 def _no_delay(conn: Connection) -> None:
@@ -42,6 +50,18 @@ def _no_delay(conn: Connection) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except OSError:
         pass  # not a TCP socket (tests may serve over other families): nothing to tune
+    finally:
+        sock.close()
+
+
+def _recv_timeout(conn: Connection, seconds: float) -> None:
+    """Bound every read on ``conn`` to ``seconds`` (0: no bound) without making it non-blocking
+    (``settimeout`` would, for every descriptor of the socket)."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        sec = int(seconds)
+        usec = int((seconds - sec) * 1e6)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, usec))
     finally:
         sock.close()
 
@@ -163,7 +183,12 @@ class LoopbackServer:
         self._max = max_message_bytes
         # multiprocessing's default backlog is 1: with many peers dialling at once, connections
         # beyond it were dropped mid-handshake and their clients waited for the challenge forever.
-        self._listener = Listener((host, port), authkey=authkey, backlog=BACKLOG)
+        # The HMAC handshake runs in each connection's own thread with a time limit (the
+        # Listener's own runs inline in accept(): one silent connection locked everyone out).
+        self._authkey = authkey
+        self._listener = Listener((host, port), backlog=BACKLOG)
+        self.handshake_seconds = HANDSHAKE_SECONDS
+        self.refused = 0  # connections that failed or stalled in the handshake
         self._closed = threading.Event()
         self._idle = threading.Condition()
         self._inflight = 0
@@ -179,15 +204,32 @@ class LoopbackServer:
         while not self._closed.is_set():
             try:
                 conn = self._listener.accept()
-            except Exception as exc:  # auth failures and closing the listener both land here
+            except OSError as exc:  # closing the listener lands here
                 if not self._closed.is_set():
-                    log.warning("refused a connection: %s", exc)
+                    log.warning("could not accept a connection: %s", exc)
                 continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _handshake(self, conn: Connection) -> bool:
+        """The HMAC challenge both ways, each read limited to ``handshake_seconds``."""
+        try:
+            _recv_timeout(conn, self.handshake_seconds)
+            deliver_challenge(conn, self._authkey)
+            answer_challenge(conn, self._authkey)
+            _recv_timeout(conn, 0.0)  # a peer may be quiet for long between requests
+            return True
+        except Exception as exc:  # noqa: BLE001 - a wrong key, garbage, a stall: all refused
+            if not self._closed.is_set():
+                self.refused += 1
+                reason = "stalled" if isinstance(exc, (BlockingIOError, TimeoutError)) else exc
+                log.warning("refused a connection in its handshake: %s", reason)
+            return False
 
     def _serve(self, conn: Connection) -> None:
         _no_delay(conn)
         with conn:
+            if not self._handshake(conn):
+                return
             while not self._closed.is_set():
                 try:
                     data = conn.recv_bytes(self._max)

@@ -1,10 +1,12 @@
-"""Stopping the loopback server: requests in flight get their replies, a stuck one does not
-hold Ctrl-C for long."""
+"""The loopback server: requests in flight get their replies when it stops, a stuck one does not
+hold Ctrl-C for long, and a connection silent in its handshake locks nobody out."""
 
 import logging
+import socket
 import threading
 import time
 
+from dipaco.errors import TransportError
 from dipaco.protocols.transport import LoopbackServer, LoopbackTransport
 
 KEY = b"k" * 32
@@ -56,3 +58,43 @@ def test_close_gives_up_on_a_stuck_request_and_says_so(caplog):
     assert time.monotonic() - t0 < 5
     assert "1 request(s) still being handled" in caplog.text
     release.set()
+
+
+def test_a_silent_connection_does_not_lock_peers_out_and_is_dropped():
+    """Issue 17, break 3: the handshake ran inline in the accept loop with no time limit."""
+    server = LoopbackServer(lambda data: b"pong:" + data, KEY)
+    server.handshake_seconds = 1.0
+    host, port = server.address.rsplit(":", 1)
+    idle = socket.create_connection((host, int(port)))  # no key needed to open one
+    try:
+        replies: list = []
+        client = threading.Thread(target=_ask, args=(server.address, replies), daemon=True)
+        client.start()
+        client.join(10)
+        assert replies == [b"pong:ping"]  # an honest peer got through at once
+        idle.settimeout(10)
+        t0 = time.monotonic()
+        while idle.recv(4096):  # the challenge, then the end of the stream: dropped
+            pass
+        assert time.monotonic() - t0 < 5
+        assert server.refused == 1
+    finally:
+        idle.close()
+        server.close()
+
+
+def test_a_wrong_key_is_refused_and_counted():
+    server = LoopbackServer(lambda data: data, KEY)
+    try:
+        try:
+            LoopbackTransport(server.address, b"x" * 32)
+        except TransportError as exc:
+            assert exc.reason == "auth"
+        else:
+            raise AssertionError("a wrong key was let in")
+        wait = time.monotonic() + 5
+        while server.refused == 0 and time.monotonic() < wait:
+            time.sleep(0.05)
+        assert server.refused == 1
+    finally:
+        server.close()
