@@ -46,6 +46,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from dipaco import faults
 from dipaco.errors import ConfigError, RejectedError, WireError
 from dipaco.fileio import AtomicFile
+from dipaco.protocols.wire import loads_checked
 
 KEY_PREFIX = "ed25519:"
 REQUEST_MAGIC, REPLY_MAGIC = b"DPQ1", b"DPR1"
@@ -208,9 +209,9 @@ def _split(data: bytes, magic: bytes) -> tuple[dict[str, Any], memoryview]:
             f"envelope header of {size} bytes is too long or cut short", reason="bad-envelope"
         )
     try:
-        header = json.loads(bytes(data[8 : 8 + size]))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RejectedError(f"envelope header is not JSON: {exc}", reason="bad-envelope") from None
+        header = loads_checked(memoryview(data)[8 : 8 + size], "envelope header")
+    except WireError as exc:  # not JSON, or a NaN, an endless number, a lone surrogate
+        raise RejectedError(str(exc), reason="bad-envelope") from None
     if not isinstance(header, dict):
         raise RejectedError("envelope header is not a JSON object", reason="bad-envelope")
     body = memoryview(data)[8 + size :]  # no copy: the body may be a large delta
@@ -304,7 +305,7 @@ class ReplayGuard:
 
     def check(self, signed: Signed, now: float | None = None) -> None:
         now = time.time() if now is None else now
-        if abs(signed.ts - now) > self.skew:
+        if not abs(signed.ts - now) <= self.skew:  # a NaN fails this, as it must
             raise RejectedError(
                 f"the request's clock is {signed.ts - now:+.0f} s off the coordinator's (at most "
                 f"{self.skew:.0f} s allowed): set the machine's clock (NTP)",

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from dipaco.errors import WireError
-from dipaco.protocols.wire import DEFAULT_LIMITS, Frame, Limits, decode, encode
+from dipaco.protocols.wire import DEFAULT_LIMITS, INT_LIMIT, Frame, Limits, decode, encode
 
 REGISTRY: dict[str, type] = {}
 
@@ -294,10 +294,12 @@ def _conforms(value: Any, tp: Any) -> bool:
         return any(_conforms(value, arg) for arg in typing.get_args(tp))
     if tp is type(None):
         return value is None
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is float:  # finite, and an int only where it converts to a float exactly enough
+        if isinstance(value, float):
+            return math.isfinite(value)
+        return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= INT_LIMIT
     if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= INT_LIMIT
     if origin is dict:
         kt, vt = typing.get_args(tp)
         return isinstance(value, dict) and all(
@@ -310,9 +312,12 @@ def _conforms(value: Any, tp: Any) -> bool:
 
 
 def _finite(value: Any) -> bool:
-    """No NaN or infinity anywhere in a JSON value (its depth is bounded by the wire limits)."""
+    """No NaN, infinity or integer beyond 64 bits anywhere in a JSON value (its depth is bounded
+    by the wire limits)."""
     if isinstance(value, float):
         return math.isfinite(value)
+    if isinstance(value, int):
+        return abs(value) <= INT_LIMIT
     if isinstance(value, dict):
         return all(_finite(v) for v in value.values())
     if isinstance(value, list):

@@ -28,6 +28,9 @@ from dipaco.fileio import write_atomic
 
 MAGIC = b"DPCO"
 VERSION = 1
+# Every number in a header fits in 64 bits: a count, a version or a timestamp beyond it is an
+# attack (it overflows a float or a tensor's size), never a value a peer means.
+INT_LIMIT = 2**63 - 1
 _PREFIX = struct.Struct("<4sBI")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -130,12 +133,7 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
         raise WireError(
             f"truncated message: header needs {header_len} bytes, {len(view) - _PREFIX.size} present"
         )
-    try:
-        header = json.loads(bytes(view[_PREFIX.size : end]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"header is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise WireError("header nests lists or objects too deeply") from None
+    header = loads_checked(view[_PREFIX.size : end], "header")
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise WireError("header must be an object with a string 'type'")
     fields, specs = header.get("fields", {}), header.get("tensors", [])
@@ -171,6 +169,57 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
     return Frame(header["type"], fields, tensors)
 
 
+def loads_checked(raw: bytes | memoryview, what: str = "header") -> Any:
+    """JSON from outside (a frame's header, an envelope's, a record or file someone else wrote),
+    parsed so that the only failure is a :class:`WireError` saying why: every number finite and
+    within 64 bits, every string text, nesting within Python's recursion limit."""
+    try:
+        value = json.loads(bytes(raw), parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise WireError(f"{what} nests lists or objects too deeply") from None
+    except ValueError as exc:  # an integer beyond Python's int-string limit
+        raise WireError(f"{what} holds a number out of range: {str(exc)[:80]}") from None
+    _check_scalars(value, what)
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise WireError(f"{name} is not a number dipaco accepts: numbers on the wire are finite")
+
+
+def _check_scalars(value: Any, what: str) -> None:
+    """Every number is finite and fits in 64 bits, and every string is text (a lone surrogate
+    from a ``\\ud800`` escape decodes but breaks whoever writes it out later)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            _check_text(item, what)
+        elif isinstance(item, bool) or item is None:
+            continue
+        elif isinstance(item, int):
+            if abs(item) > INT_LIMIT:
+                raise WireError(f"{what} holds an integer beyond 64 bits ({str(item)[:20]}...)")
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise WireError(f"{what} holds {item}: numbers on the wire are finite")
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                _check_text(k, what)
+                stack.append(v)
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _check_text(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise WireError(f"{what} holds a string that is not text: {text[:40]!a}") from None
+
+
 def _depth(value: Any, cap: int) -> int:
     """Nesting depth of a JSON value (a scalar is 0), counted up to ``cap`` without recursion."""
     deepest, stack = 0, [(value, 0)]
@@ -200,8 +249,11 @@ def _check_spec(spec: Any, limits: Limits) -> tuple[str, str, list[int]]:
         or len(shape) > limits.max_ndim
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
-        raise WireError(f"tensor {name!r} has an invalid shape {shape!r}")
-    if math.prod(shape) * DTYPES[dtype].itemsize > limits.max_total_bytes:
+        raise WireError(f"tensor {name!r} has an invalid shape {str(shape)[:80]}")
+    # Zero elements do not excuse the other sizes: a [0, 2**62, 2**62] tensor is zero bytes, and
+    # whoever later computes its strides or its size in elements overflows. Bounding the product
+    # of the non-zero sizes bounds each of them.
+    if math.prod(d for d in shape if d) * DTYPES[dtype].itemsize > limits.max_total_bytes:
         raise WireError(
             f"tensor {name!r} of shape {shape} exceeds the size limit", reason="too-large"
         )

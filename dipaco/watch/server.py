@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dipaco.errors import ConfigError
-from dipaco.watch.snapshot import Series, snapshot
+from dipaco.watch.snapshot import Series, json_safe, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class Dashboard:
                 if route == "/":
                     return self._send(200, dashboard._page, "text/html; charset=utf-8")
                 if route == "/api/status":
-                    body = json.dumps(dashboard.snapshot()).encode()
+                    body = json.dumps(json_safe(dashboard.snapshot()), allow_nan=False).encode()
                     return self._send(200, body, "application/json")
                 if route == "/metrics":
                     body = generate_latest(dashboard.registry)

@@ -9,6 +9,7 @@ only the lines written since the last one.
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -93,6 +94,18 @@ class Series:
                 "events": self.events,
                 "malformed_lines": self.malformed,
             }
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN and infinity as None: browsers' JSON.parse refuses them, and one
+    diverged loss would otherwise leave the dashboard unable to read any status at all."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def routing_histogram(run_dir: Path) -> dict[str, list[int]]:

@@ -92,3 +92,23 @@ def test_series_skips_a_cut_line_and_counts_it(tmp_path):
         f.write("}\n")
     s.update()
     assert [r["round"] for r in s.as_dict()["rounds"]] == [1]
+
+
+def test_status_stays_valid_json_when_a_loss_is_nan(coordinator):
+    """Issue 17, break 5: one NaN in the metrics left /api/status unparseable for good."""
+    root, c = coordinator
+    with open(root / "metrics.jsonl", "a") as f:  # what json.dumps writes for a diverged model
+        f.write('{"event": "eval", "model": "dipaco", "round": 1, "ppl": NaN, ')
+        f.write('"per_path": {"0": Infinity, "1": 12.5}}\n')
+    d = Dashboard(c, root).start()
+    try:
+        code, body = get(d.url + "api/status")
+
+        def refuse(name):
+            raise ValueError(f"{name} is not JSON")
+
+        s = json.loads(body, parse_constant=refuse)  # as strict as a browser's JSON.parse
+        assert code == 200 and s["series"]["routed_ppl"] == [{"round": 1, "ppl": None}]
+        assert s["series"]["val_ppl"]["1"] == [{"round": 1, "ppl": 12.5}]
+    finally:
+        d.stop()
