@@ -9,12 +9,36 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import Any
 
 from dipaco.faults import fault_point
+
+_NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
+MAX_NAME_CHARS = 255
+MAX_NAME_DEPTH = 8
+
+
+def plain_name_error(name: object, depth: int = MAX_NAME_DEPTH) -> str | None:
+    """Why ``name``, from outside (a manifest, the DHT, a message), may not become a path under
+    one of our folders; None if it may. A plain name is at most ``depth`` parts separated by
+    ``/``, each of letters, digits, ``_``, ``-`` and ``.`` not first (so never ``..``, a hidden
+    file, an absolute path, a backslash or a NUL), 255 characters in all."""
+    if not isinstance(name, str) or not name:
+        return "not a non-empty string"
+    if len(name) > MAX_NAME_CHARS:
+        return f"longer than {MAX_NAME_CHARS} characters"
+    parts = name.split("/")
+    if len(parts) > depth:
+        return f"deeper than {depth} folders"
+    bad = next((p for p in parts if not _NAME_PART.fullmatch(p)), None)
+    if bad is not None:
+        return f"part {bad[:40]!r} is not letters, digits, '_', '-' and '.' (not first)"
+    assert not PurePosixPath(name).is_absolute()
+    return None
 
 
 class AtomicFile:

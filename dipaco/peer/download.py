@@ -11,18 +11,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from pathlib import Path, PurePosixPath
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from dipaco.data.shards import TokenShard
 from dipaco.errors import DataError
+from dipaco.fileio import plain_name_error
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import Transport
 
 log = logging.getLogger(__name__)
 CHUNK = 4 << 20
+DISK_MARGIN = 256 << 20  # a download never leaves less than this free
 
 
 def _sha256(path: Path) -> str:
@@ -36,17 +39,11 @@ def _sha256(path: Path) -> str:
 def _check_entry(name: Any, info: Any) -> None:
     """DataError unless a manifest entry names a file inside the run folder, with an integer
     size and a SHA-256: the manifest comes over the network, and a name such as ``../x`` or
-    ``/etc/x`` would otherwise have us write outside the folder."""
-    parts = PurePosixPath(name).parts if isinstance(name, str) else ()
-    if (
-        not parts
-        or PurePosixPath(name).is_absolute()
-        or any(part in ("..", ".") for part in parts)
-        or name.endswith("/")
-        or "\\" in name
-        or "\x00" in name
-    ):
-        raise DataError(f"refusing file name {name!r}: not a plain path inside the run folder")
+    ``/etc/x`` would otherwise have us write outside the folder (and one too long, or naming a
+    folder, would fail with a raw OS error)."""
+    why = plain_name_error(name)
+    if why is not None:
+        raise DataError(f"refusing file name {str(name)[:80]!r} outside the run folder: {why}")
     size, digest = (info.get("size"), info.get("sha256")) if isinstance(info, dict) else (0, 0)
     if (
         not isinstance(size, int)
@@ -81,6 +78,8 @@ class RunFiles:
             raise DataError(f"the run manifest has no file {name!r}")
         _check_entry(name, info)
         dest = self.folder / name
+        if dest.is_dir():
+            raise DataError(f"cannot write {name}: {dest} is a folder")
         if (
             dest.exists()
             and dest.stat().st_size == info["size"]
@@ -88,6 +87,12 @@ class RunFiles:
         ):
             return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(dest.parent).free
+        if info["size"] + DISK_MARGIN > free:  # the manifest's size, checked before any byte
+            raise DataError(
+                f"{name} needs {info['size'] / 2**30:.2f} GiB and {dest.parent} has "
+                f"{free / 2**30:.2f} GiB free (keeping {DISK_MARGIN >> 20} MiB spare)"
+            )
         tmp = dest.with_name(dest.name + ".part")
         digest = hashlib.sha256()
         offset = 0
@@ -122,8 +127,11 @@ class RunFiles:
         """A task's shard (``shards/P3/train``), fetched once; ``infos`` (from the task offer)
         give the sizes and hashes of shards the manifest does not list (later routing phases).
         The .json, written last, marks a shard whole."""
-        if ".." in Path(prefix).parts or Path(prefix).is_absolute():
-            raise DataError(f"refusing shard name {prefix!r} outside the run folder")
+        why = plain_name_error(prefix)
+        if why is not None:
+            raise DataError(
+                f"refusing shard name {str(prefix)[:80]!r} outside the run folder: {why}"
+            )
         for suffix in (".tokens", ".index.npy", ".json"):
             self.get(prefix + suffix, (infos or {}).get(prefix + suffix))
         return TokenShard(self.folder / prefix)

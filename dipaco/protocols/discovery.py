@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dipaco.errors import ConfigError, TransportError
+from dipaco.fileio import plain_name_error
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,21 @@ def peer_id_of(address: str) -> str | None:
 
 def find_run(node, run_id: str | None = None, wait: float = 30.0) -> tuple[str, dict, dict]:
     """(run id, its entry in dipaco.runs, its verified manifest), waiting up to ``wait`` s."""
-    deadline = time.monotonic() + wait
+    if run_id is not None and plain_name_error(run_id, depth=1) is not None:
+        raise ConfigError(f"--run {run_id[:40]!r} is not a run id: {plain_name_error(run_id, 1)}")
+    deadline, warned = time.monotonic() + wait, False
     while True:
-        runs = node.get(RUNS) or {}
+        found = node.get(RUNS)
+        # Anyone can write to the DHT: a run id becomes a folder name (the peer keeps a run's
+        # files under runs/<id>), so one that is not a plain name is not a run.
+        runs = {
+            rid: entry
+            for rid, entry in (found.items() if isinstance(found, dict) else [])
+            if plain_name_error(rid, depth=1) is None
+        }
+        if isinstance(found, dict) and len(runs) < len(found) and not warned:
+            log.warning("ignored %d DHT run record(s) with a malformed id", len(found) - len(runs))
+            warned = True
         if run_id is not None and run_id in runs:
             chosen = run_id
         elif run_id is None and len(runs) == 1:
@@ -80,7 +93,7 @@ def find_run(node, run_id: str | None = None, wait: float = 30.0) -> tuple[str, 
                     )
                 return chosen, entry, manifest
         if time.monotonic() > deadline:
-            what = f"run {run_id}" if run_id else "a run"
+            what = f"run {run_id}" if run_id else "run"
             raise TransportError(f"found no {what} in the DHT within {wait:.0f} s")
         time.sleep(0.5)
 

@@ -92,3 +92,61 @@ def test_a_shard_name_outside_the_run_folder_is_refused(tmp_path):
     # A shard the manifest does not list, and the offer gives no size and hash for, is refused.
     with pytest.raises(DataError, match="no file"):
         files.shard("shards/phase1/P0/train")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["x" * 300, "a/" * 20 + "b", ".hidden", "a/./b", "a//b", "a\\b", "a\x00b", "tokenizer.model/"],
+)
+def test_a_manifest_name_that_is_not_plain_is_a_clear_error_not_an_os_error(tmp_path, name):
+    """Issue 17, break 6: too long a name, or one naming a folder, raised raw OS errors."""
+    co, _, info = serve(tmp_path, size=1000)
+    files = RunFiles(LocalTransport(co.handle), "p", {name: info}, tmp_path / "peer")
+    with pytest.raises(DataError, match="outside the run folder"):
+        files.get(name)
+    assert not (tmp_path / "peer").exists() or not any((tmp_path / "peer").rglob("*"))
+
+
+def test_a_name_that_is_a_folder_here_is_a_clear_error(tmp_path):
+    co, _, info = serve(tmp_path, size=1000)
+    (tmp_path / "peer" / "big.bin").mkdir(parents=True)
+    files = RunFiles(LocalTransport(co.handle), "p", {"big.bin": info}, tmp_path / "peer")
+    with pytest.raises(DataError, match="is a folder"):
+        files.get("big.bin")
+
+
+def test_a_download_larger_than_the_free_disk_is_refused_before_any_byte(tmp_path):
+    co, _, info = serve(tmp_path, size=1000)
+    huge = {**info, "size": 1 << 62}  # the coordinator's word, checked before anything is fetched
+    files = RunFiles(LocalTransport(co.handle), "p", {"big.bin": huge}, tmp_path / "peer")
+    with pytest.raises(DataError, match="GiB free"):
+        files.get("big.bin")
+    assert files.downloaded == 0 and not (tmp_path / "peer" / "big.bin.part").exists()
+
+
+class FakeDHT:  # a unit test of find_run alone; the real DHT is in tests/integration
+    def __init__(self, runs, manifests):
+        self.records = {"dipaco.runs": runs, **manifests}
+
+    def get(self, key):
+        return self.records.get(key)
+
+
+def test_a_run_id_from_the_dht_that_is_not_a_plain_name_is_ignored():
+    from dipaco.errors import ConfigError, TransportError
+    from dipaco.protocols import discovery
+
+    evil = "../../../tmp/evil"
+    manifest = {"run_id": evil}
+    entry = {"manifest": discovery.manifest_sha256(manifest)}
+    dht = FakeDHT({evil: entry}, {discovery.key(evil, "manifest"): manifest})
+    with pytest.raises(TransportError, match="found no run in the DHT"):
+        discovery.find_run(dht, wait=0.3)
+    with pytest.raises(ConfigError, match="not a run id"):
+        discovery.find_run(dht, run_id=evil, wait=0.3)
+    good = {"run_id": "0123456789abcdef"}
+    dht = FakeDHT(
+        {evil: entry, "0123456789abcdef": {"manifest": discovery.manifest_sha256(good)}},
+        {discovery.key("0123456789abcdef", "manifest"): good},
+    )
+    assert discovery.find_run(dht, wait=0.3)[0] == "0123456789abcdef"
