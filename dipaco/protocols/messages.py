@@ -9,6 +9,7 @@ mistyped field is a :class:`~dipaco.errors.WireError` naming it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -32,11 +33,21 @@ def message(cls: type) -> type:
 # ---- peer -> coordinator ----------------------------------------------------------------------
 
 
+# Free-form values a peer sends are kept and shown to everyone (status, dashboard): each is
+# bounded where it arrives, as JSON characters (``from_frame``, reason ``too-large``).
+MAX_TEXT = 64 << 10  # any one string in any message, unless its field says less
+
+
+def bounded(limit: int, **kwargs: Any) -> Any:
+    """A dataclass field whose value, written as JSON, is at most ``limit`` characters."""
+    return field(metadata={"max_json": limit}, **kwargs)
+
+
 @message
 class Hello:
-    peer_id: str
-    device: str = "cpu"
-    capabilities: dict[str, Any] = field(default_factory=dict)
+    peer_id: str = bounded(256)
+    device: str = bounded(128, default="cpu")
+    capabilities: dict[str, Any] = bounded(4096, default_factory=dict)
 
 
 @message
@@ -279,6 +290,7 @@ def from_frame(frame: Frame) -> Message:
         value = frame.fields[name]
         if not _conforms(value, hints[name]):
             raise WireError(f"{frame.type}.{name}: {value!r:.80} is not a {hints[name]}")
+        _check_size(frame.type, name, value, f.metadata.get("max_json"))
         kwargs[name] = value
     return cls(**kwargs)
 
@@ -309,6 +321,26 @@ def _conforms(value: Any, tp: Any) -> bool:
         (it,) = typing.get_args(tp)
         return isinstance(value, list) and all(_conforms(v, it) for v in value)
     return isinstance(value, tp)
+
+
+def _check_size(kind: str, name: str, value: Any, limit: int | None) -> None:
+    if limit is not None and len(json.dumps(value)) > limit:
+        raise WireError(
+            f"{kind}.{name} is longer than {limit} characters of JSON", reason="too-large"
+        )
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str) and len(item) > MAX_TEXT:
+            raise WireError(
+                f"{kind}.{name} holds a string of {len(item)} characters (at most {MAX_TEXT})",
+                reason="too-large",
+            )
+        if isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _finite(value: Any) -> bool:

@@ -158,3 +158,24 @@ def test_a_nan_timestamp_does_not_pass_the_clock_skew_check():
     with pytest.raises(Exception) as info:
         guard.check(auth.Signed("k", "n", float("nan"), b""), now=1000.0)
     assert getattr(info.value, "reason", None) == "clock-skew"
+
+
+def test_free_form_fields_are_bounded_so_status_stays_small(coordinator):
+    """Issue 17, break 7: megabytes of Hello.capabilities per peer id made every GetStatus reply
+    exceed the frame limit."""
+    me = auth.Identity.generate()
+    huge = {"blob": "x" * (1 << 20)}
+    for body in (
+        m.encode_message(m.Hello(peer_id="p", capabilities=huge)),
+        m.encode_message(m.Hello(peer_id="p", device="d" * 1000)),
+        m.encode_message(m.Heartbeat(peer_id="p", task_id="t" * (1 << 17))),
+    ):
+        sealed, nonce = auth.seal_request(me, body)
+        reply = ask(coordinator, me, sealed, nonce)
+        assert isinstance(reply, m.Error) and reply.reason == "too-large", reply
+    assert coordinator.rejections["too-large"] == 3
+    sealed, nonce = auth.seal_request(
+        me, m.encode_message(m.Hello(peer_id="p", capabilities={"gpu": "H100"}))
+    )
+    assert isinstance(ask(coordinator, me, sealed, nonce), m.Welcome)
+    assert len(m.encode_message(coordinator.status())) < 64 << 10
