@@ -138,6 +138,7 @@ class Coordinator:
         self.done: set[tuple[int, int]] = set()  # (path, round) whose task every owner acked
         # (path, round) whose task ran past the deadline: rounds may close without them.
         self.overdue: set[tuple[int, int]] = set()
+        self.void: dict[str, int] = {}  # an owner's copy of the scheduler's ended leases
         self.files = files or {}
         # Routing phases (DiPaCo Algorithm 1, line 2): tasks whose base round is at or past
         # phase_rounds[k - 1] train on phase k's shards, and wait until that phase is ready.
@@ -194,6 +195,7 @@ class Coordinator:
             self.remote = saved.get("remote", {})
             self.addresses.update(saved.get("addresses", {}))
             self.owner_keys.update(saved.get("owner_keys", {}))
+            self.scheduler.ended.update(saved.get("ended", {}))
         else:
             self.owners = dict.fromkeys(self.store.owned_on_disk(), self.owner_id)
         mine = self.owned_modules()
@@ -251,6 +253,7 @@ class Coordinator:
                 remote=self.remote,
                 addresses=self.addresses,
                 owner_keys=self.owner_keys,
+                ended=self.scheduler.ended,
             )
         write_json_atomic(self.root / "coordinator.json", state)
 
@@ -482,6 +485,7 @@ class Coordinator:
         self._seen(req.peer_id)
         if self.scheduler.release(req.task_id, req.peer_id):
             self.metrics({"event": "task_released", "task": req.task_id, "peer": req.peer_id})
+            self._save_state()  # the ticket is void, and stays so after a restart
         return m.Ok()
 
     def submit(self, req: m.SubmitDelta) -> m.DeltaAck:
@@ -609,9 +613,39 @@ class Coordinator:
         self._seen(req.peer_id)
         task = self._task(req.peer_id, req.task_id, req.ticket)
         if (task["path"], task["round"]) not in self.done:
+            missing = self._unacked(task)
+            if missing:
+                # A task is done when its deltas are, not when its peer says so: a TaskDone
+                # without them would take the path out of the round and stall its modules.
+                # The lease stays: it expires, or the round's deadline re-issues it.
+                self._reject(
+                    req.peer_id,
+                    "not-acked",
+                    f"task {req.task_id}: no acknowledged delta for {', '.join(missing)} yet",
+                )
             self._task_done(task, req.peer_id, req.tokens, req.losses)
             self._after_change()
         return m.Ok()
+
+    def _unacked(self, task: dict) -> list[str]:
+        """The modules of ``task``'s path holding no acknowledged delta of it: for our own
+        modules, its task id among the pending, late or applied deltas; for another owner's, its
+        last report shows the path pending at the task's base, or the module past that base."""
+        missing = []
+        for mid in self.topology.path_modules(task["path"]):
+            base = task["versions"].get(mid)
+            if self.owns(mid):
+                record = self.store.modules[mid]
+                held = [d.task_id for d in (*record.pending.values(), *record.late.values())]
+                if task["task"] not in held and task["task"] not in record.applied:
+                    missing.append(mid)
+                continue
+            version = self.version(mid)
+            if version is None or base is None:
+                missing.append(mid)
+            elif version == base and task["path"] not in self.reported(mid):
+                missing.append(mid)
+        return missing
 
     def get_owners(self, req: m.GetOwners) -> m.Owners:
         return m.Owners(
@@ -663,7 +697,9 @@ class Coordinator:
             self.addresses[req.owner_id] = list(req.addresses)
         self._save_state()
         self._after_change()
-        return m.ReportAck(overdue=[list(pr) for pr in sorted(self.overdue)])
+        return m.ReportAck(
+            overdue=[list(pr) for pr in sorted(self.overdue)], ended=dict(self.scheduler.ended)
+        )
 
     def hand_over(self, req: m.HandOver) -> m.ModuleState:
         self._need_scheduler(req.owner_id)
@@ -895,8 +931,11 @@ class Coordinator:
 
     # ---- helpers ------------------------------------------------------------------------------
     def _tick(self) -> None:
-        for lease in self.scheduler.expire():
+        gone = self.scheduler.expire()
+        for lease in gone:
             self._expired(lease)
+        if gone:
+            self._save_state()  # their tickets are void, and stay so after a restart
         now = self.clock()
         for mid, (owner, since) in list(self.handing.items()):
             if now - since > 120:  # the new owner never confirmed: keep the module
@@ -1149,7 +1188,15 @@ class Coordinator:
         return deltas
 
     def _task(self, peer_id: str, task_id: str, ticket: str) -> dict[str, Any]:
-        """The task a request acts for: from its ticket, or (scheduler) from the lease table."""
+        """The task a request acts for: from its ticket, or (scheduler) from the lease table.
+        A task whose lease was released or expired acts for nothing any more."""
+        ended = self.scheduler.ended if self.is_scheduler else self.void
+        if task_id in ended:
+            self._reject(
+                peer_id,
+                "lease-ended",
+                f"task {task_id} was released or its lease expired; claim a new task",
+            )
         if ticket:
             task = tickets.read_ticket(self.scheduler_key, ticket)
             if task is None:
@@ -1276,6 +1323,8 @@ def _check_state(path: Path, saved: Any, module_ids: list[str]) -> None:
         problem = "'addresses' is not {owner: [address]}"
     elif not mapping(saved.get("owner_keys", {}), lambda v: isinstance(v, str)):
         problem = "'owner_keys' is not {owner: key}"
+    elif not mapping(saved.get("ended", {}), count):
+        problem = "'ended' is not {task: round}"
     if problem is not None:
         raise CorruptFileError(f"{path}: damaged coordinator state: {problem}")
 

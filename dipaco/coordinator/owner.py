@@ -92,6 +92,7 @@ class Reporter(threading.Thread):
             self.sent += 1
             with co.lock:
                 co.overdue = {(int(p), int(r)) for p, r in ack.overdue}
+                co.void = dict(ack.ended)  # the scheduler's void tickets: refused here too
             co.tick()
 
     def close(self) -> None:

@@ -54,6 +54,9 @@ class Scheduler:
         self.issued: dict[str, Lease] = {}  # every task id handed out, for late submissions
         self.attempts: dict[tuple[int, int], int] = {}
         self.expired = 0
+        # Leases released or expired, task id -> round: their tickets are void, so a ticket
+        # cannot outlive its lease (and beat the path's next holder to its delta).
+        self.ended: dict[str, int] = {}
         self.epoch = 0  # bumped on every coordinator restart, so task ids are never reused
         self.durations: deque[float] = deque(maxlen=64)  # seconds from lease to done
         self.paces: dict[str, deque[float]] = {}  # per peer: seconds per step of its last tasks
@@ -63,6 +66,7 @@ class Scheduler:
         gone = [lease for lease in self.leases.values() if lease.deadline < now]
         for lease in gone:
             del self.leases[lease.task_id]
+            self.ended[lease.task_id] = lease.round
             self.expired += 1
         return gone
 
@@ -164,6 +168,7 @@ class Scheduler:
         if lease is None or lease.peer_id != peer_id:
             return False
         del self.leases[task_id]
+        self.ended[task_id] = lease.round
         return True
 
     def forget_before(self, first_round: int) -> None:
@@ -181,6 +186,7 @@ class Scheduler:
             if lease.round >= first_round or t in self.leases
         }
         self.attempts = {pr: n for pr, n in self.attempts.items() if pr[1] >= first_round}
+        self.ended = {t: r for t, r in self.ended.items() if r >= first_round}
 
     def leases_of(self, peer_id: str) -> list[Lease]:
         return [lease for lease in self.leases.values() if lease.peer_id == peer_id]

@@ -367,13 +367,16 @@ class Peer:
         finally:
             self.timings[what] += time.monotonic() - began
 
-    def _patient(self, call: Callable[[], Any]) -> Any:
-        """Retry ``call`` over transport errors for up to ``give_up_seconds``."""
+    def _patient(self, call: Callable[[], Any], reasons: tuple[str, ...] = ()) -> Any:
+        """Retry ``call`` over transport errors, and refusals for one of ``reasons``, for up to
+        ``give_up_seconds``."""
         began = time.monotonic()
         while True:
             try:
                 return call()
-            except TransportError as exc:
+            except (TransportError, RejectedError) as exc:
+                if isinstance(exc, RejectedError) and exc.reason not in reasons:
+                    raise
                 if self.run_over.is_set():
                     raise RunOver() from None
                 if time.monotonic() - began > self.give_up_seconds or self.stop.is_set():
@@ -882,7 +885,9 @@ class Peer:
                             losses=losses,
                             modules=list(delta),
                         )
-                    )
+                    ),
+                    # The scheduler learns another owner's acknowledgement from its next report.
+                    reasons=("not-acked",),
                 )
         except BaseException:
             self.feedback.load_state_tensors(before)  # nothing was sent for good: keep residuals

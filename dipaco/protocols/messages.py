@@ -216,6 +216,7 @@ class DeltaAck:
 @message
 class ReportAck:
     overdue: list[list[int]]  # [path, round] of tasks past the deadline: their rounds may close
+    ended: dict[str, int] = field(default_factory=dict)  # task -> round of released/expired leases
 
 
 @message

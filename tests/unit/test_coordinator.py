@@ -256,7 +256,7 @@ def test_a_retry_after_its_round_closed_is_acknowledged_not_applied_again(tmp_pa
     assert ack.accepted and not any(r.late for r in restarted.store.modules.values())
 
 
-def test_a_reissued_task_is_not_applied_late_after_the_original_reported(tmp_path):
+def test_an_expired_lease_takes_its_ticket_with_it_and_the_reissued_task_counts(tmp_path):
     clock = Clock()
     co = make(tmp_path, clock)
     tr = LocalTransport(co.handle)
@@ -264,10 +264,10 @@ def test_a_reissued_task_is_not_applied_late_after_the_original_reported(tmp_pat
     clock.now = 20.0  # every lease expires: the paths are offered again
     again = claim(tr, "late-comer", prefer=3)
     assert again.path == 3 and again.task_id != tasks[3][0].task_id
-    for task, peer in tasks.values():  # the original peers all deliver: round 0 closes
-        tr.request(delta_for(co, task, peer=peer))
-    assert {co.store.version(mid) for mid in TOPO.module_ids()} == {1}
-    with pytest.raises(RejectedError) as err:
-        tr.request(delta_for(co, again, peer="late-comer"))
-    assert err.value.reason == "duplicate"  # path 3 already counted for version 0
+    for task, peer in tasks.values():  # the original peers come back too late
+        with pytest.raises(RejectedError) as err:
+            tr.request(delta_for(co, task, peer=peer))
+        assert err.value.reason == "lease-ended"
+    tr.request(delta_for(co, again, peer="late-comer"))  # the path's current holder counts
+    assert all(3 in co.store.modules[mid].pending for mid in TOPO.path_modules(3))
     assert not any(r.late for r in co.store.modules.values())
