@@ -129,8 +129,9 @@ def loss_report(run, dense_run) -> dict:
     prep = run.prep
     docs = prep.val_docs()
     seq_len = prep.config.train.seq_len
-    routed = np.asarray(prep.val_paths[: len(docs)])
-    kinds = [source_kind(d) for d in TokenShard(prep.root / "data" / "val").doc_ids[: len(docs)]]
+    routed = prep.val_routes()
+    val_ids = TokenShard(prep.root / "data" / "val").doc_ids
+    kinds = [source_kind(val_ids[int(i)]) for i in prep.val_index()]
     load = path_loader(prep, run.store.params)
     paths = prep.config.build_topology().num_paths
     under = np.stack([doc_losses(load(p), docs, seq_len) for p in range(paths)])  # (P, N, 2)

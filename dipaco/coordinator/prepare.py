@@ -87,14 +87,20 @@ class PreparedRun:
         self.routings = load_routings(self.root)
         return self
 
+    def val_index(self) -> np.ndarray:
+        """Which validation documents are evaluated: all, or ``eval.max_docs`` of them spread
+        evenly over the set (its first ones would be one source of a corpus sorted by source)."""
+        total = len(TokenShard(self.root / "data" / "val"))
+        n = total if self.config.eval.max_docs is None else min(total, self.config.eval.max_docs)
+        return np.arange(n, dtype=np.int64) * total // max(n, 1)
+
     def val_docs(self) -> list[np.ndarray]:
         shard = TokenShard(self.root / "data" / "val")
-        n = (
-            len(shard)
-            if self.config.eval.max_docs is None
-            else min(len(shard), self.config.eval.max_docs)
-        )
-        return [shard[i] for i in range(n)]
+        return [shard[int(i)] for i in self.val_index()]
+
+    def val_routes(self) -> np.ndarray:
+        """The path each of :meth:`val_docs` is routed to (the latest routing phase)."""
+        return np.asarray(self.val_paths)[self.val_index()]
 
     def heldout_docs(self, path: int, phase: int | None = None) -> list[np.ndarray]:
         """Path ``path``'s held-out slice in a routing phase (the latest by default)."""

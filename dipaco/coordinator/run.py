@@ -247,7 +247,7 @@ def evaluate_modules(
     seq_len, prefix = c.train.seq_len, c.routing.prefix_tokens
     if window is None:
         return routed_perplexity(
-            load, docs, prep.val_paths[: len(docs)], seq_len=seq_len, prefix_tokens=prefix
+            load, docs, prep.val_routes(), seq_len=seq_len, prefix_tokens=prefix
         )
     if prep.router is None:
         raise ConfigError("re-routing needs a feature router; this run's shards are i.i.d.")

@@ -94,3 +94,17 @@ def test_a_run_begun_before_a_setting_existed_resumes_and_a_changed_one_is_refus
     assert prep.config.routing.discriminative_plateau == 0.0
     with pytest.raises(ConfigError, match="routing settings differ"):
         prepare(root, tiny_config.replace(routing={"balance": 0.9}))
+
+
+def test_evaluation_spreads_its_documents_over_the_whole_validation_set(prepared_tiny, tiny_config):
+    """A corpus sorted by source must not be evaluated on its first source only: with
+    ``eval.max_docs`` below the set's size, the documents come from all over it."""
+    import dataclasses
+
+    val = TokenShard(prepared_tiny / "data" / "val")
+    prep = prepare(prepared_tiny, tiny_config)  # already prepared: opened as it is
+    prep = dataclasses.replace(prep, config=tiny_config.replace(eval={"max_docs": 4}))
+    index = prep.val_index()
+    assert len(index) == 4 and index[0] == 0 and index[-1] >= len(val) * 3 // 4
+    assert [d.tolist() for d in prep.val_docs()] == [val[int(i)].tolist() for i in index]
+    assert list(prep.val_routes()) == [int(prep.val_paths[int(i)]) for i in index]
