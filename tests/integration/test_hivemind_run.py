@@ -31,10 +31,14 @@ SECOND = "L1.M0,L1.M1"
 
 
 class Proc:
-    """A command in its own session, its output collected line by line in the background."""
+    """A command in its own session, its output collected line by line in the background (and
+    copied to ``<log_dir>/<name>.log``, to read after a run that timed out)."""
+
+    log_dir: Path | None = None
 
     def __init__(self, *args, name: str):
         self.name = name
+        self.log = None if self.log_dir is None else open(self.log_dir / f"{name}.log", "a")
         self.p = subprocess.Popen(
             [str(a) for a in args],
             stdout=subprocess.PIPE,
@@ -48,6 +52,9 @@ class Proc:
     def _read(self):
         for line in self.p.stdout:
             self.lines.append(line)
+            if self.log is not None:
+                self.log.write(line)
+                self.log.flush()
 
     def finish(self, timeout: float) -> int:
         """Its exit code; on a timeout, an assertion that shows what it printed."""
@@ -71,6 +78,13 @@ class Proc:
         except ProcessLookupError:
             pass
         self.p.wait()
+
+
+@pytest.fixture(autouse=True)
+def _logs(tmp_path):
+    Proc.log_dir = tmp_path
+    yield
+    Proc.log_dir = None
 
 
 def config_file(tmp_path, rounds: int = 2, extra: str = "") -> Path:
