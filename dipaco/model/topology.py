@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dipaco.errors import ConfigError
+from dipaco.errors import ConfigError, DataError
 from dipaco.model.transformer import ModelConfig, PathModel
 
 PARTS = ("embed", "head")
@@ -257,7 +257,9 @@ class Topology:
             )
         with torch.device("meta"):
             model = PathModel(cfg)
-        model.load_state_dict(self.join_modules(path, modules), strict=True, assign=True)
+        state = self.join_modules(path, modules)
+        _check_state(model.state_dict(), state)
+        model.load_state_dict(state, strict=True, assign=True)
         return model
 
     def init_modules(self, dense_state: dict[str, torch.Tensor]) -> dict[str, ModuleState]:
@@ -280,3 +282,21 @@ class Topology:
                 per_module[mid] = sum(t.numel() for t in tensors.values())
         per_path = sum(per_module[mid] for mid in self.path_modules(0))
         return {"per_path": per_path, "total": sum(per_module.values()), "modules": per_module}
+
+
+def _check_state(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    """DataError unless ``got`` has exactly ``want``'s tensors, shapes and dtypes, all finite:
+    modules come from a coordinator over the network, and a malformed one must abort a task
+    with a reason, not fail deep inside ``load_state_dict`` or train on NaN."""
+    if set(got) != set(want):
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        raise DataError(f"malformed modules: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, ref in want.items():
+        t = got[name]
+        if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise DataError(
+                f"malformed modules: {name} is {shape}, expected {tuple(ref.shape)} {ref.dtype}"
+            )
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise DataError(f"malformed modules: {name} holds NaN or infinity")

@@ -33,6 +33,7 @@ from dipaco.data.shards import TokenShard, window_batches
 from dipaco.errors import (
     ConfigError,
     CorruptFileError,
+    DataError,
     DipacoError,
     RejectedError,
     TransportError,
@@ -422,14 +423,19 @@ class Peer:
         with self._timed("fetch"):
             modules = self.fetch(task)
         with self._timed("train"):
-            model = self.topology.build_path(
-                self.model_cfg,
-                task.path,
-                {
-                    mid: {k: v.clone() for k, v in tensors.items()}
-                    for mid, tensors in modules.items()
-                },
-            ).to(self.device)
+            try:
+                model = self.topology.build_path(
+                    self.model_cfg,
+                    task.path,
+                    {
+                        mid: {k: v.clone() for k, v in tensors.items()}
+                        for mid, tensors in modules.items()
+                    },
+                ).to(self.device)
+            except DataError as exc:  # the owners served modules that do not fit the model
+                for mid in modules:
+                    self.cache.pop(mid, None)
+                raise TaskAborted(str(exc)) from None
             model.train()
             tc = self.train_cfg
             settings = InnerSettings(

@@ -123,3 +123,29 @@ def test_replicas_of_a_flat_moe_share_their_private_parts():
     assert t.path_modules(3) == ["P1.embed", "L0.M1", "P1.head"]
     with pytest.raises(ConfigError):
         Topology.parse("2", 4, replicas=0)
+
+
+@pytest.mark.parametrize("fault", ["shape", "dtype", "nan", "missing", "extra"])
+def test_malformed_modules_are_a_clear_error_not_a_crash_inside_torch(fault):
+    """Issue 17, break 8: a peer given malformed modules by its coordinator died with raw
+    exceptions; build_path now says what is wrong (the peer aborts the task on it)."""
+    from dipaco.errors import DataError
+
+    cfg = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=16)
+    topo = Topology.parse("2x2", 2)
+    modules = topo.init_modules(new_dense_model(cfg, 0).state_dict())
+    topo.build_path(cfg, 0, modules)  # the honest modules build
+    bad = {mid: dict(t) for mid, t in modules.items()}
+    name = next(iter(bad["S.embed"]))
+    if fault == "shape":
+        bad["S.embed"][name] = bad["S.embed"][name][:-1]
+    elif fault == "dtype":
+        bad["S.embed"][name] = bad["S.embed"][name].double()
+    elif fault == "nan":
+        bad["S.embed"][name] = bad["S.embed"][name].clone().fill_(float("nan"))
+    elif fault == "missing":
+        del bad["S.embed"][name]
+    else:
+        bad["S.embed"]["surprise"] = torch.zeros(3)
+    with pytest.raises(DataError, match="malformed modules"):
+        topo.build_path(cfg, 0, bad)
