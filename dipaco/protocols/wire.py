@@ -78,6 +78,8 @@ def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytearray:
         t = tensor.detach().to("cpu").contiguous()
         specs.append([name, _DTYPE_NAMES[t.dtype], list(t.shape)])
         arrays.append(t.reshape(-1).view(torch.uint8).numpy())
+    # What the decoder would refuse is refused here too: a frame we write is one we can read.
+    _check_scalars(frame.fields, f"fields of {frame.type}")
     try:
         header = json.dumps(
             {"type": frame.type, "fields": frame.fields, "tensors": specs},
