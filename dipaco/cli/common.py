@@ -62,5 +62,8 @@ def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to stderr, run goes on
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        except (OSError, ValueError):  # stderr is no file (called in-process, output captured)
+            pass
     sys.exit(run_command(lambda: args.fn(args)))
