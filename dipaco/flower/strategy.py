@@ -137,10 +137,15 @@ class DipacoStrategy(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         accepted = refused = failed = 0
+        taken = []
         for reply in replies:
             sent = self.sent.pop(reply.metadata.reply_to_message_id, None)
-            if sent is None:
-                continue  # a reply to a message of a round already closed
+            if sent is not None:  # else a reply to a message of a round already closed
+                taken.append((sent, reply))
+        for i, (sent, reply) in enumerate(taken):
+            # The replies came in time: their leases live until each is taken (taking one may
+            # run an outer step), since an expired lease voids its ticket.
+            self._keep_alive([s for s, _ in taken[i:]])
             outcome = self._take_reply(sent, reply)
             accepted += outcome == "accepted"
             refused += outcome == "refused"
@@ -306,7 +311,7 @@ class DipacoStrategy(Strategy):
     # ---- receiving ----------------------------------------------------------------------------
     def _collect(self, grid: Grid, ids: list[str], timeout: float | None) -> list[Message]:
         """Replies until all are in, or the quorum is in and stragglers had their grace, or the
-        round timed out; the leases of outstanding tasks are kept alive meanwhile."""
+        round timed out; the leases of the round's tasks are kept alive meanwhile."""
         s = self.settings
         limit = timeout or s.round_timeout
         began = time.monotonic()
@@ -331,17 +336,21 @@ class DipacoStrategy(Strategy):
                 )
                 break
             if now - beat > 1.0:
-                self._keep_leases(waiting)
+                # Every task of the round, answered or not: a reply already in is taken only
+                # when the round's collection ends, and an expired lease voids its ticket.
+                self._keep_leases(set(ids))
                 beat = now
             time.sleep(s.poll_seconds)
         return replies
 
     def _keep_leases(self, waiting: set[str]) -> None:
+        self._keep_alive([self.sent[mid] for mid in waiting if mid in self.sent])
+
+    def _keep_alive(self, sents: list[Sent]) -> None:
         with self.core.lock:
-            for mid in waiting:
-                sent = self.sent.get(mid)
-                if sent is not None and sent.task is not None:
-                    node = self.nodes[sent.node_id]
+            for sent in sents:
+                node = self.nodes.get(sent.node_id)
+                if sent.task is not None and node is not None:
                     self.core.scheduler.heartbeat(sent.task.task_id, node.peer_id)
 
     def _missed(self, ids: list[str], replies: list[Message]) -> None:
