@@ -51,8 +51,9 @@ def peer_id_of(address: str) -> str | None:
 
 def find_run(node, run_id: str | None = None, wait: float = 30.0) -> tuple[str, dict, dict]:
     """(run id, its entry in dipaco.runs, its verified manifest), waiting up to ``wait`` s."""
-    if run_id is not None and plain_name_error(run_id, depth=1) is not None:
-        raise ConfigError(f"--run {run_id[:40]!r} is not a run id: {plain_name_error(run_id, 1)}")
+    why = None if run_id is None else plain_name_error(run_id, depth=1)
+    if why is not None:
+        raise ConfigError(f"--run {str(run_id)[:40]!r} is not a run id: {why}")
     deadline, warned = time.monotonic() + wait, False
     while True:
         found = node.get(RUNS)

@@ -35,6 +35,21 @@ BACKLOG = 1024  # connections waiting to be accepted (the kernel caps it at soma
 HANDSHAKE_SECONDS = 10.0  # a connection silent this long in its handshake is dropped
 
 
+def _setsockopt(conn: Connection, level: int, option: int, value: int | bytes) -> None:
+    """Set a socket option on ``conn`` through a duplicate of its descriptor (the option is the
+    socket's, shared by both); a connection that is no TCP socket is left as it is."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:
+        return
+    try:
+        sock.setsockopt(level, option, value)
+    except OSError:
+        pass  # not a TCP socket (tests may serve over other families): nothing to tune
+    finally:
+        sock.close()
+
+
 def _no_delay(conn: Connection) -> None:
     """Turn Nagle's algorithm off on a loopback connection.
 
@@ -42,28 +57,15 @@ def _no_delay(conn: Connection) -> None:
     on, the second waits for the peer's delayed ACK, and every round trip of such a message took
     about 80 ms more on Linux (bench/soak.py). Requests are whole messages: nothing to coalesce.
     """
-    try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-    except OSError:
-        return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except OSError:
-        pass  # not a TCP socket (tests may serve over other families): nothing to tune
-    finally:
-        sock.close()
+    _setsockopt(conn, socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _recv_timeout(conn: Connection, seconds: float) -> None:
     """Bound every read on ``conn`` to ``seconds`` (0: no bound) without making it non-blocking
     (``settimeout`` would, for every descriptor of the socket)."""
-    sock = socket.socket(fileno=os.dup(conn.fileno()))
-    try:
-        sec = int(seconds)
-        usec = int((seconds - sec) * 1e6)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, usec))
-    finally:
-        sock.close()
+    sec = int(seconds)
+    timeval = struct.pack("ll", sec, int((seconds - sec) * 1e6))
+    _setsockopt(conn, socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
 
 
 class Transport(ABC):

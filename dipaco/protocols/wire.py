@@ -31,6 +31,7 @@ VERSION = 1
 # Every number in a header fits in 64 bits: a count, a version or a timestamp beyond it is an
 # attack (it overflows a float or a tensor's size), never a value a peer means.
 INT_LIMIT = 2**63 - 1
+MAX_TEXT = 64 << 10  # characters of any one string in a header (a key, a name, a free field)
 _PREFIX = struct.Struct("<4sBI")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -216,6 +217,11 @@ def _check_scalars(value: Any, what: str) -> None:
 
 
 def _check_text(text: str, what: str) -> None:
+    if len(text) > MAX_TEXT:
+        raise WireError(
+            f"{what} holds a string of {len(text)} characters (at most {MAX_TEXT})",
+            reason="too-large",
+        )
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

@@ -164,16 +164,20 @@ def test_free_form_fields_are_bounded_so_status_stays_small(coordinator):
     """Issue 17, break 7: megabytes of Hello.capabilities per peer id made every GetStatus reply
     exceed the frame limit."""
     me = auth.Identity.generate()
-    huge = {"blob": "x" * (1 << 20)}
+
+    def hostile(kind, **fields):  # written by hand: our encoder refuses these too
+        return frame(json.dumps({"type": kind, "fields": fields, "tensors": []}))
+
     for body in (
-        m.encode_message(m.Hello(peer_id="p", capabilities=huge)),
-        m.encode_message(m.Hello(peer_id="p", device="d" * 1000)),
-        m.encode_message(m.Heartbeat(peer_id="p", task_id="t" * (1 << 17))),
+        hostile("Hello", peer_id="p", capabilities={"blob": "x" * (1 << 20)}),
+        hostile("Hello", peer_id="p", capabilities={f"k{i}": "v" * 90 for i in range(60)}),
+        hostile("Hello", peer_id="p", device="d" * 1000),
+        hostile("Heartbeat", peer_id="p", task_id="t" * (1 << 17)),
     ):
         sealed, nonce = auth.seal_request(me, body)
         reply = ask(coordinator, me, sealed, nonce)
         assert isinstance(reply, m.Error) and reply.reason == "too-large", reply
-    assert coordinator.rejections["too-large"] == 3
+    assert coordinator.rejections["too-large"] == 4
     sealed, nonce = auth.seal_request(
         me, m.encode_message(m.Hello(peer_id="p", capabilities={"gpu": "H100"}))
     )
