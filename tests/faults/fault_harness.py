@@ -85,8 +85,12 @@ class Cluster:
         restart_peers: bool = True,
         peer_restart_delay: float = 0.0,
         address: str | None = None,
+        lead_peer: int | None = None,
     ) -> None:
         self.root, self.workdir = root, workdir
+        # A peer that must get work: the others start once it holds its first task (a peer
+        # started second may otherwise train every task before the first has even joined).
+        self.lead_peer = lead_peer
         workdir.mkdir(parents=True, exist_ok=True)
         self.config = write_config(workdir)
         self.port = free_port()
@@ -166,8 +170,18 @@ class Cluster:
     def start(self) -> None:
         self.start_coordinator()
         self.wait_listening()
+        if self.lead_peer is not None:
+            self.start_peer(self.lead_peer)
+            lead, deadline = f"peer{self.lead_peer}", time.monotonic() + 120
+            while not any(
+                e["event"] == "task_issued" and e.get("peer") == lead for e in self.events()
+            ):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{lead} got no task within 120 s:\n{self.tail()}")
+                time.sleep(0.1)
         for i in range(self.n_peers):
-            self.start_peer(i)
+            if i != self.lead_peer:
+                self.start_peer(i)
 
     def step(self) -> bool:
         """Restart what died; True once the coordinator has exited after finishing the run."""

@@ -48,7 +48,11 @@ def test_coordinator_killed_inside_a_checkpoint_write_and_before_an_ack(cluster,
 
 
 def test_a_peer_killed_before_its_push_costs_only_its_task(cluster, reference):
-    c = cluster(peer_env={0: {"DIPACO_FAULTS": "peer.before_push=kill@1"}}, peer_restart_delay=6)
+    c = cluster(
+        peer_env={0: {"DIPACO_FAULTS": "peer.before_push=kill@1"}},
+        peer_restart_delay=6,
+        lead_peer=0,  # it must train a task to be killed before pushing it
+    )
     c.run()
     assert c.peer_kills == 1
     events = c.events()
