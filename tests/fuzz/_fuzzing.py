@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from typing import Any
 
@@ -19,9 +20,11 @@ from hypothesis import strategies as st
 from dipaco.errors import DipacoError
 
 # Fast and hermetic: no example database in the shared working tree, no per-example deadline
-# (a 2-core CI box shared with other jobs has noisy timings).
+# (a 2-core CI box shared with other jobs has noisy timings). DIPACO_FUZZ_EXAMPLES raises the
+# examples per test for the long form (bench/fuzz.py).
+EXAMPLES = int(os.environ.get("DIPACO_FUZZ_EXAMPLES", "200"))
 FUZZ = settings(
-    max_examples=200,
+    max_examples=EXAMPLES,
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
