@@ -130,15 +130,18 @@ class ValidationSection(_Section):
     # An absolute bound on any delta's norm, from the first round (reject, or clip in clip mode).
     max_norm: float | None = Field(None, gt=0)
     # How a module combines its paths' deltas: the token-weighted mean (the paper), or a robust
-    # coordinate-wise trimmed mean or median once at least min_paths_for_robust paths report;
-    # with fewer, each delta is clipped to norm_ratio times the median norm before the mean.
-    aggregation: Literal["mean", "trimmed_mean", "median"] = "mean"
+    # coordinate-wise trimmed mean or median once at least min_paths_for_robust keys report
+    # (one vote per key); with fewer, each delta is clipped to norm_ratio times the median norm
+    # before the mean. "auto": trimmed_mean when anyone may join (security.join = "open"), mean
+    # on an allow-list (docs/security.md, "What one key can do", has the measurements).
+    aggregation: Literal["auto", "mean", "trimmed_mean", "median"] = "auto"
     trim_fraction: float = Field(0.2, ge=0, lt=0.5)  # per end, rounded up, of the paths
     min_paths_for_robust: int = Field(3, ge=2)
     # Score the path with the proposed update on held-out documents; reject ("worse-heldout")
-    # when its loss rises by more than heldout_tolerance (nats per token) over the current one.
+    # when its loss rises by more than heldout_tolerance (nats per token) over the current one,
+    # and keep a usefulness score per key (validation.KeyScores: "low-score", trust weights).
     heldout_check: bool = False
-    heldout_tolerance: float = Field(0.5, ge=0)
+    heldout_tolerance: float = Field(0.1, ge=0)
     heldout_docs: int = Field(8, ge=1)  # held-out documents scored per check
 
     @model_validator(mode="after")

@@ -99,6 +99,7 @@ def wait_finished(coordinator: Coordinator, linger: float, publisher=None) -> No
         publisher.publish()  # "finished" in the DHT now: peers that cannot reach us stop
     # Stay a moment so that peers asking for work hear "finished" rather than a closed socket.
     time.sleep(linger)
+    coordinator.save_counts()
 
 
 def cmd_start(args: argparse.Namespace) -> int:

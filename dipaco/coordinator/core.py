@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from dipaco.coordinator.access import AccessPolicy
 from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.scheduler import Lease, Scheduler
 from dipaco.coordinator.store import ModuleStore
-from dipaco.coordinator.validation import NormTracker, delta_norm
+from dipaco.coordinator.validation import KeyScores, NormTracker, delta_norm
 from dipaco.errors import CorruptFileError, DipacoError, RejectedError, WireError
 from dipaco.faults import fault_point
 from dipaco.fileio import file_info, write_json_atomic
@@ -171,6 +172,8 @@ class Coordinator:
             window=v.norm_window,
         )
         self.heldout_loss = heldout_loss
+        self.key_scores = KeyScores(self.root / "key_scores.json", v.heldout_tolerance)
+        self.checked_mean = False  # set by run.coordinator_for (outer_settings_of)
 
     # ---- start and resume ---------------------------------------------------------------------
     def start(self, initial_modules: dict[str, dict[str, torch.Tensor]] | None) -> None:
@@ -188,6 +191,8 @@ class Coordinator:
             self.epoch = saved.get("epoch", 0) + 1
             self.scheduler.epoch = self.epoch
             self.rejections.update(saved.get("rejections", {}))
+            for who, counts in saved.get("rejections_by_peer", {}).items():
+                self.rejections_by_peer[who].update(counts)
         if self.is_scheduler:
             self.owners = saved.get("owners") or dict.fromkeys(
                 self.topology.module_ids(), self.owner_id
@@ -230,6 +235,12 @@ class Coordinator:
                 raise
             log.error("cannot save %s: %s", self.root / "coordinator.json", exc)
 
+    def save_counts(self) -> None:
+        """Write the state now, the refusal counts with it (at shutdown: refusals since the last
+        change would otherwise be lost)."""
+        with self.lock:
+            self._save_state()
+
     def _report_repairs(self) -> None:
         """Log and count what the store repaired on start: corrupt files, rolled-back heads."""
         for file in self.store.quarantined:
@@ -244,6 +255,7 @@ class Coordinator:
         state: dict[str, Any] = {
             "epoch": self.epoch,
             "rejections": dict(self.rejections),
+            "rejections_by_peer": {p: dict(c) for p, c in self.rejections_by_peer.items()},
             "run_id": self.run_id,
             "owner_id": self.owner_id,
         }
@@ -559,12 +571,19 @@ class Coordinator:
                     f"path {path} already reported for {mid} version {base}",
                 )
             plan.append((mid, base, lateness))
-        norms = self._check_content(req, path, deltas, [mid for mid, _, _ in plan])
+        norms, trust = self._check_content(req, path, deltas, [mid for mid, _, _ in plan])
         for mid, base, lateness in plan:
-            damped = weight * self.policy.stale_damping**lateness
+            damped = weight * trust * self.policy.stale_damping**lateness
             try:  # a full disk refuses the delta; what was stored is acked on the retry
                 self.store.add_delta(
-                    mid, path, damped, req.task_id, req.peer_id, deltas[mid], base_version=base
+                    mid,
+                    path,
+                    damped,
+                    req.task_id,
+                    req.peer_id,
+                    deltas[mid],
+                    base_version=base,
+                    voter=self.voter_of(req),
                 )
             except OSError as exc:
                 full = exc.errno == errno.ENOSPC
@@ -723,6 +742,7 @@ class Coordinator:
                     "task_id": delta.task_id,
                     "peer_id": delta.peer_id,
                     "base_version": delta.base_version,
+                    "voter": delta.voter,
                 }
                 deltas.append(frame_fields)
                 tensors.update(_prefixed(self.store.delta_tensors(delta), f"{mid}/delta/{i}/"))
@@ -818,6 +838,9 @@ class Coordinator:
                 "rejections": dict(self.rejections),
                 "rejections_by_peer": {p: dict(c) for p, c in self.rejections_by_peer.items()},
                 "access": self.access.summary(),
+                "key_scores": {
+                    auth.fingerprint(k): v for k, v in self.key_scores.summary().items()
+                },
             }
         )
 
@@ -968,7 +991,7 @@ class Coordinator:
             if not (missing <= self.overdue and len(record.pending) >= need):
                 return False
         try:
-            info = self.store.outer_step(mid, self.outer)
+            info = self.store.outer_step(mid, self.outer_settings_of(mid))
         except OSError as exc:  # a full disk: nothing was committed; the ticker tries again
             if mid not in self.unstepped:
                 log.error("outer step of %s failed: %s; retrying every second", mid, exc)
@@ -1010,6 +1033,28 @@ class Coordinator:
         if self.finished:
             self.finished_event.set()
 
+    def outer_settings_of(self, mid: str) -> OuterSettings:
+        """The outer step of ``mid``: ``self.outer``, except that with ``checked_mean`` (the
+        "auto" aggregation of an open run with the held-out check on) a module whose every path
+        this coordinator scores takes the plain mean: each delta was judged on its own already,
+        and the mean costs honest runs nothing (docs/security.md has both measured)."""
+        if (
+            self.checked_mean
+            and self.heldout_loss is not None
+            and all(
+                self.owns(x)
+                for p in self.topology.paths_through(mid)
+                for x in self.topology.path_modules(p)
+            )
+        ):
+            return replace(self.outer, aggregation="mean")
+        return self.outer
+
+    def voter_of(self, req: m.SubmitDelta) -> str:
+        """Whose vote a delta is in a robust combiner: the key that signed it (a peer id for an
+        unsigned local transport). One key holding many paths of a module is one vote."""
+        return self._caller or req.peer_id
+
     def _task_done(self, task: dict, peer_id: str, tokens: int, losses: list[float]) -> None:
         self.done.add((task["path"], task["round"]))
         self.scheduler.finish(task["task"])
@@ -1036,12 +1081,14 @@ class Coordinator:
         path: int,
         deltas: dict[str, dict[str, torch.Tensor]],
         mids: list[str],
-    ) -> dict[str, float]:
+    ) -> tuple[dict[str, float], float]:
         """Judge the deltas about to be stored by their norms (and, optionally, held-out loss).
 
         Every module is judged before anything is stored or clipped, so a rejection leaves no
-        trace but its count. Clipped deltas are replaced in ``deltas``. Returns each module's
-        norm as it will be stored, for the statistics once the delta is durable.
+        trace but its count (and, with the held-out check, its key's usefulness score). Clipped
+        deltas are replaced in ``deltas``. Returns each module's norm as it will be stored, for
+        the statistics once the delta is durable, and the factor of the delta's weight (its
+        key's trust; 1 without the held-out check).
         """
         judged = {mid: self.norms.judge(mid, delta_norm(deltas[mid])) for mid in mids}
         for mid, j in judged.items():
@@ -1058,8 +1105,9 @@ class Coordinator:
                 factor = j.limit / j.norm
                 deltas[mid] = {k: v * factor for k, v in deltas[mid].items()}
                 norms[mid] = j.limit
+        trust = 1.0
         if self.validation.heldout_check and self.heldout_loss is not None and mids:
-            self._check_heldout(req, path, deltas, mids)
+            trust = self._check_heldout(req, path, deltas, mids)
         for mid, j in judged.items():
             if j.action == "clip":
                 self.metrics(
@@ -1074,7 +1122,7 @@ class Coordinator:
                         "clipped_to": j.limit,
                     }
                 )
-        return norms
+        return norms, trust
 
     def _check_heldout(
         self,
@@ -1082,25 +1130,29 @@ class Coordinator:
         path: int,
         deltas: dict[str, dict[str, torch.Tensor]],
         mids: list[str],
-    ) -> None:
-        """Reject a delta that makes its own path worse on held-out documents.
+    ) -> float:
+        """Score the delta's usefulness and its key's (validation.KeyScores); refuse or weight it.
 
         The path is scored as it is now and with the proposed update (current parameters minus
         the delta: for a late delta an approximation, as its base is gone). Needs every module
-        of the path: an owner of only some modules skips the check.
+        of the path: an owner of only some modules skips the check. Returns the delta's weight
+        factor, its key's trust.
         """
         assert self.heldout_loss is not None
         path_mids = self.topology.path_modules(path)
         if not all(self.owns(mid) for mid in path_mids):
-            return
+            return 1.0
         current = {mid: self.store.params(mid) for mid in path_mids}
         proposed = dict(current)
         for mid in mids:
             proposed[mid] = {k: v - deltas[mid][k].to(v.dtype) for k, v in current[mid].items()}
         before = self.heldout_loss(path, current)
         if math.isnan(before):
-            return  # no held-out documents for this path: nothing to judge by
+            return 1.0  # no held-out documents for this path: nothing to judge by
         after = self.heldout_loss(path, proposed)
+        key = self.voter_of(req)
+        verdict = self.key_scores.judge(key, before, after)
+        self.key_scores.save()
         self.metrics(
             {
                 "event": "heldout_check",
@@ -1109,15 +1161,28 @@ class Coordinator:
                 "peer": req.peer_id,
                 "before": before,
                 "after": after,
+                "gain": verdict.gain,
+                "key_score": verdict.score,
+                "trust": verdict.trust,
+                "refused": verdict.refuse,
             }
         )
-        if not after <= before + self.validation.heldout_tolerance:  # NaN fails too
+        if verdict.refuse == "worse-heldout":
             self._reject(
                 req.peer_id,
                 "worse-heldout",
                 f"path {path}'s held-out loss would go from {before:.4f} to {after:.4f} "
                 f"(tolerance {self.validation.heldout_tolerance:g})",
             )
+        if verdict.refuse == "low-score":
+            self._reject(
+                req.peer_id,
+                "low-score",
+                f"this key's deltas have made their paths worse (score {verdict.score:.4f} "
+                f"after {verdict.checks} checks, below {-self.validation.heldout_tolerance / 2:g})"
+                f"; this one does not improve path {path} ({before:.4f} -> {after:.4f})",
+            )
+        return verdict.trust
 
     def _split_delta(
         self, req: m.SubmitDelta, path_mids: list[str], mids: list[str]
@@ -1306,7 +1371,9 @@ def _check_state(path: Path, saved: Any, module_ids: list[str]) -> None:
         problem = "not a JSON object"
     elif not count(saved.get("epoch", 0)):
         problem = "'epoch' is not a count"
-    elif not mapping(saved.get("rejections", {}), count):
+    elif not mapping(saved.get("rejections", {}), count) or not mapping(
+        saved.get("rejections_by_peer", {}), lambda c: mapping(c, count)
+    ):
         problem = "'rejections' is not {reason: count}"
     elif not mapping(saved.get("owners") or {}, lambda v: isinstance(v, str)) or (
         saved.get("owners") and set(saved["owners"]) != set(module_ids)

@@ -32,12 +32,21 @@ and with fewer deltas clips each to ``norm_ratio`` times their median norm befor
 mean. The rescale applies to every combiner with n the deltas received: a robust centre
 is still an estimate of the mean delta, whose size shrinks with n the same way.
 
+One vote per key: given each delta's *voter* (the key that sent it), a robust combiner first
+merges each voter's deltas into their weighted mean, weighted as one path (their mean weight),
+and combines the voters, not the paths: a key holding 3 of a module's 8 paths is one value of 6, so it cannot
+outvote the trim or the median by taking many tasks. The plain mean is unchanged by the merge
+(a weighted mean of weighted means), so it skips it and gives the same bits as ever. The "norm"
+rescale under a robust combiner takes its typical delta size as the median over keys of each
+key's mean delta norm: oversized deltas from a minority of keys do not inflate the step.
+
 Pure functions over named tensors: the golden tests in tests/unit/test_outer.py check them.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, replace
 
 import torch
@@ -78,8 +87,18 @@ def _weights(deltas: list[tuple[Tensors, float]], s: OuterSettings) -> list[floa
     return [tokens / total if s.weight_by_tokens and total > 0 else 1.0 / n for _, tokens in deltas]
 
 
-def _scale(s: OuterSettings, deltas: list[list[torch.Tensor]], average_norm: float) -> float:
-    """The rescale factor of the outer gradient for these n deltas and their average's norm."""
+def _scale(
+    s: OuterSettings,
+    deltas: list[list[torch.Tensor]],
+    average_norm: float,
+    group: list[int] | None = None,
+) -> float:
+    """The rescale factor of the outer gradient for these n deltas and their average's norm.
+
+    With ``group`` (a robust combiner's voter of each delta), the "norm" rescale's typical
+    delta size is the median over voters of each voter's mean delta norm, so that a minority of
+    keys sending oversized deltas cannot inflate the step; with one voter it is the plain mean.
+    """
     n = len(deltas)
     if s.rescale == "none" or n == 1:
         return 1.0
@@ -88,42 +107,82 @@ def _scale(s: OuterSettings, deltas: list[list[torch.Tensor]], average_norm: flo
     if s.rescale == "linear":
         return float(n)
     if s.rescale == "norm":
-        mean_norm = sum(_norm(d) for d in deltas) / n
+        norms = [_norm(d) for d in deltas]
+        mean_norm = sum(norms) / n
+        if group is not None:
+            per_voter: dict[int, list[float]] = {}
+            for g, norm in zip(group, norms, strict=True):
+                per_voter.setdefault(g, []).append(norm)
+            mean_norm = statistics.median(sum(v) / len(v) for v in per_voter.values())
         if average_norm <= 0.0:
             return 1.0
         return min(math.sqrt(n), max(1.0, mean_norm / average_norm))
     raise ValueError(f"unknown outer rescale {s.rescale!r}; expected one of {RESCALES}")
 
 
+def one_vote_per_voter(
+    tensors: list[Tensors], weights: list[float], voters: list[str] | None
+) -> tuple[list[Tensors], list[float], list[int]]:
+    """Each voter's deltas merged into their weighted mean, weighted as one of them (their mean
+    weight): a key counts as one path, whatever number of paths it holds.
+
+    Returns the merged deltas and weights (in order of each voter's first delta) and, for each
+    input delta, the index of its voter's merged value. Without voters: the inputs as they are.
+    """
+    if voters is None or len(set(voters)) == len(voters):
+        return tensors, weights, list(range(len(tensors)))
+    order: dict[str, list[int]] = {}
+    for i, v in enumerate(voters):
+        order.setdefault(v, []).append(i)
+    merged, merged_w, group = [], [], [0] * len(tensors)
+    for g, members in enumerate(order.values()):
+        total = sum(weights[i] for i in members)
+        if len(members) == 1:
+            merged.append(tensors[members[0]])
+        else:
+            share = [weights[i] / total if total > 0 else 1.0 / len(members) for i in members]
+            merged.append(validation.weighted_mean([tensors[i] for i in members], share))
+        merged_w.append(total / len(members))
+        for i in members:
+            group[i] = g
+    return merged, merged_w, group
+
+
 def outer_gradient(
-    deltas: list[tuple[Tensors, float]], s: OuterSettings, info: dict | None = None
+    deltas: list[tuple[Tensors, float]],
+    s: OuterSettings,
+    info: dict | None = None,
+    voters: list[str] | None = None,
 ) -> Tensors:
     """Weighted average of the paths' deltas (each with its shard size), times the rescale.
 
-    ``info``, when given, receives the combiner used ("aggregation") and, for the clipped mean,
-    the factor each delta was scaled by ("clip_factors").
+    ``info``, when given, receives the combiner used ("aggregation"), the number of values it
+    combined ("voters") and, for the clipped mean, the factor each delta was scaled by
+    ("clip_factors"). ``voters`` (one per delta) gives a robust combiner one vote per voter.
     """
     if not deltas:
         raise ValueError("an outer step needs at least one delta")
-    n = len(deltas)
     weights = _weights(deltas, s)
     info = info if info is not None else {}
     names = list(deltas[0][0])
     lists = [[_float32(d[k]) for k in names] for d, _ in deltas]
     if s.aggregation != "mean":
-        tensors = [d for d, _ in deltas]
-        if n >= s.min_paths_for_robust and s.aggregation == "trimmed_mean":
+        if s.aggregation not in ("trimmed_mean", "median"):
+            raise ValueError(f"unknown aggregation {s.aggregation!r}")
+        tensors, weights, group = one_vote_per_voter([d for d, _ in deltas], weights, voters)
+        votes = info["voters"] = len(tensors)
+        if votes >= s.min_paths_for_robust and s.aggregation == "trimmed_mean":
             center = validation.trimmed_mean(tensors, weights, s.trim_fraction)
-        elif n >= s.min_paths_for_robust and s.aggregation == "median":
+        elif votes >= s.min_paths_for_robust and s.aggregation == "median":
             center = validation.coordinate_median(tensors)
-        elif s.aggregation in ("trimmed_mean", "median"):
-            tensors, info["clip_factors"] = validation.clip_to_median_norm(tensors, s.norm_ratio)
+        else:
+            tensors, factors = validation.clip_to_median_norm(tensors, s.norm_ratio)
+            info["clip_factors"] = [factors[g] for g in group]
             center = validation.weighted_mean(tensors, weights)
             info["aggregation"] = "clipped_mean"
-        else:
-            raise ValueError(f"unknown aggregation {s.aggregation!r}")
         info.setdefault("aggregation", s.aggregation)
-        scale = _scale(s, lists, _norm([center[k] for k in names]) if s.rescale == "norm" else 0)
+        center_norm = _norm([center[k] for k in names]) if s.rescale == "norm" else 0.0
+        scale = _scale(s, lists, center_norm, group)
         info["rescale"] = scale
         return {name: (scale * c).float() for name, c in center.items()}
     info["aggregation"] = "mean"
@@ -198,6 +257,7 @@ def apply_round(
     s: OuterSettings,
     info: dict | None = None,
     out: tuple[Tensors, Tensors] | None = None,
+    voters: list[str] | None = None,
 ) -> tuple[Tensors, Tensors, float]:
     """One module's whole outer step: new parameters, new momentum, and the outer gradient's norm.
 
@@ -209,10 +269,11 @@ def apply_round(
     ``out`` (new parameters, new momentum: float32 contiguous tensors named and shaped like
     ``params``, aliasing none of the inputs) receives the results in place and is returned:
     fresh results cost a page fault per 4 KiB on first touch, several times the arithmetic.
+    ``voters`` (the key of each delta) gives a robust combiner one vote per key.
     """
     info = info if info is not None else {}
     if s.aggregation != "mean" or not deltas:
-        grad = outer_gradient(deltas, s, info)
+        grad = outer_gradient(deltas, s, info, voters)
         new_params, new_momentum = nesterov_step(params, momentum, grad, s)
         return new_params, new_momentum, grad_norm(grad)
     info["aggregation"] = "mean"

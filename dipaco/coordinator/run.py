@@ -95,12 +95,21 @@ def shard_tokens(prep: PreparedRun) -> list[int]:
     return prep.routings[0].stats["shards"]["train"]["tokens"]
 
 
+def aggregation(c: RunConfig) -> str:
+    """The combiner of the run: ``validation.aggregation``, with "auto" resolved by who may
+    join (a robust trimmed mean when anyone may, the paper's mean on an allow-list)."""
+    a = c.validation.aggregation
+    if a != "auto":
+        return a
+    return "trimmed_mean" if c.security.join == "open" else "mean"
+
+
 def outer_settings(c: RunConfig) -> OuterSettings:
     """The outer step of the run config, with the validation section's aggregation."""
     v = c.validation
     return OuterSettings(
         **c.outer.model_dump(),
-        aggregation=v.aggregation,
+        aggregation=aggregation(c),
         trim_fraction=v.trim_fraction,
         min_paths_for_robust=v.min_paths_for_robust,
         norm_ratio=v.norm_ratio,
@@ -109,7 +118,7 @@ def outer_settings(c: RunConfig) -> OuterSettings:
 
 def coordinator_for(c: RunConfig, root: Path, **kwargs: Any) -> Coordinator:
     """A coordinator core with the run config's schedule, outer step, policy and codec."""
-    return Coordinator(
+    coordinator = Coordinator(
         root,
         c.build_topology(),
         rounds=c.train.rounds,
@@ -126,6 +135,14 @@ def coordinator_for(c: RunConfig, root: Path, **kwargs: Any) -> Coordinator:
         security=c.security,
         **kwargs,
     )
+    # "auto" in an open run with the held-out check: the modules whose every delta is scored
+    # take the paper's mean, the others the trimmed mean (Coordinator.outer_settings_of).
+    coordinator.checked_mean = (
+        c.validation.aggregation == "auto"
+        and c.validation.heldout_check
+        and aggregation(c) != "mean"
+    )
+    return coordinator
 
 
 def build_owner(

@@ -62,6 +62,11 @@ class PendingDelta:
     peer_id: str
     file: Path
     base_version: int = -1
+    voter: str = ""  # the key that sent it (one vote per key in a robust combiner); "": peer_id
+
+    @property
+    def vote(self) -> str:
+        return self.voter or self.peer_id
 
 
 @dataclass
@@ -301,11 +306,18 @@ class ModuleStore:
             and weight > 0
             and isinstance(fields.get("task_id"), str)
             and isinstance(fields.get("peer_id"), str)
+            and isinstance(fields.get("voter", ""), str)
         ):
             raise CorruptFileError(f"{f}: delta metadata is damaged: {fields!r:.200}")
         _check_like(f, frame.tensors, params)
         return path, PendingDelta(
-            path, float(weight), fields["task_id"], fields["peer_id"], f, base
+            path,
+            float(weight),
+            fields["task_id"],
+            fields["peer_id"],
+            f,
+            base,
+            fields.get("voter", ""),
         )
 
     # ---- reads --------------------------------------------------------------------------------
@@ -325,8 +337,11 @@ class ModuleStore:
         peer_id: str,
         delta: Tensors,
         base_version: int | None = None,
+        voter: str = "",
     ) -> None:
         """Durably record a path's delta (then it may be acked).
+
+        ``voter`` is the key that sent it: a robust combiner gives each key one vote.
 
         A delta against the module's current version is on time; one against an older version
         (``base_version``) is late: it joins the current version's step with the (already damped)
@@ -343,10 +358,11 @@ class ModuleStore:
             "task_id": task_id,
             "peer_id": peer_id,
             "base_version": base,
+            "voter": voter,
         }
         write_tensor_file(file, Frame("Delta", meta, delta))
         (record.late if late else record.pending)[path] = PendingDelta(
-            path, weight, task_id, peer_id, file, base
+            path, weight, task_id, peer_id, file, base, voter
         )
 
     def adopt(
@@ -397,7 +413,13 @@ class ModuleStore:
         how: dict = {}
         out = self._spare_buffers(mid, record.params)
         params, momentum, norm = apply_round(
-            deltas, record.params, record.momentum, at_step(settings, record.version), how, out
+            deltas,
+            record.params,
+            record.momentum,
+            at_step(settings, record.version),
+            how,
+            out,
+            voters=[p.vote for p in included],
         )
         v = record.version + 1
         write_tensor_file(
@@ -444,6 +466,7 @@ class ModuleStore:
         if settings.aggregation != "mean":
             factors = how.get("clip_factors", [1.0] * len(included))
             info["aggregation"] = how["aggregation"]
+            info["voters"] = how.get("voters", len(included))
             info["clipped"] = [
                 {"path": p.path, "task": p.task_id, "peer": p.peer_id, "factor": f}
                 for p, f in zip(included, factors, strict=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -37,10 +38,6 @@ def delta_norm(delta: Tensors) -> float:
     return math.sqrt(sum(float((t.double() ** 2).sum()) for t in delta.values()))
 
 
-def _stack(deltas: list[Tensors], name: str) -> torch.Tensor:
-    return torch.stack([d[name].double() for d in deltas])
-
-
 def _weights(weights: list[float] | None, n: int, dims: int) -> torch.Tensor:
     """Weights as an (n, 1, ..., 1) column; equal when missing or not all positive."""
     w = torch.tensor(weights if weights is not None else [1.0] * n, dtype=torch.float64)
@@ -51,15 +48,29 @@ def _weights(weights: list[float] | None, n: int, dims: int) -> torch.Tensor:
     return w.view(n, *([1] * dims))
 
 
+CHUNK = 1 << 20  # coordinates combined at a time: n x 8 MiB of float64, whatever the module
+
+
+def _columns(deltas: list[Tensors], name: str) -> Iterator[tuple[slice, torch.Tensor]]:
+    """Tensor ``name`` of the n deltas, flattened, as (n, CHUNK) float64 slices: a robust
+    combiner's memory stays n x CHUNK values however large the module is."""
+    flat = [d[name].reshape(-1) for d in deltas]
+    for start in range(0, flat[0].numel(), CHUNK):
+        part = slice(start, min(start + CHUNK, flat[0].numel()))
+        yield part, torch.stack([f[part].double() for f in flat])
+
+
 def weighted_mean(deltas: list[Tensors], weights: list[float] | None = None) -> Tensors:
     """Coordinate-wise weighted mean, in float64."""
     if not deltas:
         raise ValueError("no deltas to average")
+    w = _weights(weights, len(deltas), 1)
     out = {}
     for name in deltas[0]:
-        x = _stack(deltas, name)
-        w = _weights(weights, len(deltas), x.dim() - 1)
-        out[name] = (x * w).sum(0) / w.sum()
+        flat = torch.empty(deltas[0][name].numel(), dtype=torch.float64)
+        for part, x in _columns(deltas, name):
+            flat[part] = (x * w).sum(0) / w.sum()
+        out[name] = flat.reshape(deltas[0][name].shape)
     return out
 
 
@@ -84,13 +95,16 @@ def trimmed_mean(
         raise ValueError("no deltas to average")
     n = len(deltas)
     k = trim_count(n, trim_fraction)
+    w = _weights(weights, n, 1)
     out = {}
     for name in deltas[0]:
-        x = _stack(deltas, name)
-        w = _weights(weights, n, x.dim() - 1).expand_as(x)
-        values, order = x.sort(dim=0)
-        kept_v, kept_w = values[k : n - k], w.gather(0, order)[k : n - k]
-        out[name] = (kept_v * kept_w).sum(0) / kept_w.sum(0)
+        flat = torch.empty(deltas[0][name].numel(), dtype=torch.float64)
+        for part, x in _columns(deltas, name):
+            values, order = x.sort(dim=0)
+            kept_v = values[k : n - k]
+            kept_w = w.expand_as(x).gather(0, order)[k : n - k]
+            flat[part] = (kept_v * kept_w).sum(0) / kept_w.sum(0)
+        out[name] = flat.reshape(deltas[0][name].shape)
     return out
 
 
@@ -104,9 +118,12 @@ def coordinate_median(deltas: list[Tensors]) -> Tensors:
     n = len(deltas)
     out = {}
     for name in deltas[0]:
-        values = _stack(deltas, name).sort(dim=0).values
-        mid = values[n // 2]
-        out[name] = mid if n % 2 else (values[n // 2 - 1] + mid) / 2
+        flat = torch.empty(deltas[0][name].numel(), dtype=torch.float64)
+        for part, x in _columns(deltas, name):
+            values = x.sort(dim=0).values
+            mid = values[n // 2]
+            flat[part] = mid if n % 2 else (values[n // 2 - 1] + mid) / 2
+        out[name] = flat.reshape(deltas[0][name].shape)
     return out
 
 
@@ -239,3 +256,91 @@ class NormTracker:
 
     def record(self, mid: str, norm: float) -> None:
         self.norms.setdefault(mid, deque(maxlen=self.window)).append(float(norm))
+
+
+# ---- usefulness per key ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the usefulness score makes of one checked delta."""
+
+    gain: float  # held-out loss before minus after (nats per token): positive is useful
+    score: float  # the key's score with this check counted
+    checks: int  # the key's checks, this one included
+    trust: float  # the factor its delta's weight is multiplied by (0 < trust <= 1)
+    refuse: str | None  # "worse-heldout", "low-score", or None
+
+
+MIN_TRUST = 0.1  # the least weight factor of an accepted delta (a weight must stay positive)
+
+
+class KeyScores:
+    """A usefulness score per key, kept across rounds: how much its deltas improve their paths.
+
+    Every delta the held-out check scores gives a gain g = loss before - loss after on its path's
+    held-out documents. A key's score is the running mean of its gains, the newest weighted
+    ``decay`` (an exponential moving average starting at 0, so a new key starts neutral):
+
+    - one delta with g < -tolerance is refused (``worse-heldout``): a sign-flipped or garbage
+      delta, whichever key sends it (a fresh Sybil key included);
+    - a key whose score is below -tolerance / 2 has every delta that does not improve its path
+      (g <= 0) refused (``low-score``): a key that keeps sending mildly harmful deltas, each under
+      the tolerance, is cut off; an honest delta (g > 0) still counts and lifts the score;
+    - a key whose score is below -tolerance / 4 has its deltas' weights scaled down, linearly
+      from 1 there to ``MIN_TRUST`` at the refusal line: they count less as trust drops. (Above
+      -tolerance / 4 nothing changes: an honest key's rare slightly negative gain leaves the
+      outer step exactly as it was.)
+
+    A refused delta's gain still counts in its key's score. Persisted (``key_scores.json``) so
+    that a restarted coordinator remembers who it trusts.
+    """
+
+    def __init__(self, path: Path, tolerance: float, decay: float = 0.5) -> None:
+        self.path = Path(path)
+        self.tolerance = tolerance
+        self.decay = decay
+        self.scores: dict[str, tuple[float, int]] = {}  # key -> (score, checks)
+        if self.path.exists():
+            self._load()
+
+    def _load(self) -> None:
+        try:
+            saved = json.loads(self.path.read_text())
+            scores = {str(k): (float(v[0]), int(v[1])) for k, v in saved["scores"].items()}
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            raise CorruptFileError(f"{self.path}: key scores are damaged ({exc})") from None
+        if not all(math.isfinite(s) and n >= 0 for s, n in scores.values()):
+            raise CorruptFileError(f"{self.path}: key scores are damaged (not finite)")
+        self.scores = scores
+
+    def save(self) -> None:
+        write_json_atomic(
+            self.path, {"scores": {k: [s, n] for k, (s, n) in sorted(self.scores.items())}}
+        )
+
+    def score(self, key: str) -> float:
+        return self.scores.get(key, (0.0, 0))[0]
+
+    def trust(self, key: str) -> float:
+        s, t = self.score(key), self.tolerance
+        if s >= -t / 4 or t <= 0:
+            return 1.0
+        return max(MIN_TRUST, 1.0 - (1.0 - MIN_TRUST) * (-s - t / 4) / (t / 4))
+
+    def judge(self, key: str, before: float, after: float) -> Verdict:
+        """Count one check of ``key``'s delta and say what to do with it (call ``save`` after)."""
+        gain = before - after if math.isfinite(before) and math.isfinite(after) else -math.inf
+        old, n = self.scores.get(key, (0.0, 0))
+        counted = max(gain, -10.0 * max(self.tolerance, 1e-3))  # one NaN does not sink a key
+        score = (1.0 - self.decay) * old + self.decay * counted
+        self.scores[key] = (score, n + 1)
+        refuse = None
+        if not gain >= -self.tolerance:
+            refuse = "worse-heldout"
+        elif gain <= 0 and score < -self.tolerance / 2:
+            refuse = "low-score"
+        return Verdict(gain, score, n + 1, self.trust(key), refuse)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {k: {"score": s, "checks": n} for k, (s, n) in self.scores.items()}

@@ -61,6 +61,10 @@ from dipaco.protocols.wire import Frame, read_tensor_file, tensors_sha256, write
 log = logging.getLogger(__name__)
 
 
+# Refusals of a delta for what it holds (docs/security.md): the task is handed back, not retried.
+JUDGED = frozenset({"huge-norm", "worse-heldout", "low-score"})
+
+
 class TaskAborted(Exception):
     """The lease was lost (expired and handed to another peer); drop the work."""
 
@@ -356,6 +360,15 @@ class Peer:
                 "peer %s: task %s rejected: %s (%s)", self.peer_id, task.task_id, exc, reason
             )
             self._drop_checkpoint()
+            if reason in JUDGED and not self.stop.is_set():
+                # Its delta was judged and refused: trained again from the same base on the same
+                # windows it would be refused again. Hand the path back to the scheduler.
+                try:
+                    self.transport.request(
+                        m.ReleaseTask(peer_id=self.peer_id, task_id=task.task_id)
+                    )
+                except DipacoError as again:
+                    log.warning("peer %s: release failed: %s", self.peer_id, again)
             if pause:
                 self.stop.wait(min(0.5, self.retry_seconds))
 

@@ -34,7 +34,7 @@ BIN = Path(sys.executable).parent
 ROUNDS = 2
 # The tiny preset, shortened: 4 paths x 2 rounds of 6 inner steps. Leases are short so that a
 # killed peer's task is re-issued within seconds.
-CONFIG = f"""preset = "tiny"
+BASE_CONFIG = f"""preset = "tiny"
 [train]
 inner_steps = 6
 rounds = {ROUNDS}
@@ -42,21 +42,25 @@ rounds = {ROUNDS}
 lease_seconds = 4.0
 heartbeat_seconds = 0.5
 """
+# The paper's mean: a robust combiner gives each key one vote, so its result depends on which
+# peer (key) trained which path, and the scenarios compare modules bit for bit across runs whose
+# task assignment differs.
+CONFIG = BASE_CONFIG + '[validation]\naggregation = "mean"\n'
 
 
-def write_config(folder: Path) -> Path:
+def write_config(folder: Path, text: str = CONFIG) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "run.toml"
-    path.write_text(CONFIG)
+    path.write_text(text)
     return path
 
 
-def prepare_run(root: Path) -> Path:
+def prepare_run(root: Path, text: str = CONFIG) -> Path:
     """Prepare the harness's run once (tokenizer, pretraining, router, shards): ~10-20 s."""
     from dipaco.config import load_config
     from dipaco.coordinator.prepare import prepare
 
-    prepare(root, load_config(write_config(root.parent / "config")))
+    prepare(root, load_config(write_config(root.parent / "config", text)))
     return root
 
 
@@ -86,13 +90,14 @@ class Cluster:
         peer_restart_delay: float = 0.0,
         address: str | None = None,
         lead_peer: int | None = None,
+        config: str = CONFIG,
     ) -> None:
         self.root, self.workdir = root, workdir
         # A peer that must get work: the others start once it holds its first task (a peer
         # started second may otherwise train every task before the first has even joined).
         self.lead_peer = lead_peer
         workdir.mkdir(parents=True, exist_ok=True)
-        self.config = write_config(workdir)
+        self.config = write_config(workdir, config)
         self.port = free_port()
         self.listen = f"127.0.0.1:{self.port}"
         self.peer_address = address or self.listen  # a proxy's address, if one is in between

@@ -18,6 +18,7 @@ from dipaco.errors import RejectedError
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig, new_dense_model
 from dipaco.protocols import messages as m
+from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
 
 CFG = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=16)
@@ -33,11 +34,19 @@ class Clock:
         return self.now
 
 
-class Swarm:
-    """A coordinator and one transport (one key) per peer name."""
+KEYS: dict[str, Identity] = {}  # one key per peer name, the same after a coordinator restart
 
-    def __init__(self, root, rounds=4, validation=None, outer=None, heldout_loss=None):
+
+class Swarm:
+    """A coordinator and one transport, with its own key, per peer name (or one key for all
+    the peers named in ``shared_key``: one party running several peers)."""
+
+    def __init__(
+        self, root, rounds=4, validation=None, outer=None, heldout_loss=None, shared_key=()
+    ):
         self.events: list[dict] = []
+        self.shared_key = set(shared_key)
+        self.one_key = Identity.generate()
         self.co = Coordinator(
             root,
             TOPO,
@@ -60,7 +69,12 @@ class Swarm:
 
     def tr(self, peer):
         if peer not in self.transports:
-            self.transports[peer] = LocalTransport(self.co.handle)
+            key = (
+                self.one_key
+                if peer in self.shared_key
+                else KEYS.setdefault(peer, Identity.generate())
+            )
+            self.transports[peer] = LocalTransport(self.co.handle).authenticate(key)
         return self.transports[peer]
 
     def claim(self, path):
@@ -304,5 +318,108 @@ def test_heldout_check_with_a_prepared_runs_own_documents(prepared_tiny, tiny_co
         tr.request(msg)
     assert err.value.reason == "worse-heldout"
     assert co.rejections_by_peer["noisy"] == {"worse-heldout": 1}
-    msg.tensors = {k: torch.zeros_like(v) for k, v in noise.items()}  # no change: no worse
-    assert tr.request(msg).accepted
+    # The key's usefulness score fell with it: a delta from it that does not improve its path
+    # (no change at all) is refused too, while one that does not make it worse by the tolerance
+    # would have passed from a key in good standing.
+    msg.tensors = {k: torch.zeros_like(v) for k, v in noise.items()}
+    with pytest.raises(RejectedError) as err:
+        tr.request(msg)
+    assert err.value.reason == "low-score" and "score" in str(err.value)
+    assert co.rejections_by_peer["noisy"] == {"worse-heldout": 1, "low-score": 1}
+    (scored,) = co.status().state["key_scores"].values()
+    assert scored["checks"] == 2 and scored["score"] < -co.validation.heldout_tolerance / 2
+
+
+def flipped_round(root, shared_key):
+    """Round 0 of a median run where paths 0 and 1 send sign-flipped deltas at 2.5x; peers 0
+    and 1 are one key or two."""
+    swarm = Swarm(
+        root,
+        validation=ValidationSection(aggregation="median"),
+        outer=OuterSettings(aggregation="median"),
+        shared_key=shared_key,
+    )
+    for p in range(TOPO.num_paths):
+        tensors = agreeing(p)
+        if p in (0, 1):
+            tensors = {k: -2.5 * v for k, v in tensors.items()}
+        swarm.submit(swarm.claim(p), tensors)
+    return swarm
+
+
+def agreeing(path):
+    """Honest deltas that agree on a direction (as trained ones do), with per-path noise."""
+    return {k: 0.01 + 0.3 * v for k, v in honest(path, 0).items()}
+
+
+def test_one_key_holding_half_a_modules_paths_is_one_vote(tmp_path):
+    # S.embed is on all four paths. As two keys, the flipped half makes the median the midpoint
+    # of an honest and a flipped value; as one key, it is one vote of three.
+    truth = Swarm(tmp_path / "truth", outer=OuterSettings(aggregation="median"))
+    for p in range(TOPO.num_paths):
+        truth.submit(truth.claim(p), agreeing(p))
+    sybil = flipped_round(tmp_path / "sybil", shared_key=())
+    one = flipped_round(tmp_path / "one", shared_key=("peer0", "peer1"))
+    steps = {e["module"]: e for e in one.events if e["event"] == "outer_step"}
+    assert steps["S.embed"]["voters"] == 3
+    assert [
+        e["voters"] for e in sybil.events if e["event"] == "outer_step" and e["module"] == "S.embed"
+    ] == [4]
+    moved_one = distance(one.params()["S.embed"], truth.params()["S.embed"])
+    moved_sybil = distance(sybil.params()["S.embed"], truth.params()["S.embed"])
+    assert moved_one < moved_sybil / 2, (moved_one, moved_sybil)
+
+
+def test_the_voter_of_a_stored_delta_survives_a_restart(tmp_path):
+    swarm = Swarm(tmp_path, shared_key=("peer0", "peer1"))
+    swarm.submit(swarm.claim(0), honest(0, 0))
+    swarm.submit(swarm.claim(1), honest(1, 0))
+    voters = {p: d.vote for p, d in swarm.co.store.modules["S.embed"].pending.items()}
+    again = Swarm(tmp_path)
+    assert {p: d.vote for p, d in again.co.store.modules["S.embed"].pending.items()} == voters
+    assert voters[0] == voters[1] == swarm.one_key.public_key
+
+
+def test_a_key_whose_deltas_keep_hurting_is_weighted_down_then_refused(tmp_path):
+    # A stand-in held-out loss that every honest delta (+0.01 everywhere) lowers by the same
+    # amount: the sum of the path's parameters. Key peer0 sends -0.6 times that: each of its
+    # deltas stays under the per-delta tolerance, so only the key's score can stop it.
+    def loss(path, modules):
+        return sum(
+            float(modules[mid][k].sum()) for mid in TOPO.path_modules(path) for k in modules[mid]
+        )
+
+    def good(path, scale=1.0):
+        return {
+            f"{mid}/{k}": torch.full_like(v, 0.01 * scale)
+            for mid in TOPO.path_modules(path)
+            for k, v in INIT[mid].items()
+        }
+
+    cost = sum(float(v.sum()) for v in good(0).values())  # an honest delta's gain
+    validation = ValidationSection(heldout_check=True, heldout_tolerance=cost)
+    swarm = Swarm(tmp_path, rounds=6, validation=validation, heldout_loss=loss)
+    refused = []
+    for rnd in range(4):
+        for p in range(TOPO.num_paths):
+            task = swarm.claim(p)
+            harmful = p == 0
+            try:
+                swarm.submit(task, good(p, -0.6) if harmful else good(p))
+            except RejectedError as err:
+                refused.append((rnd, p, err.reason))
+                swarm.tr(f"peer{p}").request(
+                    m.ReleaseTask(peer_id=f"peer{p}", task_id=task.task_id)
+                )
+                swarm.submit(swarm.claim(p), good(p))  # the path is trained by someone honest
+    checks = [e for e in swarm.events if e["event"] == "heldout_check"]
+    mild = [e for e in checks if e["peer"] == "peer0"]
+    assert all(e["gain"] > -cost for e in mild)  # each one is under the per-delta tolerance
+    assert {r for _, _, r in refused} == {"low-score"} and {p for _, p, _ in refused} == {0}
+    trusts = [e["trust"] for e in mild if not e["refused"]]
+    assert trusts and trusts[0] < 1.0  # weighted down before it was refused
+    assert all(e["trust"] == 1.0 and not e["refused"] for e in checks if e["peer"] != "peer0")
+    assert all(e["key_score"] < -cost / 2 for e in mild if e["refused"])
+    # An honest delta from the low-scored key still counts: it lifts the score.
+    assert [e["refused"] for e in mild if e["gain"] > 0] == [None] * len(refused)
+    assert len(swarm.co.status().state["key_scores"]) == TOPO.num_paths

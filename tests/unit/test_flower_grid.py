@@ -59,11 +59,13 @@ def events(root: Path, kind: str) -> list[dict]:
 
 @pytest.fixture
 def strict(run_copy):
-    """A run folder whose rounds wait for every path (bit-for-bit comparisons)."""
+    """A run folder whose rounds wait for every path, with the paper's mean (bit-for-bit
+    comparisons: a robust combiner gives each key one vote, so its result depends on which
+    node or peer trained which path)."""
 
     def make(name: str) -> Path:
         root = run_copy(name)
-        configure(root, scheduler={"quorum": 1.0})
+        configure(root, scheduler={"quorum": 1.0}, validation={"aggregation": "mean"})
         return root
 
     return make

@@ -1,6 +1,7 @@
 """Golden numbers for the outer step, computed by hand (see the comments)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -157,3 +158,66 @@ def test_the_old_sqrt_rescale_switch_still_reads():
     assert "sqrt_rescale" not in load_config_dict({}).to_dict()["outer"]
     with pytest.raises(Exception, match="contradicts"):
         load_config_dict({"outer": {"sqrt_rescale": False, "rescale": "sqrt"}})
+
+
+@pytest.mark.parametrize("aggregation", ["trimmed_mean", "median"])
+def test_one_key_on_many_paths_is_one_vote_in_a_robust_combiner(aggregation):
+    # Eight paths through a module: honest deltas near +1, four sign-flipped at 2.5x (-2.5).
+    # As four keys (Sybils) they are half of the values and drag the trim and the median far
+    # off; sent by one key they merge into one value of five and the centre stays honest.
+    g = torch.Generator().manual_seed(0)
+    honest = [({"w": 1 + 0.1 * torch.randn(64, generator=g)}, 100) for _ in range(4)]
+    flipped = [({"w": -2.5 * d["w"]}, w) for d, w in honest]
+    deltas = honest + flipped
+    s = OuterSettings(aggregation=aggregation, rescale="none", trim_fraction=0.2)
+    sybil = outer_gradient(deltas, s, info := {}, [f"h{i}" for i in range(4)] + list("abcd"))
+    assert info["voters"] == 8
+    one_key = outer_gradient(deltas, s, info := {}, [f"h{i}" for i in range(4)] + ["x"] * 4)
+    assert info["voters"] == 5 and info["aggregation"] == aggregation
+    truth = outer_gradient(honest, s)["w"]
+    assert float((one_key["w"] - truth).abs().max()) < 0.25
+    assert float(one_key["w"].mean()) > 0.8  # the step still goes the honest way
+    assert float(sybil["w"].mean()) < 0.1  # without the merge: stalled or reversed
+
+
+def test_the_plain_mean_ignores_voters_bit_for_bit():
+    deltas = [({"w": t(1, 2)}, 1000), ({"w": t(3, -1)}, 3000), ({"w": t(-2, 5)}, 500)]
+    a = outer_gradient(deltas, OuterSettings())
+    b = outer_gradient(deltas, OuterSettings(), voters=["k", "k", "k"])
+    assert torch.equal(a["w"], b["w"])
+
+
+def test_a_robust_combiner_merges_a_keys_deltas_by_their_weights():
+    # Keys a (two deltas, 100 and 300 tokens) and b, c: a's vote is (1*100 + 5*300) / 400 = 4
+    # with weight 200 (one path's worth); the median of [4, 0, 10] is 4.
+    deltas = [({"w": t(1.0)}, 100), ({"w": t(5.0)}, 300), ({"w": t(0.0)}, 1), ({"w": t(10.0)}, 1)]
+    s = OuterSettings(aggregation="median", rescale="none")
+    g = outer_gradient(deltas, s, info := {}, ["a", "a", "b", "c"])
+    assert g["w"].tolist() == pytest.approx([4.0]) and info["voters"] == 3
+    # In a trimmed mean that keeps every value, a's vote weighs as one path, not as two:
+    # (4 * 200 + 0 * 1 + 10 * 1) / 202.
+    t0 = outer_gradient(
+        deltas, OuterSettings(aggregation="trimmed_mean", rescale="none", trim_fraction=0.0),
+        info := {}, ["a", "a", "b", "c"],
+    )  # fmt: skip
+    assert t0["w"].tolist() == pytest.approx([(4 * 200 + 10) / 202])
+
+
+def test_by_default_three_sign_flipped_deltas_of_eight_do_not_reverse_the_step():
+    # Issue 17, break 8: with the old default (the plain mean) 3 of 8 deltas at -2.5x turned a
+    # module's step around: (5 * 1 - 3 * 2.5) / 8 < 0. The default of an open run is robust.
+    from dipaco.config import load_config_dict
+    from dipaco.coordinator.run import outer_settings
+
+    s = outer_settings(load_config_dict({}))
+    g = torch.Generator().manual_seed(1)
+    honest = [({"w": 1 + 0.2 * torch.randn(256, generator=g)}, 100) for _ in range(8)]
+    deltas = honest[:5] + [({"w": -2.5 * d["w"]}, w) for d, w in honest[5:]]
+    keys = [f"k{i}" for i in range(8)]  # eight keys: no merging helps here
+    step = outer_gradient(deltas, s, info := {}, keys)["w"]
+    assert info["aggregation"] == "trimmed_mean"
+    truth = outer_gradient(honest, s, voters=keys)["w"]
+    cosine = float(step @ truth / (step.norm() * truth.norm()))
+    assert cosine > 0.5, cosine  # 3 of 8 is more than the 20% trimmed: weakened, not reversed
+    plain = outer_gradient(deltas, replace(s, aggregation="mean"))["w"]
+    assert float(plain @ truth) < 0  # what the mean did: the step reversed

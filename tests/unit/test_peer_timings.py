@@ -18,3 +18,44 @@ def test_a_peer_times_each_part_of_its_tasks_and_counts_its_tokens(run_copy, tin
     assert all(seconds > 0 for seconds in peer.timings.values()), peer.timings
     line = time_summary(peer.timings)
     assert line.startswith("time: train ") and "waiting for work" in line
+
+
+def test_a_peer_served_malformed_modules_by_its_own_coordinator_hands_the_task_back(
+    run_copy, tiny_config
+):
+    # The coordinator itself serves a module cut short by one column, with a hash and a
+    # release signature that match it: every check of origin passes, only the shapes are
+    # wrong. The peer must abort the task and hand it back, not die inside load_state_dict.
+    import threading
+
+    from dipaco.protocols.wire import tensors_sha256
+
+    root = run_copy()
+    metrics = MetricsLog(root / "m.jsonl")
+    co = build_coordinator(prepare(root, tiny_config), metrics, evaluate=False)
+    record = co.store.modules["S.embed"]
+    record.params = {k: v[..., :-1].contiguous() for k, v in record.params.items()}
+    record.hash = tensors_sha256(record.params)
+    stop = threading.Event()
+    peer = Peer(LocalTransport(co.handle), "victim", root / "peer", stop=stop)
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            peer.run()
+        except BaseException as exc:  # noqa: BLE001 - the property under test
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    for _ in range(300):
+        if any(e["event"] == "task_released" for e in metrics.read()):
+            break
+        stop.wait(0.1)
+    stop.set()
+    thread.join(30)
+    assert not thread.is_alive() and errors == [], errors
+    released = [e for e in metrics.read() if e["event"] == "task_released"]
+    assert released and released[0]["peer"] == "victim"
+    assert co.scheduler.leases_of("victim") == []  # nothing held: the path is free again
+    assert all(r.version == 0 and not r.pending for r in co.store.modules.values())

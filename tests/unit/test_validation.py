@@ -8,6 +8,7 @@ import torch
 
 from dipaco.config import load_config_dict
 from dipaco.coordinator.outer import OuterSettings, outer_gradient
+from dipaco.coordinator.run import outer_settings
 from dipaco.coordinator.validation import (
     NormTracker,
     clip_to_median_norm,
@@ -157,13 +158,51 @@ def test_validation_config_defaults_and_errors():
     v = cfg.validation
     assert (v.norm_check, v.aggregation, v.max_norm, v.heldout_check) == (
         "reject",
-        "mean",
+        "auto",
         None,
         False,
     )
+    # "auto": robust where anyone may join, the paper's mean on an allow-list.
+    assert outer_settings(cfg).aggregation == "trimmed_mean"
+    listed = load_config_dict({"security": {"join": "allow-list"}})
+    assert outer_settings(listed).aggregation == "mean"
+    chosen = load_config_dict(
+        {"security": {"join": "allow-list"}, "validation": {"aggregation": "median"}}
+    )
+    assert outer_settings(chosen).aggregation == "median"
     with pytest.raises(ConfigError, match="validation.trim_fraction"):
         load_config_dict({"validation": {"trim_fraction": 0.5}})
     with pytest.raises(ConfigError, match="validation.aggregation"):
         load_config_dict({"validation": {"aggregation": "mode"}})
     with pytest.raises(ConfigError, match="norm_window"):
         load_config_dict({"validation": {"norm_window": 2, "min_observations": 4}})
+
+
+def test_auto_takes_the_mean_where_the_heldout_check_scores_every_delta(tmp_path):
+    from dipaco.coordinator.run import coordinator_for
+    from dipaco.model.transformer import new_dense_model
+
+    def build(name, validation, heldout=True):
+        config = load_config_dict({"validation": validation, "topology": {"levels": "2x2"}})
+        co = coordinator_for(
+            config,
+            tmp_path / name,
+            run_id=name,
+            peer_config={},
+            heldout_loss=(lambda p, modules: 1.0) if heldout else None,
+        )
+        model = new_dense_model(config.build_model_config(), 0)
+        co.start(co.topology.init_modules(model.state_dict()))
+        return co
+
+    checked = build("checked", {"heldout_check": True})
+    assert checked.outer.aggregation == "trimmed_mean"
+    assert {
+        checked.outer_settings_of(mid).aggregation for mid in checked.topology.module_ids()
+    } == {"mean"}
+    plain = build("plain", {})  # no held-out check: every module robust
+    assert plain.outer_settings_of("S.embed").aggregation == "trimmed_mean"
+    chosen = build("chosen", {"heldout_check": True, "aggregation": "median"})
+    assert chosen.outer_settings_of("S.embed").aggregation == "median"
+    unscored = build("unscored", {"heldout_check": True}, heldout=False)
+    assert unscored.outer_settings_of("S.embed").aggregation == "trimmed_mean"
