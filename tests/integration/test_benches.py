@@ -4,6 +4,7 @@ Never a timing: the figures are the benchmarks' own job (docs/benchmarks.md). Th
 scripts from rotting, and check that each writes its row where it is told (never the docs).
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +40,35 @@ def test_the_benchmark_runs_prints_its_ratio_and_records_its_row(bench, extra, t
     rows = [line for line in doc.read_text().splitlines() if line.startswith(f"| {bench} |")]
     assert len(rows) == 1, doc.read_text()
     assert f"bench/{bench}.py --quick" in rows[0]  # the command, as typed
+
+
+def test_the_poison_bench_short_form_shows_the_attack_and_the_defence(tmp_path):
+    done = subprocess.run(
+        [sys.executable, REPO / "bench" / "poison.py", "--quick", "--out", tmp_path,
+         "--cases", "clean", "sybil-25", "--defences", "mean", "mean+heldout"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {
+        (r["case"], r["defence"]): r
+        for r in json.loads((tmp_path / "poison.json").read_text())["rows"]
+    }
+    assert len(rows) == 4 and "| sybil-25 | mean |" in (tmp_path / "poison.md").read_text()
+    clean, attacked = rows[("clean", "mean")], rows[("sybil-25", "mean")]
+    defended = rows[("sybil-25", "mean+heldout")]
+    assert attacked["ppl"] > clean["ppl"]  # the sign flips do harm under the plain mean
+    assert defended["rejections"].get("worse-heldout", 0) >= 1
+    assert defended["ppl"] < attacked["ppl"]
+    assert min(defended["gains"]["honest"]) > max(defended["gains"]["hostile"])
+
+
+def test_the_fuzz_bench_counts_its_examples(tmp_path):
+    done = subprocess.run(
+        [sys.executable, REPO / "bench" / "fuzz.py", "--examples", "20", "--only", "tickets",
+         "--out", tmp_path],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "fuzz.json").read_text())
+    assert result["failed"] == [] and len(result["tests"]) >= 3
+    assert all(t["passing"] == 20 for t in result["tests"].values()), result

@@ -1,0 +1,263 @@
+"""Poisoned deltas against the outer step, measured: how each defence holds (docs/security.md).
+
+    .venv/bin/python bench/poison.py                       # builtin corpus, about 35 min
+    .venv/bin/python bench/poison.py --source builtin:mixed --cases clean sybil-25
+
+A tiny-preset DiPaCo 4x4 (every level module is on 4 paths; S.embed and S.head on all 16),
+trained through the real coordinator and a local peer. The attack is in the peer's push: a
+hostile path's trained delta is replaced by ``-flip`` times itself (sign-flipped, and scaled up
+towards the norm check's bound of 3x the median norm), so it is finite, well-shaped and of a
+plausible size: it passes every check of form. Which key sent each delta is set per case (the
+coordinator's ``voter_of``): honest paths are one key each.
+
+    clean        no attack
+    sybil-25     4 hostile paths of 16, one on each level module, each its own key
+    one-key-50   8 hostile paths, two on each level module, all from one key
+    sybil-50     the same 8 paths, 8 keys
+
+Defences (``validation`` settings): ``mean`` (the paper's weighted mean), ``trimmed_mean``,
+``median`` (one vote per key in both), and ``mean+heldout`` / ``trimmed+heldout`` (the
+usefulness score: each delta's held-out loss change on its path, per-key scores, refusal).
+Prints each run's final validation perplexity and its ratio to the clean run with the plain
+mean on the same corpus, the refusals by reason, and the held-out gains of honest and hostile
+deltas; writes ``poison.md`` and ``poison.json`` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from paper_table import LOCAL, PRESETS  # noqa: E402
+
+from dipaco.config import RunConfig, load_config_dict  # noqa: E402
+from dipaco.coordinator.prepare import prepare  # noqa: E402
+from dipaco.coordinator.run import MetricsLog, build_coordinator, evaluate_modules  # noqa: E402
+from dipaco.errors import DipacoError  # noqa: E402
+from dipaco.fileio import write_atomic, write_json_atomic  # noqa: E402
+from dipaco.peer.peer import Peer  # noqa: E402
+from dipaco.protocols.auth import Identity  # noqa: E402
+from dipaco.protocols.transport import LocalTransport  # noqa: E402
+
+CASES = {  # name -> (hostile paths per level module, one key for all of them)
+    "clean": (0, False),
+    "sybil-25": (1, False),
+    "one-key-50": (2, True),
+    "sybil-50": (2, False),
+}
+DEFENCES = {
+    "mean": {"aggregation": "mean"},
+    "trimmed_mean": {"aggregation": "trimmed_mean"},
+    "median": {"aggregation": "median"},
+    "mean+heldout": {"aggregation": "mean", "heldout_check": True},
+    "trimmed+heldout": {"aggregation": "trimmed_mean", "heldout_check": True},
+}
+PLAN = [  # (case, defence): the default set of runs
+    ("clean", "mean"),
+    ("clean", "trimmed_mean"),
+    ("clean", "median"),
+    ("clean", "trimmed+heldout"),
+    ("sybil-25", "mean"),
+    ("sybil-25", "trimmed_mean"),
+    ("sybil-25", "median"),
+    ("sybil-25", "trimmed+heldout"),
+    ("clean", "mean+heldout"),
+    ("sybil-25", "mean+heldout"),
+    ("one-key-50", "trimmed_mean"),
+    ("sybil-50", "trimmed_mean"),
+    ("sybil-50", "trimmed+heldout"),
+    ("sybil-50", "mean+heldout"),
+]
+
+
+def hostile_paths(config: RunConfig, per_module: int) -> list[int]:
+    """Paths chosen so that every level module has exactly ``per_module`` hostile paths."""
+    topo = config.build_topology()
+    count: dict[str, int] = {}
+    chosen = []
+    for shift in range(per_module):
+        for p in range(topo.num_paths):
+            mids = [mid for mid in topo.path_modules(p) if not mid.startswith("S.")]
+            if p not in chosen and all(count.get(mid, 0) <= shift for mid in mids):
+                chosen.append(p)
+                for mid in mids:
+                    count[mid] = count.get(mid, 0) + 1
+    return sorted(chosen)
+
+
+class HostilePeer(Peer):
+    """A peer that trains every task honestly and pushes ``-flip`` times a hostile path's delta,
+    once per path and round: when that is refused, the task's next attempt is pushed as
+    trained, as the honest peer that the path would go to next would push it."""
+
+    hostile: frozenset[int] = frozenset()
+    flip: float = 2.5
+
+    def push(self, task, delta, tokens, losses, before_send=None):  # noqa: ANN001
+        poisoned = self.__dict__.setdefault("poisoned", set())
+        if task.path in self.hostile and (task.path, task.round) not in poisoned:
+            poisoned.add((task.path, task.round))
+            delta = {mid: {k: -self.flip * v for k, v in t.items()} for mid, t in delta.items()}
+        return super().push(task, delta, tokens, losses, before_send)
+
+
+def run_case(
+    out: Path, base_root: Path | None, base: RunConfig, case: str, defence: str, flip: float
+) -> dict:
+    key = f"{case}__{defence}"
+    root = out / key
+    done = root / "poison.json"
+    if done.exists():
+        print(f"[{key}] already done", flush=True)
+        row = json.loads(done.read_text())
+        return {**row, "gains": gains_of(root, row["hostile_paths"])}
+    data = base.to_dict()
+    data["name"] = key
+    data["validation"] = {**data["validation"], **DEFENCES[defence]}
+    config = load_config_dict(data, origin=f"poison {key}")
+    per_module, one_key = CASES[case]
+    hostile = hostile_paths(config, per_module)
+    t0 = time.monotonic()
+    prep = prepare(root, config, stage=lambda s: print(f"[{key}] {s}", flush=True), reuse=base_root)
+    metrics = MetricsLog(root / "metrics.jsonl")
+    rounds = config.train.rounds
+    metrics.listeners.append(
+        lambda e: (
+            print(f"[{key}] round {e['round']}/{rounds}", flush=True)
+            if e["event"] == "round"
+            else None
+        )
+    )
+    coordinator = build_coordinator(prep, metrics, evaluate=False)
+    voters = {
+        p: ("hostile" if one_key else f"hostile-{p}") if p in hostile else f"honest-{p}"
+        for p in range(config.build_topology().num_paths)
+    }
+    coordinator.voter_of = lambda req: voters.get(req.path, req.peer_id)
+    # One local key sends every delta, honest and hostile: it must not be banned for them.
+    coordinator.security = coordinator.security.model_copy(update={"ban_after": 0})
+    coordinator.access.settings = coordinator.security
+    stop = threading.Event()
+    peer = HostilePeer(
+        LocalTransport(coordinator.handle).authenticate(Identity.generate()),
+        "local-0",
+        prep.root / "peers",
+        stop=stop,
+    )
+    peer.hostile, peer.flip = frozenset(hostile), flip
+    thread = threading.Thread(target=peer.run, daemon=True)
+    thread.start()
+    try:
+        while not coordinator.finished_event.wait(0.5):
+            if not thread.is_alive():
+                raise DipacoError(f"{key}: the local peer stopped before the run finished")
+    finally:
+        stop.set()
+        thread.join(60)
+    result = evaluate_modules(prep, coordinator.store.params)
+    row = {
+        "case": case,
+        "defence": defence,
+        "hostile_paths": hostile,
+        "flip": flip,
+        "ppl": result["ppl"],
+        "rejections": dict(coordinator.rejections),
+        "gains": gains_of(root, hostile),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    print(f"[{key}] ppl {row['ppl']:.2f}, refused {row['rejections']}", flush=True)
+    write_json_atomic(done, row)
+    return row
+
+
+def gains_of(root: Path, hostile: list[int]) -> dict[str, list[float]]:
+    """The held-out gains of the run's honest and hostile deltas. A hostile path's first delta
+    of each round is the poisoned one; a retry after its refusal is pushed as trained."""
+    gains: dict[str, list[float]] = {"honest": [], "hostile": []}
+    seen: set[tuple[int, str]] = set()
+    for e in MetricsLog(root / "metrics.jsonl").read():
+        if e["event"] != "heldout_check" or not math.isfinite(e.get("gain", math.nan)):
+            continue
+        round_ = e["task"].split("-e")[0]  # task ids are P<path>-r<round>-e<epoch>-a<attempt>
+        first = (e["path"], round_) not in seen
+        seen.add((e["path"], round_))
+        gains["hostile" if e["path"] in hostile and first else "honest"].append(e["gain"])
+    return gains
+
+
+def _gain_text(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{min(values):+.3f} / {statistics.median(values):+.3f} / {max(values):+.3f}"
+
+
+def markdown(rows: list[dict], source: str, flip: float) -> str:
+    ref = {r["case"]: r["ppl"] for r in rows if r["defence"] == "mean"}.get("clean")
+    lines = [
+        f"Corpus {source}; tiny preset, DiPaCo 4x4; hostile deltas are -{flip:g} x the trained "
+        "delta. Ratio: ppl over the clean run's with the plain mean. Held-out gains "
+        "(loss before - after, nats/token): min / median / max.",
+        "",
+        "| case | defence | ppl | ratio | refused | honest gains | hostile gains |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = f"{r['ppl'] / ref:.3f}" if ref else "-"
+        refused = ", ".join(f"{k} {v}" for k, v in sorted(r["rejections"].items())) or "none"
+        lines.append(
+            f"| {r['case']} | {r['defence']} | {r['ppl']:.2f} | {ratio} | {refused} | "
+            f"{_gain_text(r['gains']['honest'])} | {_gain_text(r['gains']['hostile'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="results folder (default runs/poison-<source>)")
+    ap.add_argument("--source", default="builtin", help="corpus (as paper_table's --source)")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--flip", type=float, default=2.5, help="hostile delta = -flip x trained")
+    ap.add_argument("--cases", nargs="*", choices=sorted(CASES), help="only these cases")
+    ap.add_argument("--defences", nargs="*", choices=sorted(DEFENCES), help="only these")
+    ap.add_argument("--quick", action="store_true", help="a tiny smoke run (CI)")
+    args = ap.parse_args(argv)
+    slug = args.source.replace(":", "-").replace("/", "_")
+    out = Path(args.out or REPO / "runs" / f"poison-{slug}")
+    out.mkdir(parents=True, exist_ok=True)
+    preset = dict(PRESETS["smoke" if args.quick else "tiny"])
+    preset["data"] = {**preset.get("data", {}), "source": args.source}
+    preset["train"] = {**preset["train"], "rounds": 2 if args.quick else args.rounds}
+    data = {"name": "poison", **preset}
+    for section, values in LOCAL.items():
+        data[section] = {**data.get(section, {}), **values}
+    data["topology"] = {**data.get("topology", {}), "levels": "4x4"}
+    base = load_config_dict(data, origin="bench/poison.py")
+    plan = [
+        (c, d)
+        for c, d in PLAN
+        if (not args.cases or c in args.cases) and (not args.defences or d in args.defences)
+    ]
+    rows, base_root = [], None
+    t0 = time.monotonic()
+    for case, defence in plan:
+        rows.append(run_case(out, base_root, base, case, defence, args.flip))
+        base_root = base_root or out / f"{case}__{defence}"
+    text = markdown(rows, args.source, args.flip)
+    write_atomic(out / "poison.md", text.encode())
+    write_json_atomic(out / "poison.json", {"source": args.source, "rows": rows})
+    print(text)
+    print(f"wrote {out / 'poison.md'} in {time.monotonic() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
