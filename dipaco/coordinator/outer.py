@@ -28,8 +28,8 @@ weighted sum by a coordinate-wise combiner once at least ``min_paths_for_robust`
     median:       per coordinate, the unweighted median (a weighted one lets a path holding half
                   the weight decide alone)
 
-and with fewer deltas clips each to ``norm_ratio`` times their median norm before the weighted
-mean. The rescale applies to every combiner with n the deltas received: a robust centre
+and with fewer votes (below) clips each key's deltas by its vote's norm against ``norm_ratio``
+times the votes' median norm, then takes the weighted mean of all the deltas. The rescale applies to every combiner with n the deltas received: a robust centre
 is still an estimate of the mean delta, whose size shrinks with n the same way.
 
 One vote per key: given each delta's *voter* (the key that sent it), a robust combiner first
@@ -169,20 +169,30 @@ def outer_gradient(
     if s.aggregation != "mean":
         if s.aggregation not in ("trimmed_mean", "median"):
             raise ValueError(f"unknown aggregation {s.aggregation!r}")
-        tensors, weights, group = one_vote_per_voter([d for d, _ in deltas], weights, voters)
+        originals = [d for d, _ in deltas]
+        tensors, vote_weights, group = one_vote_per_voter(originals, weights, voters)
         votes = info["voters"] = len(tensors)
         if votes >= s.min_paths_for_robust and s.aggregation == "trimmed_mean":
-            center = validation.trimmed_mean(tensors, weights, s.trim_fraction)
+            center = validation.trimmed_mean(tensors, vote_weights, s.trim_fraction)
         elif votes >= s.min_paths_for_robust and s.aggregation == "median":
             center = validation.coordinate_median(tensors)
         else:
-            tensors, factors = validation.clip_to_median_norm(tensors, s.norm_ratio)
-            info["clip_factors"] = [factors[g] for g in group]
-            center = validation.weighted_mean(tensors, weights)
+            # Too few keys to trim: each key's deltas are scaled by its vote's clip factor, then
+            # every delta counts with its own weight. Unclipped, this is the weighted mean of
+            # the deltas whichever key sent which: the result does not depend on the grouping.
+            _, factors = validation.clip_to_median_norm(tensors, s.norm_ratio)
+            per_delta = info["clip_factors"] = [factors[g] for g in group]
+            scaled = [
+                d if f == 1.0 else {k: (v.double() * f).to(v.dtype) for k, v in d.items()}
+                for d, f in zip(originals, per_delta, strict=True)
+            ]
+            center = validation.weighted_mean(scaled, weights)
             info["aggregation"] = "clipped_mean"
         info.setdefault("aggregation", s.aggregation)
         center_norm = _norm([center[k] for k in names]) if s.rescale == "norm" else 0.0
-        scale = _scale(s, lists, center_norm, group)
+        # The clipped mean (too few keys) rescales as the mean does: its clip bounds the sizes.
+        robust = votes >= s.min_paths_for_robust
+        scale = _scale(s, lists, center_norm, group if robust else None)
         info["rescale"] = scale
         return {name: (scale * c).float() for name, c in center.items()}
     info["aggregation"] = "mean"

@@ -221,3 +221,20 @@ def test_by_default_three_sign_flipped_deltas_of_eight_do_not_reverse_the_step()
     assert cosine > 0.5, cosine  # 3 of 8 is more than the 20% trimmed: weakened, not reversed
     plain = outer_gradient(deltas, replace(s, aggregation="mean"))["w"]
     assert float(plain @ truth) < 0  # what the mean did: the step reversed
+
+
+@pytest.mark.parametrize("aggregation", ["trimmed_mean", "median"])
+def test_with_too_few_keys_to_trim_the_grouping_does_not_change_the_step(aggregation):
+    # Two keys share four deltas (fewer votes than min_paths_for_robust): whichever key sent
+    # which, nothing is clipped and the step is the weighted mean of the deltas, bit for bit.
+    g = torch.Generator().manual_seed(2)
+    deltas = [({"w": 1 + 0.1 * torch.randn(32, generator=g)}, 100 * (i + 1)) for i in range(4)]
+    s = OuterSettings(aggregation=aggregation, rescale="norm")
+    steps = [
+        outer_gradient(deltas, s, info := {}, voters)["w"]
+        for voters in (["a", "a", "a", "b"], ["a", "b", "b", "b"], ["a", "b", "a", "b"])
+    ]
+    assert info["aggregation"] == "clipped_mean" and info["voters"] == 2
+    assert torch.equal(steps[0], steps[1]) and torch.equal(steps[0], steps[2])
+    mean = outer_gradient(deltas, replace(s, aggregation="mean"))["w"]
+    assert torch.allclose(steps[0], mean, atol=1e-6)
