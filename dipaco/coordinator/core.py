@@ -173,7 +173,11 @@ class Coordinator:
         )
         self.heldout_loss = heldout_loss
         self.key_scores = KeyScores(self.root / "key_scores.json", v.heldout_tolerance)
-        self.checked_mean = False  # set by run.coordinator_for (outer_settings_of)
+        # "auto" aggregation with the held-out check: the modules whose every delta is scored
+        # take the paper's mean, the others the robust combiner (outer_settings_of).
+        self.checked_mean = (
+            v.aggregation == "auto" and v.heldout_check and outer.aggregation != "mean"
+        )
 
     # ---- start and resume ---------------------------------------------------------------------
     def start(self, initial_modules: dict[str, dict[str, torch.Tensor]] | None) -> None:

@@ -29,13 +29,14 @@ weighted sum by a coordinate-wise combiner once at least ``min_paths_for_robust`
                   the weight decide alone)
 
 and with fewer votes (below) clips each key's deltas by its vote's norm against ``norm_ratio``
-times the votes' median norm, then takes the weighted mean of all the deltas. The rescale applies to every combiner with n the deltas received: a robust centre
-is still an estimate of the mean delta, whose size shrinks with n the same way.
+times the votes' median norm, then takes the weighted mean of all the deltas. The rescale
+applies to every combiner with n the deltas received: a robust centre is still an estimate of
+the mean delta, whose size shrinks with n the same way.
 
 One vote per key: given each delta's *voter* (the key that sent it), a robust combiner first
 merges each voter's deltas into their weighted mean, weighted as one path (their mean weight),
-and combines the voters, not the paths: a key holding 3 of a module's 8 paths is one value of 6, so it cannot
-outvote the trim or the median by taking many tasks. The plain mean is unchanged by the merge
+and combines the voters, not the paths: a key holding 3 of a module's 8 paths is one value of
+6, so it cannot outvote the trim or the median by taking many tasks. The plain mean is unchanged by the merge
 (a weighted mean of weighted means), so it skips it and gives the same bits as ever. The "norm"
 rescale under a robust combiner takes its typical delta size as the median over keys of each
 key's mean delta norm: oversized deltas from a minority of keys do not inflate the step.

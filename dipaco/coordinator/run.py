@@ -118,7 +118,7 @@ def outer_settings(c: RunConfig) -> OuterSettings:
 
 def coordinator_for(c: RunConfig, root: Path, **kwargs: Any) -> Coordinator:
     """A coordinator core with the run config's schedule, outer step, policy and codec."""
-    coordinator = Coordinator(
+    return Coordinator(
         root,
         c.build_topology(),
         rounds=c.train.rounds,
@@ -135,14 +135,6 @@ def coordinator_for(c: RunConfig, root: Path, **kwargs: Any) -> Coordinator:
         security=c.security,
         **kwargs,
     )
-    # "auto" in an open run with the held-out check: the modules whose every delta is scored
-    # take the paper's mean, the others the trimmed mean (Coordinator.outer_settings_of).
-    coordinator.checked_mean = (
-        c.validation.aggregation == "auto"
-        and c.validation.heldout_check
-        and aggregation(c) != "mean"
-    )
-    return coordinator
 
 
 def build_owner(
