@@ -5,7 +5,8 @@ it. With 16 paths that made 4x4 worse than 2x2 in short runs (docs/results.md). 
 2x2 with the rescales none, sqrt and norm, DiPaCo 4x4 with each (none, sqrt, linear, norm), both
 with the token-bag routing features (``routing.features = "tokens"``: compare with the norm
 rows), both with token-bag routing and the rescales none and norm, DiPaCo 4x4 with the outer
-learning rates around the best and with an outer-lr warm-up, and gives the baselines the same
+learning rates around the best (under hidden-state and under token-bag routing) and with an
+outer-lr warm-up, and gives the baselines the same
 budget: DiLoCo-4 and DiLoCo-16 over three outer learning rates and the dense model over three
 inner learning rates (0.5x, 1x and 2x the preset's, or --lr's). Every run goes through
 ``bench/paper_table.py``'s code path, is evaluated after every round, and is kept under --out, so
@@ -119,6 +120,23 @@ def sweep(base_lr: float) -> list[tuple[str, Variant]]:
                     ),
                 )
             )
+    # The outer lr again under the capacity preset's routing and rescale, over the same three
+    # rates as the DiLoCo groups below: the baselines' best rate must be matched by DiPaCo's own.
+    for lr in (0.5, 0.7, 1.0):
+        out.append(
+            (
+                "DiPaCo 4x4, token-bag routing: outer lr",
+                Variant(
+                    f"dipaco4x4_tokens_lr{lr}",
+                    f"DiPaCo 4x4, token-bag routing features, rescale norm, outer lr {lr}",
+                    {
+                        "topology": four,
+                        "outer": {"rescale": "norm", "lr": lr},
+                        "routing": {"features": "tokens"},
+                    },
+                ),
+            )
+        )
     for mode in ("sqrt", "norm"):
         out.append(
             (

@@ -4,27 +4,200 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import logging
+import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.errors import MarkupError
 from rich.logging import RichHandler
+from rich.text import Text
 
 from dipaco.config import RunConfig, load_config, preset_config
 from dipaco.errors import DipacoError
 
-console = Console()
+FORMATS = ("auto", "rich", "plain", "json")
+
+
+def _stamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+class DipacoConsole(Console):
+    """What the commands print: rich on a terminal; one timestamped line per message or event
+    (``plain``) or one JSON object per line (``json``) when the output is a file or a pipe.
+
+    Plain and JSON lines are never wrapped or cut, carry no ANSI codes, and are flushed at once
+    (a log under nohup or systemd shows each event when it happens). Text that is not valid
+    markup (an exception holding ``[/ip4/...]``) is printed as it is instead of failing.
+    """
+
+    mode = "rich"
+
+    def configure(self, fmt: str = "auto", stream: Any = None) -> None:
+        """Choose the output form; ``stream`` (default: whatever ``sys.stdout`` is at each
+        write) decides ``auto``: rich on a terminal, else plain."""
+        given, stream = stream, stream or sys.stdout
+        if fmt == "auto":
+            fmt = os.environ.get("DIPACO_LOG_FORMAT", "auto")
+        if fmt == "auto":
+            fmt = "rich" if stream.isatty() else "plain"
+        if fmt not in FORMATS:
+            raise ValueError(f"log format {fmt!r}: expected one of {FORMATS}")
+        self.mode = fmt
+        if fmt == "rich":
+            Console.__init__(self, file=given)
+            return
+        Console.__init__(
+            self,
+            file=given,
+            force_terminal=False,
+            no_color=True,
+            color_system=None,
+            width=100_000,
+            soft_wrap=True,
+            highlight=False,
+            emoji=False,
+        )
+
+    @property
+    def lines(self) -> bool:
+        """True when output is plain or JSON lines (no live panels)."""
+        return self.mode != "rich"
+
+    def print(self, *objects: Any, **kw: Any) -> None:  # type: ignore[override]
+        if self.mode == "rich":
+            try:
+                super().print(*objects, **kw)
+            except MarkupError:
+                super().print(*objects, **{**kw, "markup": False})
+            return
+        for key in ("soft_wrap", "highlight", "style", "justify", "overflow", "crop"):
+            kw.pop(key, None)
+        try:
+            with self.capture() as cap:
+                super().print(*objects, soft_wrap=True, highlight=False, **kw)
+        except MarkupError:
+            with self.capture() as cap:
+                super().print(*objects, soft_wrap=True, highlight=False, **{**kw, "markup": False})
+        self._write(cap.get())
+
+    def log(self, *objects: Any, **kw: Any) -> None:  # type: ignore[override]
+        if self.mode == "rich":
+            super().log(*objects, **kw)
+        else:
+            self.print(*objects)
+
+    def rule(self, title: Any = "", **kw: Any) -> None:  # type: ignore[override]
+        if self.mode == "rich":
+            super().rule(title, **kw)
+        elif title:
+            self.print(title)
+
+    def event(self, kind: str, message: str, **fields: Any) -> None:
+        """One line for an event: plain text with its time, or a JSON object with its fields;
+        on a terminal the same text, dimmed (the live panel shows the rest)."""
+        if self.mode == "rich":
+            super().print(Text(message, style="dim"), soft_wrap=True)
+        elif self.mode == "json":
+            self._emit({"time": _stamp(), "event": kind, "message": message, **fields})
+        else:
+            self._emit(f"{_stamp()} {message}")
+
+    def _write(self, text: str) -> None:
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            if self.mode == "json":
+                self._emit({"time": _stamp(), "message": line.rstrip()})
+            else:
+                self._emit(f"{_stamp()} {line.rstrip()}")
+
+    def _emit(self, line: Any) -> None:
+        text = json.dumps(line, default=str) if isinstance(line, dict) else line
+        with self._lock:
+            self.file.write(text + "\n")
+            self.file.flush()
+
+
+console = DipacoConsole()
+
+
+def say(text: str) -> None:
+    """Print ``text`` as it is (never read as markup)."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+class LineProgress:
+    """What a rich ``Progress`` does, as lines: a line when a task completes, and at most one
+    per task every ``every`` seconds while it runs (for plain and JSON output)."""
+
+    def __init__(self, every: float = 30.0) -> None:
+        self.every = every
+        self.console = console
+        self.tasks: dict[int, dict[str, Any]] = {}
+
+    def __enter__(self) -> LineProgress:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def add_task(self, description: str, total: float | None = None, **fields: Any) -> int:
+        tid = len(self.tasks)
+        self.tasks[tid] = {
+            "description": description,
+            "total": total,
+            "completed": 0,
+            "fields": fields,
+            "said": time.monotonic(),
+            "done": False,
+        }
+        return tid
+
+    def update(self, tid: int, *, advance: float = 0, completed: float | None = None,
+               visible: bool = True, description: str | None = None, **fields: Any) -> None:  # fmt: skip
+        t = self.tasks[tid]
+        t["completed"] = completed if completed is not None else t["completed"] + advance
+        t["fields"].update(fields)
+        if description:
+            t["description"] = description
+        finished = t["total"] is not None and t["completed"] >= t["total"]
+        now = time.monotonic()
+        if (finished and not t["done"]) or now - t["said"] >= self.every:
+            t["said"], t["done"] = now, finished
+            info = " ".join(str(v) for v in t["fields"].values() if v)
+            total = f"/{t['total']:g}" if t["total"] is not None else ""
+            console.event(
+                "progress",
+                f"{t['description']}: {t['completed']:g}{total} {info}".rstrip(),
+                task=t["description"],
+                completed=t["completed"],
+                total=t["total"],
+            )
 
 
 def setup_logging(verbose: bool) -> None:
+    if console.lines:
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            logging.Formatter(
+                "%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%dT%H:%M:%S"
+            )
+        )
+    else:
+        handler = RichHandler(console=Console(stderr=True), show_path=False, markup=False)
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
-        format="%(message)s",
-        handlers=[RichHandler(console=Console(stderr=True), show_path=False)],
+        format="%(message)s" if not console.lines else None,
+        handlers=[handler],
+        force=True,
     )
 
 
@@ -39,13 +212,16 @@ def run_command(fn: Callable[[], int | None]) -> int:
     try:
         return fn() or 0
     except DipacoError as exc:
-        console.print(f"[bold red]error[/] ({exc.reason}): {exc}")
+        console.print(Text.assemble(("error", "bold red"), f" ({exc.reason}): {one_line(exc)}"))
         return 2
     except KeyboardInterrupt:
-        console.print(
-            "[yellow]interrupted; the run folder keeps everything, run the same command to resume[/]"
-        )
+        say("interrupted; the run folder keeps everything, run the same command to resume")
         return 130
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's text on one line (daemon errors come with indented continuation lines)."""
+    return " ".join(str(exc).split())
 
 
 def command_parser(prog: str, doc: str | None) -> tuple[argparse.ArgumentParser, Any]:
@@ -54,12 +230,20 @@ def command_parser(prog: str, doc: str | None) -> tuple[argparse.ArgumentParser,
         prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
+    parser.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="auto",
+        help="auto (default: rich on a terminal, plain otherwise; or $DIPACO_LOG_FORMAT), rich, "
+        "plain (one timestamped line per message or event) or json (one object per line)",
+    )
     return parser, parser.add_subparsers(dest="command", required=True)
 
 
 def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     """Parse, set up logging, run the chosen subcommand's ``fn`` and exit with its code."""
     args = parser.parse_args(argv)
+    console.configure(args.log_format)
     setup_logging(args.verbose)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to stderr, run goes on
         try:

@@ -24,13 +24,15 @@ a crash or Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import secrets
+import socket
 import threading
 import time
 from pathlib import Path
 
-from dipaco.cli.common import choose_config, command_parser, console, dispatch
+from dipaco.cli.common import choose_config, command_parser, console, dispatch, one_line, say
 from dipaco.coordinator.access import change_access
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.prepare import prepare
@@ -69,12 +71,70 @@ def identity(run_dir: Path) -> Path:
     return path
 
 
-def _split(listen: str) -> tuple[str, int]:
+def _split(listen: str, option: str = "--listen") -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     try:
-        return host or "127.0.0.1", int(port)
+        number = int(port)
     except ValueError:
-        raise ConfigError(f"--listen wants host:port, got {listen!r}") from None
+        raise ConfigError(f"{option} wants host:port, got {listen!r}") from None
+    if not 0 <= number <= 65535:
+        raise ConfigError(f"{option}: port {number} is outside 0-65535")
+    return host or "127.0.0.1", number
+
+
+def check_port_free(listen: str, option: str) -> None:
+    """ConfigError at once if ``listen``'s port is taken (hivemind's daemon would otherwise
+    share it with the process already there, and peers would reach either at random)."""
+    host, port = _split(listen, option)
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            why = (
+                "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be used ({exc.strerror})"
+            )
+            raise ConfigError(
+                f"{option} {listen}: port {port} on {host} {why}; another coordinator or "
+                f"dashboard may be running there: stop it, or pick another port (port 0 picks "
+                f"a free one)"
+            ) from None
+
+
+EVENT_TEXT = {
+    "task_issued": "task {task} issued to {peer}: path P{path}, round {round_1}, {steps} steps",
+    "delta": "task {task} done by {peer}: path P{path}, round {round_1}, loss {loss:.3f}",
+    "outer_step": "module {module} -> v{version} ({n_paths} paths, closed by {closed_by})",
+    "round": "round {round} complete",
+    "task_released": "task {task} released by {peer}",
+    "lease_expired": "task {task}: lease expired ({peer} went silent)",
+    "eval": "round {round}: routed validation perplexity {ppl:.2f}",
+    "owner_changed": "module {module} is now owned by {owner}",
+    "banned": "key {key} banned: {reason}",
+}
+
+
+def print_events(metrics: MetricsLog) -> None:
+    """One line per task event of the coordinator (``console.event``: plain, JSON or dimmed)."""
+
+    def on_event(e: dict) -> None:
+        template = EVENT_TEXT.get(e.get("event", ""))
+        if template is None or (e["event"] == "eval" and e.get("model", "dipaco") != "dipaco"):
+            return
+        values = dict(e)
+        values["round_1"] = e.get("round", 0) + 1 if isinstance(e.get("round"), int) else "?"
+        values["loss"] = (e.get("train_losses") or [float("nan")])[-1]
+        values["n_paths"] = len(e.get("paths", []))
+        try:
+            text = template.format(**values)
+        except (KeyError, ValueError, TypeError):
+            text = f"{e['event']}: {e}"
+        fields = {k: v for k, v in e.items() if isinstance(v, (str, int, float, bool))}
+        console.event(e["event"], text, **{k: v for k, v in fields.items() if k != "event"})
+
+    metrics.listeners.append(on_event)
 
 
 class Ticker(threading.Thread):
@@ -89,26 +149,40 @@ class Ticker(threading.Thread):
             self.coordinator.tick()
 
 
-def wait_finished(coordinator: Coordinator, linger: float, publisher=None) -> None:
+def wait_finished(
+    coordinator: Coordinator, linger: float, publisher=None, gather_from=None
+) -> None:
     while not coordinator.finished_event.wait(1.0):
         pass
     if coordinator.failure:
         raise DipacoError(coordinator.failure)
-    console.print(f"run finished: every module at version {coordinator.round}")
+    say(f"run finished: every module at version {coordinator.round}")
     if publisher is not None:
         publisher.publish()  # "finished" in the DHT now: peers that cannot reach us stop
+    if gather_from is not None:
+        gather_from()
     # Stay a moment so that peers asking for work hear "finished" rather than a closed socket.
     time.sleep(linger)
     coordinator.save_counts()
 
 
 def cmd_start(args: argparse.Namespace) -> int:
+    check_port_free(args.listen, "--listen")
+    if args.dashboard:
+        if args.transport == "flower":
+            raise ConfigError(
+                "--dashboard is not served with --transport flower: the run lives in the Flower "
+                "ServerApp's process; watch it with its log (flower/run.log in the run folder) "
+                "or run it over hivemind or loopback for the dashboard"
+            )
+        check_port_free(args.dashboard, "--dashboard")
     if args.owns or args.join:
         return start_owner(args)
     config = choose_config(args.config, args.preset)
     run_dir = Path(args.run_dir)
     prep = prepare(run_dir, config, stage=lambda s: console.log(s))
     metrics = MetricsLog(run_dir / "metrics.jsonl")
+    print_events(metrics)
     if args.transport == "loopback":
         return serve_loopback(args, prep, metrics)
     if args.transport == "flower":
@@ -186,7 +260,12 @@ def cmd_start(args: argparse.Namespace) -> int:
         )
         if args.local_peers:
             threads = run_local_peers(coordinator, prep, args.local_peers, stop=stop)
-        wait_finished(coordinator, args.linger, publisher)
+        wait_finished(
+            coordinator,
+            args.linger,
+            publisher,
+            gather_from=lambda: gather_at_end(coordinator, run_dir, node),
+        )
     finally:
         stop.set()
         for t in threads:
@@ -198,6 +277,34 @@ def cmd_start(args: argparse.Namespace) -> int:
             dashboard.stop()
         node.shutdown()
     return 0
+
+
+def gather_at_end(coordinator: Coordinator, run_dir: Path, node, patience: float = 30.0) -> None:
+    """Fetch the other owners' final modules into this (the scheduler's) folder, so that eval,
+    export and generate use the whole trained model; owners wait for it before they exit."""
+    from dipaco.coordinator.gather import gather, hivemind_connect, remote_modules
+
+    remote = remote_modules(run_dir)
+    if not remote:
+        return
+    connect = hivemind_connect(run_dir, node)
+    began = time.monotonic()
+    while True:
+        try:
+            got = gather(run_dir, connect=connect)
+            break
+        except DipacoError as exc:
+            if time.monotonic() - began > patience:
+                say(f"could not gather every module: {one_line(exc)}")
+                return
+            time.sleep(1.0)
+    with coordinator.lock:
+        coordinator.gathered = set(got)
+    owners = sorted({r.owner for r in remote})
+    say(
+        f"gathered {len(got)} modules from {len(owners)} other owner(s) into "
+        f"{run_dir / 'gathered'}: dipaco eval, export and generate use them"
+    )
 
 
 def start_owner(args: argparse.Namespace) -> int:
@@ -268,13 +375,34 @@ def start_owner(args: argparse.Namespace) -> int:
             + (f" (took over {', '.join(moved)})" if moved else " (resumed from its folder)"),
             soft_wrap=True,
         )
-        wait_finished(coordinator, args.linger)
+        wait_finished(
+            coordinator,
+            args.linger,
+            gather_from=lambda: wait_gathered(coordinator, max(args.linger, 60.0)),
+        )
     finally:
         for worker in (reporter, ticker, publisher):
             if worker is not None:
                 worker.stop.set()
         node.shutdown()
     return 0
+
+
+def wait_gathered(coordinator: Coordinator, patience: float) -> None:
+    """An owner, once its modules are final: serve until the scheduler says it holds them."""
+    mine = set(coordinator.owned_modules())
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        with coordinator.lock:
+            if mine <= coordinator.gathered:
+                say(f"the scheduler has this owner's final modules ({', '.join(sorted(mine))})")
+                return
+        time.sleep(0.5)
+    say(
+        f"the scheduler did not fetch this owner's modules within {patience:.0f} s; on its "
+        f"machine, `dipaco gather --run-dir RUN_DIR --owner-dir {coordinator.root.parent}` "
+        "(with this folder copied there) or with this owner running again gathers them"
+    )
 
 
 def start_dashboard(args, coordinator):

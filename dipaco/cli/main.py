@@ -18,9 +18,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dipaco.cli.common import choose_config, command_parser, console, dispatch
+from dipaco.cli.common import choose_config, command_parser, console, dispatch, say
 from dipaco.cli.init import add_init_command
-from dipaco.cli.use import add_use_commands
+from dipaco.cli.use import add_owner_dir, add_use_commands
 from dipaco.cli.watch import add_status_command
 from dipaco.coordinator.baselines import train_diloco
 from dipaco.coordinator.prepare import PreparedRun, prepare
@@ -239,14 +239,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from dipaco.model.hf_export import open_run
 
-    run = open_run(args.run_dir)
-    run_dir, config, prep, store = run.prep.root, run.config, run.prep, run.store
-    result = evaluate_modules(prep, store.params)
+    run = open_run(args.run_dir, owner_dirs=tuple(args.owner_dir), say=say)
+    run_dir, config, prep = run.prep.root, run.config, run.prep
+    modules = run.params
+    result = evaluate_modules(prep, modules)
     report: dict = {
-        "ppl": round(result["ppl"], 2),
+        "ppl": result["ppl"],
+        "loss": result["loss"],
         "tokens": result["tokens"],
-        "per_path": {f"P{p}": round(v["ppl"], 2) for p, v in result["per_path"].items()},
-        "module_versions": {mid: r.version for mid, r in store.modules.items()},
+        "per_path": {f"P{p}": v["ppl"] for p, v in result["per_path"].items()},
+        "module_versions": {mid: run.version(mid) for mid in run.topology.module_ids()},
+        "gathered": sorted(run.remote),
         "routing_phase": prep.routing.phase,
     }
     early = None
@@ -254,16 +257,44 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from dipaco.coordinator.early_stopping import EarlyStopping
 
         early = EarlyStopping(run_dir / "early_stopping")
-        report["early_stopping_ppl"] = round(
-            evaluate_modules(prep, store.params, early=early)["ppl"], 2
-        )
+        report["early_stopping_ppl"] = evaluate_modules(prep, modules, early=early)["ppl"]
     for w in config.eval.reroute_windows:
-        rerouted = evaluate_modules(prep, store.params, early=early, window=w)
-        report[f"rerouted_every_{w}_ppl"] = round(rerouted["ppl"], 2)
+        rerouted = evaluate_modules(prep, modules, early=early, window=w)
+        report[f"rerouted_every_{w}_ppl"] = rerouted["ppl"]
         if prep.routing.chunk_router is not None:
-            learned = evaluate_modules(prep, store.params, early=early, window=w, learned=True)
-            report[f"rerouted_every_{w}_learned_ppl"] = round(learned["ppl"], 2)
-    console.print(report)
+            learned = evaluate_modules(prep, modules, early=early, window=w, learned=True)
+            report[f"rerouted_every_{w}_learned_ppl"] = learned["ppl"]
+    if args.json:
+        print(json.dumps(report), flush=True)
+        return 0
+    say(f"routed validation perplexity {report['ppl']:.2f} over {report['tokens']:,} tokens")
+    say("per path: " + ", ".join(f"{p} {v:.2f}" for p, v in report["per_path"].items()))
+    versions = sorted(set(report["module_versions"].values()))
+    say(
+        "modules at version "
+        + "/".join(str(v) for v in versions)
+        + (f" ({len(run.remote)} gathered from other owners)" if run.remote else "")
+        + f", routing phase {report['routing_phase']}"
+    )
+    for key, value in report.items():
+        if key.endswith("_ppl"):
+            say(f"{key.removesuffix('_ppl').replace('_', ' ')}: perplexity {value:.2f}")
+    return 0
+
+
+def cmd_gather(args: argparse.Namespace) -> int:
+    from dipaco.coordinator.gather import gather_run, remote_modules
+
+    remote = remote_modules(args.run_dir)
+    if not remote:
+        say(f"{args.run_dir}: every module is the scheduler's own; nothing to gather")
+        return 0
+    gather_run(args.run_dir, owner_dirs=tuple(args.owner_dir), say=say)
+    owners = sorted({r.owner for r in remote})
+    say(
+        f"{len(remote)} modules of {len(owners)} other owner(s) are in "
+        f"{Path(args.run_dir) / 'gathered'} at their final versions"
+    )
     return 0
 
 
@@ -284,7 +315,16 @@ def main(argv: list[str] | None = None) -> None:
         "eval", help="routed validation perplexity of a run folder's current modules"
     )
     ev.add_argument("--run-dir", required=True)
+    ev.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_owner_dir(ev)
     ev.set_defaults(fn=cmd_eval)
+    ga = sub.add_parser(
+        "gather",
+        help="fetch the modules other owners trained into the scheduler's run folder",
+    )
+    ga.add_argument("--run-dir", required=True, help="the scheduler's run folder")
+    add_owner_dir(ga)
+    ga.set_defaults(fn=cmd_gather)
     add_status_command(sub)
     add_use_commands(sub)
     add_init_command(sub)

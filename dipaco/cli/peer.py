@@ -14,6 +14,7 @@ waiting for its lease to expire; run the same command again (same --state-dir) t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import secrets
 import signal
@@ -34,7 +35,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dipaco.cli.common import command_parser, console, dispatch
+from dipaco.cli.common import command_parser, console, dispatch, say
 from dipaco.errors import ConfigError, TransportError
 from dipaco.fileio import write_json_atomic
 from dipaco.peer.doctor import add_doctor_command, check_device
@@ -101,8 +102,15 @@ def cmd_join(args: argparse.Namespace) -> int:
     acks = state_dir / "acks.jsonl"
 
     def on_ack(info: dict) -> None:
-        if meter is not None and info["task"] not in acked_tasks:
-            meter.tasks.inc()
+        if info["task"] not in acked_tasks:
+            if meter is not None:
+                meter.tasks.inc()
+            console.event(
+                "task_acked",
+                f"task {info['task']}: delta acknowledged ({len(acked_tasks) + 1} tasks done)",
+                task=info["task"],
+                tasks_done=len(acked_tasks) + 1,
+            )
         acked_tasks.add(info["task"])
         with open(acks, "a") as f:
             f.write(json.dumps(info) + "\n")
@@ -121,6 +129,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     current: dict[str, TaskID] = {}
     first: dict[str, tuple[int, float]] = {}  # task -> (step, time) when this process saw it
     acked_tasks: set[str] = set()  # on_ack comes once per module of a task
+    said: dict[str, float] = {}  # task -> when its last progress line was printed (plain output)
 
     def traffic() -> tuple[int, int]:
         links = extra.get("links") or []
@@ -145,6 +154,16 @@ def cmd_join(args: argparse.Namespace) -> int:
             for old in current.values():
                 progress.update(old, visible=False)
             current.clear()
+            console.event(
+                "task_started",
+                f"task {info['task']}: training path P{info['path']} "
+                f"(step {info['step']} of {info['steps']})",
+                task=info["task"],
+                path=info["path"],
+                step=info["step"],
+                steps=info["steps"],
+            )
+            said[info["task"]] = time.monotonic()
             current[info["task"]] = progress.add_task(
                 f"task {info['task']} (path P{info['path']})",
                 total=info["steps"],
@@ -158,6 +177,21 @@ def cmd_join(args: argparse.Namespace) -> int:
         rate = (info["step"] - step0) * info.get("tokens_per_step", 0) / seconds if seconds else 0
         if meter is not None:
             meter.progress(info, rate)
+        done = info["step"] >= info["steps"]
+        if console.lines and (done or time.monotonic() - said.get(info["task"], 0) >= 30):
+            said[info["task"]] = time.monotonic()
+            console.event(
+                "task_trained" if done else "task_progress",
+                f"task {info['task']}: "
+                + ("trained " if done else "")
+                + f"step {info['step']}/{info['steps']}, loss {info['loss']:.3f}"
+                + (f", {rate:,.0f} tok/s" if rate else ""),
+                task=info["task"],
+                step=info["step"],
+                steps=info["steps"],
+                loss=info["loss"],
+                tokens_per_second=round(rate, 1),
+            )
         progress.update(
             current[info["task"]],
             completed=info["step"],
@@ -198,7 +232,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         + (f" [yellow]({device_check.advice})[/]" if device_check.advice else "")
     )
     try:
-        with progress:
+        with progress if not console.lines else contextlib.nullcontext():
             done = peer.run()
     finally:
         transport.close()
@@ -210,7 +244,10 @@ def cmd_join(args: argparse.Namespace) -> int:
             console.print(f"traffic: {sent / 1e6:.1f} MB up, {received / 1e6:.1f} MB down")
             extra["publisher"].close()
             node.shutdown()
-    console.print(f"peer {peer_id} left after {done} tasks")
+    if peer.run_finished:
+        say(f"the run has finished; peer {peer_id} trained {done} tasks in this session")
+    else:
+        say(f"peer {peer_id} left after {done} tasks")
     console.print(time_summary(peer.timings))
     write_json_atomic(
         state_dir / "timings.json",

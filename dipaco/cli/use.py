@@ -6,13 +6,14 @@ import argparse
 import json
 from typing import Any
 
-from dipaco.cli.common import console
+from dipaco.cli.common import console, say
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dipaco.model.hf_export import export_path
+    from dipaco.model.hf_export import export_path, open_run
 
-    out = export_path(args.run_dir, args.path, args.out)
+    run = open_run(args.run_dir, owner_dirs=tuple(args.owner_dir), say=say)
+    out = export_path(run, args.path, args.out)
     info = json.loads((out / "dipaco_path.json").read_text())
     console.print(
         f"wrote path P{args.path} of {info['topology']} as a Hugging Face Llama checkpoint to "
@@ -22,10 +23,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from dipaco.model.hf_export import generate
+    from dipaco.model.hf_export import generate, open_run
 
     result = generate(
-        args.run_dir,
+        open_run(args.run_dir, owner_dirs=tuple(args.owner_dir), say=say),
         args.prompt,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -43,12 +44,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_owner_dir(p: Any) -> None:
+    p.add_argument(
+        "--owner-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a module owner's run folder on this machine, to gather its modules from "
+        "(repeatable; else the owners are asked over the network)",
+    )
+
+
 def add_use_commands(sub: Any) -> None:
     """Register ``export`` and ``generate`` on the ``dipaco`` command's subparsers."""
     ex = sub.add_parser("export", help="write one path of a run as a Hugging Face Llama checkpoint")
     ex.add_argument("--run-dir", required=True, help="a prepared and trained run folder")
     ex.add_argument("--path", type=int, required=True, help="path index, 0 to num_paths - 1")
     ex.add_argument("--out", required=True, help="folder to write the checkpoint to")
+    add_owner_dir(ex)
     ex.set_defaults(fn=cmd_export)
     gen = sub.add_parser(
         "generate", help="sample text from the path the prompt routes to (latest modules)"
@@ -64,4 +77,5 @@ def add_use_commands(sub: Any) -> None:
     )
     gen.add_argument("--path", type=int, default=None, help="use this path instead of routing")
     gen.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_owner_dir(gen)
     gen.set_defaults(fn=cmd_generate)

@@ -135,6 +135,9 @@ class Coordinator:
         self.owners: dict[str, str] = {}
         self.addresses: dict[str, list[str]] = {}  # owner id -> how peers reach it
         self.remote: dict[str, dict[str, Any]] = {}  # other owners' modules, from their reports
+        # scheduler: remote modules it holds a checked copy of at their final version (gathered
+        # after the run); owner: what the scheduler's last ReportAck said of ours
+        self.gathered: set[str] = set()
         self.handing: dict[str, tuple[str, float]] = {}  # module -> (new owner, since)
         self.done: set[tuple[int, int]] = set()  # (path, round) whose task every owner acked
         # (path, round) whose task ran past the deadline: rounds may close without them.
@@ -481,6 +484,22 @@ class Coordinator:
                 tensors.update({f"{mid}/{k}": v for k, v in record.params.items()})
         return m.Modules(versions=versions, hashes=hashes, tensors=tensors, signatures=signatures)
 
+    def fetch_releases(self, req: m.FetchReleases) -> m.Modules:
+        """Every named module this coordinator owns, at its latest version, signed as a release;
+        modules it does not own are left out (the caller asks their owners)."""
+        unknown = sorted(set(req.modules) - set(self.topology.module_ids()))
+        if unknown:
+            self._reject(req.peer_id, "bad-message", f"this run has no modules {unknown[:8]}")
+        versions, hashes, tensors, signatures = {}, {}, {}, {}
+        for mid in dict.fromkeys(req.modules):
+            if not self.owns(mid):
+                continue
+            record = self.store.modules[mid]
+            versions[mid], hashes[mid] = record.version, record.hash
+            signatures[mid] = self.release_signature(mid, record.version, record.hash)
+            tensors.update({f"{mid}/{k}": v for k, v in record.params.items()})
+        return m.Modules(versions=versions, hashes=hashes, tensors=tensors, signatures=signatures)
+
     def release_signature(self, mid: str, version: int, digest: str) -> str:
         """This owner's signature of a module release, which peers check before training."""
         release = {"run": self.run_id, "module": mid, "version": version, "hash": digest}
@@ -721,7 +740,9 @@ class Coordinator:
         self._save_state()
         self._after_change()
         return m.ReportAck(
-            overdue=[list(pr) for pr in sorted(self.overdue)], ended=dict(self.scheduler.ended)
+            overdue=[list(pr) for pr in sorted(self.overdue)],
+            ended=dict(self.scheduler.ended),
+            gathered=sorted(self.gathered),
         )
 
     def hand_over(self, req: m.HandOver) -> m.ModuleState:
@@ -859,6 +880,7 @@ class Coordinator:
         m.GetStatus: "status",
         m.TaskDone: "task_done",
         m.GetOwners: "get_owners",
+        m.FetchReleases: "fetch_releases",
         m.FetchFile: "fetch_file",
         m.OwnerReport: "owner_report",
         m.HandOver: "hand_over",

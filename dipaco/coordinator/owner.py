@@ -93,6 +93,7 @@ class Reporter(threading.Thread):
             with co.lock:
                 co.overdue = {(int(p), int(r)) for p, r in ack.overdue}
                 co.void = dict(ack.ended)  # the scheduler's void tickets: refused here too
+                co.gathered = set(ack.gathered)  # the scheduler holds these at their final version
             co.tick()
 
     def close(self) -> None:

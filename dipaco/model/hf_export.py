@@ -15,7 +15,8 @@ the last ``min(N, prefix_tokens)`` positions, as test-time re-routing does
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,10 +33,13 @@ from dipaco.routing.features import finish_features, position_features, prefix_f
 
 @dataclass
 class UsableRun:
-    """A run folder opened for use: its prepared data, router, and latest module versions."""
+    """A run folder opened for use: its prepared data, router, and every module's latest
+    version: the scheduler's own from its store, other owners' as gathered
+    (``dipaco.coordinator.gather``)."""
 
     prep: PreparedRun
     store: ModuleStore
+    remote: dict[str, tuple[int, dict[str, torch.Tensor]]] = field(default_factory=dict)
 
     @property
     def config(self) -> RunConfig:
@@ -48,6 +52,16 @@ class UsableRun:
     @property
     def model_config(self) -> ModelConfig:
         return self.config.build_model_config()
+
+    def params(self, mid: str) -> dict[str, torch.Tensor]:
+        if mid in self.remote:
+            return self.remote[mid][1]
+        return self.store.params(mid)
+
+    def version(self, mid: str) -> int:
+        if mid in self.remote:
+            return self.remote[mid][0]
+        return self.store.version(mid)
 
     def check_path(self, path: int) -> int:
         n = self.topology.num_paths
@@ -62,24 +76,43 @@ class UsableRun:
         """Path ``path``'s dense state dict (PathModel names) from its modules' latest versions."""
         self.check_path(path)
         mids = self.topology.path_modules(path)
-        return self.topology.join_modules(path, {mid: self.store.params(mid) for mid in mids})
+        return self.topology.join_modules(path, {mid: self.params(mid) for mid in mids})
 
     def path_model(self, path: int) -> PathModel:
         self.check_path(path)
         mids = self.topology.path_modules(path)
         model = self.topology.build_path(
-            self.model_config, path, {mid: self.store.params(mid) for mid in mids}
+            self.model_config, path, {mid: self.params(mid) for mid in mids}
         )
         return model.eval()
 
 
-def open_run(run_dir: str | Path) -> UsableRun:
-    """Open a run folder as ``dipaco eval`` does: its config, ``prepare`` and the module store."""
+def open_run(
+    run_dir: str | Path,
+    *,
+    owner_dirs: tuple[str | Path, ...] = (),
+    network: bool = True,
+    say: Callable[[str], None] = lambda _: None,
+) -> UsableRun:
+    """Open a run folder as ``dipaco eval`` does: its config, ``prepare`` and every module.
+
+    Modules other coordinators own are gathered (``dipaco.coordinator.gather``): from the
+    folder's ``gathered/`` copies, else ``owner_dirs``, else (``network``) from their owners;
+    a DataError names any that cannot be had at their final version.
+    """
+    from dipaco.coordinator.gather import gather_run, remote_modules
+
     run_dir = Path(run_dir)
     config_file = run_dir / "config.json"
     if not run_dir.is_dir():
         raise DataError(f"run folder {run_dir} does not exist")
     if not config_file.exists():
+        if (run_dir / "manifest.json").exists():
+            raise DataError(
+                f"{run_dir} is a module owner's folder, not the run's: open the scheduler's "
+                f"folder (the one its `dipaco-coordinator start --config` wrote), and pass "
+                f"--owner-dir {run_dir} if its owner is not running"
+            )
         raise DataError(f"{run_dir} is not a run folder: it has no config.json")
     try:
         raw = json.loads(config_file.read_text())
@@ -87,7 +120,8 @@ def open_run(run_dir: str | Path) -> UsableRun:
         raise DataError(f"{config_file}: not valid JSON: {exc}") from None
     config = load_config_dict(raw, origin=str(config_file))
     prep = prepare(run_dir, config)
-    mids = config.build_topology().module_ids()
+    remote = {r.module: r for r in remote_modules(run_dir)}
+    mids = [mid for mid in config.build_topology().module_ids() if mid not in remote]
     store_root = run_dir / "coordinator"
     missing = [mid for mid in mids if not (store_root / "modules" / mid / "head.json").exists()]
     if missing:
@@ -97,7 +131,10 @@ def open_run(run_dir: str | Path) -> UsableRun:
         )
     store = ModuleStore(store_root)
     store.load(mids)
-    return UsableRun(prep, store)
+    gathered = gather_run(run_dir, owner_dirs=owner_dirs, network=network, say=say)
+    return UsableRun(
+        prep, store, {mid: (remote[mid].version, tensors) for mid, tensors in gathered.items()}
+    )
 
 
 def _as_run(run: str | Path | UsableRun) -> UsableRun:
@@ -228,7 +265,7 @@ def export_path(run_dir: str | Path | UsableRun, path: int, out: str | Path) -> 
                 "run_dir": str(run.prep.root),
                 "path": path,
                 "topology": topology.spec,
-                "modules": {mid: run.store.version(mid) for mid in topology.path_modules(path)},
+                "modules": {mid: run.version(mid) for mid in topology.path_modules(path)},
                 "parameters": count_parameters(state),
             },
             indent=2,

@@ -249,6 +249,9 @@ class Peer:
             )
 
     def run(self) -> int:
+        """Train tasks until the run finishes (``run_finished`` is then True), ``stop`` is set
+        or ``max_tasks`` are done; the number of tasks done."""
+        self.run_finished = False
         self.setup()
         began = time.monotonic()
         busy = sum(self.timings.values())
@@ -274,6 +277,7 @@ class Peer:
                     self.run_batch(offers)
                 except RunOver:
                     log.info("peer %s: the run finished during a batch of tasks", self.peer_id)
+                    self.run_finished = True
                     break
                 continue
             if offers:
@@ -284,6 +288,7 @@ class Peer:
                     log.info(
                         "peer %s: the run finished during task %s", self.peer_id, offer.task_id
                     )
+                    self.run_finished = True
                     break
                 except (TaskAborted, TransportError, RejectedError) as exc:
                     self._task_failed(offer, exc)
@@ -291,6 +296,7 @@ class Peer:
             if isinstance(reply, TransportError):
                 if self.run_over.is_set():
                     log.info("peer %s: the run has finished", self.peer_id)
+                    self.run_finished = True
                     break
                 # The coordinator may be restarting: it keeps everything it acknowledged.
                 if time.monotonic() - last_contact > self.give_up_seconds:
@@ -303,6 +309,7 @@ class Peer:
             elif isinstance(reply, m.NoTask):
                 if reply.finished:
                     log.info("peer %s: run finished after %d tasks", self.peer_id, self.tasks_done)
+                    self.run_finished = True
                     break
                 self.stop.wait(reply.retry_after)
         for link in self._links.values():

@@ -104,6 +104,15 @@ class GetOwners:
 
 
 @message
+class FetchReleases:
+    """The latest released version of modules this coordinator owns, outside any task: for
+    gathering a run whole (``dipaco gather``, eval, export) once it has trained."""
+
+    peer_id: str
+    modules: list[str]
+
+
+@message
 class FetchFile:
     """A byte range of one of the run's files (tokenizer, shards) named in the data manifest."""
 
@@ -216,6 +225,8 @@ class DeltaAck:
 class ReportAck:
     overdue: list[list[int]]  # [path, round] of tasks past the deadline: their rounds may close
     ended: dict[str, int] = field(default_factory=dict)  # task -> round of released/expired leases
+    # modules the scheduler holds a checked copy of at their final version (the run gathered)
+    gathered: list[str] = field(default_factory=list)
 
 
 @message

@@ -8,6 +8,7 @@ codec and a deterministic schedule, ends with exactly the local transport's para
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -299,6 +300,51 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(run_copy, tm
         assert version == record.version == 2
         for name, tensor in record.params.items():
             assert torch.equal(frame.tensors[name], tensor), (mid, name)
+
+    # The run used whole, from the scheduler's folder alone: at the end the scheduler gathered
+    # the owner's final modules (the owner waited for that), and eval, export and generate give
+    # exactly what the single-coordinator run gives.
+    assert coordinator.saw("gathered 2 modules from 1 other owner(s)"), coordinator.output
+    assert owner.saw("the scheduler has this owner's final modules"), owner.output
+    reference_eval, networked_eval = cli_json("eval", local), cli_json("eval", root)
+    assert networked_eval["gathered"] == SECOND.split(",")
+    assert networked_eval["ppl"] == reference_eval["ppl"]
+    assert networked_eval["per_path"] == reference_eval["per_path"]
+    for run, out in ((local, tmp_path / "export-local"), (root, tmp_path / "export-net")):
+        done = cli("export", "--run-dir", run, "--path", 3, "--out", out)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "export-net" / "model.safetensors").read_bytes() == (
+        tmp_path / "export-local" / "model.safetensors"
+    ).read_bytes()
+    greedy = ("--temperature", "0", "--max-new-tokens", "12", "def main(")
+    assert cli_json("generate", root, *greedy) == cli_json("generate", local, *greedy)
+
+    # Without the gathered copies, eval asks the owner, which has exited: one line naming it.
+    owner_id = json.loads((root / "coordinator" / "coordinator.json").read_text())["owners"]
+    owner_id = owner_id["L1.M0"]
+    shutil.rmtree(root / "gathered")
+    failed = cli("eval", "--run-dir", root)
+    assert failed.returncode == 2, failed.stdout + failed.stderr
+    message = [line for line in failed.stdout.splitlines() if "error" in line]
+    assert len(message) == 1, failed.stdout
+    assert owner_id in message[0] and "L1.M0" in message[0] and "unreachable" in message[0]
+    assert "Traceback" not in failed.stdout + failed.stderr
+    assert not (root / "gathered").exists()
+    # With the owner's folder on this machine, the same figures.
+    from_folder = cli_json("eval", root, "--owner-dir", owner_dir)
+    assert from_folder["ppl"] == reference_eval["ppl"]
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [BIN / "dipaco", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+
+
+def cli_json(command: str, run_dir: Path, *args) -> dict:
+    done = cli(command, "--run-dir", run_dir, "--json", *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _load(path):

@@ -117,13 +117,21 @@ def test_discriminative_phase_reshards_mid_run_and_peers_download_the_new_shards
     # `dipaco eval` reports all three from the run folder alone.
     capsys.readouterr()
     try:
+        main(["eval", "--run-dir", str(root), "--json"])
+    except SystemExit as exc:
+        assert exc.code in (0, None)
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["early_stopping_ppl"] == pytest.approx(stopped["ppl"])
+    assert report["rerouted_every_16_ppl"] == pytest.approx(rerouted["ppl"])
+    assert report["rerouted_every_16_learned_ppl"] == pytest.approx(learned["ppl"])
+    # and as lines a person reads, one per figure
+    try:
         main(["eval", "--run-dir", str(root)])
     except SystemExit as exc:
         assert exc.code in (0, None)
     out = capsys.readouterr().out
-    assert "early_stopping_ppl" in out and "rerouted_every_16_ppl" in out
-    assert "rerouted_every_16_learned_ppl" in out
-    assert f"{rerouted['ppl']:.2f}"[:4] in out
+    assert f"rerouted every 16: perplexity {rerouted['ppl']:.2f}" in out
+    assert "{" not in out, out
 
 
 def test_overlap_changes_training_shards_but_never_evaluation(prepared_tiny, tiny_config, tmp_path):

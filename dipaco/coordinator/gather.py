@@ -1,0 +1,283 @@
+"""A run whole: every module at the version its owner last reported, in the scheduler's folder.
+
+With other module owners (``dipaco-coordinator start --join ... --owns ...``) each owner keeps
+its modules' versions in its own folder; the scheduler's folder holds only the version it handed
+over. The scheduler does know, from the owners' signed reports, each remote module's final
+version and content hash (``coordinator.json``: ``owners``, ``remote``, ``addresses``,
+``owner_keys``). Gathering fetches each remote module at that version, checks it against that
+hash (and, over the network, against its owner's release signature), and writes it under
+``<run-dir>/gathered/<module>/`` (the version file and a ``head.json``), from where
+``dipaco eval``, ``export`` and ``generate`` read it.
+
+Two sources, tried in order: an owner's folder on this machine (``--owner-dir``), and the owner
+itself over the run's transport (``FetchReleases``, signed by the scheduler's key, which every
+owner admits). The scheduler gathers by itself when its run finishes, while its owners still
+serve; a module that can be had from neither is named with its owner and where it was last seen.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dipaco.errors import DataError, DipacoError
+from dipaco.fileio import write_json_atomic
+from dipaco.protocols import auth
+from dipaco.protocols import messages as m
+from dipaco.protocols.transport import Transport
+from dipaco.protocols.wire import Frame, read_tensor_file, tensors_sha256, write_tensor_file
+
+log = logging.getLogger(__name__)
+Tensors = dict[str, torch.Tensor]
+# (owner id, its addresses, its public key) -> a transport to it that checks its replies' key
+Connect = Callable[[str, list[str], str | None], Transport]
+
+
+@dataclass(frozen=True)
+class RemoteModule:
+    """A module another coordinator owns, as the scheduler last heard of it."""
+
+    module: str
+    owner: str
+    version: int
+    hash: str
+    addresses: tuple[str, ...]
+    key: str | None
+
+
+def remote_modules(run_dir: str | Path) -> list[RemoteModule]:
+    """The modules of the run in ``run_dir`` (the scheduler's folder) that others own."""
+    state_file = Path(run_dir) / "coordinator" / "coordinator.json"
+    if not state_file.exists():
+        return []
+    try:
+        state = json.loads(state_file.read_text())
+    except ValueError as exc:
+        raise DataError(f"{state_file}: not readable coordinator state: {exc}") from None
+    me = state.get("owner_id")
+    out = []
+    for mid, owner in sorted((state.get("owners") or {}).items()):
+        if owner == me:
+            continue
+        info = (state.get("remote") or {}).get(mid) or {}
+        out.append(
+            RemoteModule(
+                mid,
+                owner,
+                int(info.get("version", 0)),
+                str(info.get("hash", "")),
+                tuple((state.get("addresses") or {}).get(owner, [])),
+                (state.get("owner_keys") or {}).get(owner),
+            )
+        )
+    return out
+
+
+def gathered_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "gathered"
+
+
+def read_gathered(run_dir: str | Path, r: RemoteModule) -> Tensors | None:
+    """The gathered copy of ``r`` if there is one at its final version and hash, else None."""
+    folder = gathered_dir(run_dir) / r.module
+    head_file = folder / "head.json"
+    if not head_file.exists():
+        return None
+    try:
+        head = json.loads(head_file.read_text())
+        if head.get("version") != r.version or head.get("hash") != r.hash:
+            return None
+        tensors = read_tensor_file(folder / f"v{r.version}.dpt").tensors
+    except (ValueError, OSError, DipacoError) as exc:
+        log.warning("gathered copy of %s unreadable (%s): fetching it again", r.module, exc)
+        return None
+    return tensors if tensors_sha256(tensors) == r.hash else None
+
+
+def _write(run_dir: Path, r: RemoteModule, tensors: Tensors, source: str) -> None:
+    folder = gathered_dir(run_dir) / r.module
+    write_tensor_file(
+        folder / f"v{r.version}.dpt",
+        Frame("ModuleRelease", {"module": r.module, "version": r.version}, tensors),
+    )
+    write_json_atomic(
+        folder / "head.json",
+        {"version": r.version, "hash": r.hash, "owner": r.owner, "source": source},
+    )
+    for old in folder.glob("v*.dpt"):
+        if old.name != f"v{r.version}.dpt":
+            old.unlink(missing_ok=True)
+
+
+def _from_folder(folder: Path, r: RemoteModule) -> Tensors | None:
+    """``r`` from an owner's run folder, if that folder holds it at its final version."""
+    mod = folder / "coordinator" / "modules" / r.module
+    try:
+        head = json.loads((mod / "head.json").read_text())
+        if head.get("version") != r.version or head.get("hash") != r.hash:
+            return None
+        tensors = read_tensor_file(mod / f"v{r.version}.dpt").tensors
+    except (ValueError, OSError, DipacoError):
+        return None
+    return tensors if tensors_sha256(tensors) == r.hash else None
+
+
+def _from_owner(
+    connect: Connect, owner: str, wanted: list[RemoteModule], run_id: str
+) -> tuple[dict[str, Tensors], str]:
+    """The ``wanted`` modules from their owner over the network: (modules got, why not others)."""
+    first = wanted[0]
+    try:
+        link = connect(owner, list(first.addresses), first.key)
+        try:
+            reply = link.request(
+                m.FetchReleases(peer_id="gather", modules=[r.module for r in wanted])
+            )
+        finally:
+            link.close()
+    except DipacoError as exc:
+        return {}, "unreachable: " + " ".join(str(exc).split())
+    if not isinstance(reply, m.Modules):
+        return {}, f"answered {type(reply).__name__}, not modules"
+    got: dict[str, Tensors] = {}
+    problems = []
+    for r in wanted:
+        version, digest = reply.versions.get(r.module), reply.hashes.get(r.module)
+        release = {"run": run_id, "module": r.module, "version": version, "hash": digest}
+        if version != r.version or digest != r.hash:
+            problems.append(f"{r.module} is at v{version}, the scheduler recorded v{r.version}")
+            continue
+        if not auth.check_payload(
+            r.key or "", reply.signatures.get(r.module, ""), "release", release
+        ):
+            problems.append(f"{r.module}: its release signature does not verify")
+            continue
+        tensors = {
+            k.partition("/")[2]: t for k, t in reply.tensors.items() if k.startswith(f"{r.module}/")
+        }
+        if tensors_sha256(tensors) != r.hash:
+            problems.append(f"{r.module}: the tensors sent do not match their hash")
+            continue
+        got[r.module] = tensors
+    return got, "; ".join(problems)
+
+
+def gather(
+    run_dir: str | Path,
+    *,
+    owner_dirs: Iterable[str | Path] = (),
+    connect: Connect | None = None,
+    say: Callable[[str], None] = lambda _: None,
+) -> dict[str, Tensors]:
+    """Every remote module of the run at its final version, gathered into ``run_dir``.
+
+    Raises DataError naming each module that could not be had, its owner and where that owner
+    was last seen, and what to do about it.
+    """
+    run_dir = Path(run_dir)
+    remote = remote_modules(run_dir)
+    out: dict[str, Tensors] = {}
+    todo: list[RemoteModule] = []
+    for r in remote:
+        tensors = read_gathered(run_dir, r)
+        if tensors is None:
+            todo.append(r)
+        else:
+            out[r.module] = tensors
+    for r in list(todo):
+        for folder in owner_dirs:
+            tensors = _from_folder(Path(folder), r)
+            if tensors is not None:
+                _write(run_dir, r, tensors, f"folder {folder}")
+                out[r.module] = tensors
+                todo.remove(r)
+                say(f"gathered {r.module} v{r.version} from {folder}")
+                break
+    why: dict[str, str] = {}
+    if todo and connect is not None:
+        run_id = _run_id(run_dir)
+        by_owner: dict[str, list[RemoteModule]] = {}
+        for r in todo:
+            by_owner.setdefault(r.owner, []).append(r)
+        for owner, wanted in by_owner.items():
+            got, problem = _from_owner(connect, owner, wanted, run_id)
+            for r in wanted:
+                if r.module in got:
+                    _write(run_dir, r, got[r.module], f"owner {owner}")
+                    out[r.module] = got[r.module]
+                    todo.remove(r)
+            if got:
+                say(f"gathered {', '.join(sorted(got))} from owner {owner}")
+            if problem:
+                why[owner] = problem
+    if todo:
+        raise DataError(missing_message(run_dir, todo, why, tried_network=connect is not None))
+    return out
+
+
+def missing_message(
+    run_dir: Path, missing: list[RemoteModule], why: dict[str, str], *, tried_network: bool
+) -> str:
+    by_owner: dict[str, list[RemoteModule]] = {}
+    for r in missing:
+        by_owner.setdefault(r.owner, []).append(r)
+    parts = []
+    for owner, rs in by_owner.items():
+        mods = ", ".join(f"{r.module} v{r.version}" for r in rs)
+        where = rs[0].addresses[0] if rs[0].addresses else "no known address"
+        reason = why.get(owner) or ("not reached" if tried_network else "not asked")
+        parts.append(f"owner {owner} (last at {where}) holds {mods}: {reason}")
+    return (
+        f"{run_dir} lacks modules other coordinators own, at their final versions. "
+        + " | ".join(parts)
+        + ". Start those owners again (dipaco-coordinator start --join ... --run-dir THEIR_DIR) "
+        f"and run: dipaco gather --run-dir {run_dir}, or copy their run folders here and pass "
+        "--owner-dir DIR"
+    )
+
+
+def _run_id(run_dir: Path) -> str:
+    state = json.loads((run_dir / "coordinator" / "coordinator.json").read_text())
+    return str(state.get("run_id", ""))
+
+
+def hivemind_connect(run_dir: str | Path, node) -> Connect:
+    """``connect`` over a hivemind node, signing as the scheduler (whose key every owner admits)."""
+    me = auth.Identity.load_or_create(Path(run_dir) / "coordinator" / "signing.key")
+
+    def connect(owner: str, addresses: list[str], key: str | None) -> Transport:
+        return node.transport(owner, addresses, timeout=30.0).authenticate(me, key)
+
+    return connect
+
+
+def gather_run(
+    run_dir: str | Path,
+    *,
+    owner_dirs: Iterable[str | Path] = (),
+    network: bool = True,
+    say: Callable[[str], None] = lambda _: None,
+) -> dict[str, Tensors]:
+    """:func:`gather` for a command run after training: from the gathered copies and
+    ``owner_dirs`` first, then (``network``) from the owners over a client hivemind node
+    started only when something is still missing."""
+    remote = remote_modules(run_dir)
+    if not remote:
+        return {}
+    try:
+        return gather(run_dir, owner_dirs=owner_dirs, say=say)
+    except DataError:
+        if not network:
+            raise
+    from dipaco.protocols.hivemind_transport import HivemindNode
+
+    say(f"fetching modules from their owners: {', '.join(sorted({r.owner for r in remote}))}")
+    with HivemindNode(client_mode=True) as node:
+        return gather(
+            run_dir, owner_dirs=owner_dirs, connect=hivemind_connect(run_dir, node), say=say
+        )
