@@ -240,10 +240,30 @@ def command_parser(prog: str, doc: str | None) -> tuple[argparse.ArgumentParser,
     return parser, parser.add_subparsers(dest="command", required=True)
 
 
+def _take_option(argv: list[str], name: str) -> str | None:
+    """Remove ``name VALUE`` or ``name=VALUE`` from ``argv``; the last value given, or None."""
+    value = None
+    i = 0
+    while i < len(argv):
+        if argv[i] == name and i + 1 < len(argv):
+            value = argv[i + 1]
+            del argv[i : i + 2]
+        elif argv[i].startswith(name + "="):
+            value = argv[i].partition("=")[2]
+            del argv[i]
+        else:
+            i += 1
+    return value
+
+
 def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     """Parse, set up logging, run the chosen subcommand's ``fn`` and exit with its code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    fmt = _take_option(argv, "--log-format")  # accepted after the subcommand too
     args = parser.parse_args(argv)
-    console.configure(args.log_format)
+    if fmt is not None and fmt not in FORMATS:
+        parser.error(f"--log-format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    console.configure(fmt or args.log_format)
     setup_logging(args.verbose)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to stderr, run goes on
         try:

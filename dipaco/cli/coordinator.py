@@ -161,8 +161,12 @@ def wait_finished(
         publisher.publish()  # "finished" in the DHT now: peers that cannot reach us stop
     if gather_from is not None:
         gather_from()
-    # Stay a moment so that peers asking for work hear "finished" rather than a closed socket.
-    time.sleep(linger)
+    # Stay a moment so that peers asking for work hear "finished" rather than a closed socket;
+    # Ctrl-C cuts it short (the run is over: nothing to resume).
+    try:
+        time.sleep(linger)
+    except KeyboardInterrupt:
+        pass
     coordinator.save_counts()
 
 
@@ -201,6 +205,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         )
         addresses = node.visible_maddrs()
         coordinator.addresses[node.peer_id] = addresses
+        coordinator.fetch_remote = remote_fetcher(coordinator, run_dir, node)
         node.serve(coordinator.handle)
         manifest = coordinator.peer_config
         run_id = prep.run_id
@@ -274,9 +279,29 @@ def cmd_start(args: argparse.Namespace) -> int:
             if worker is not None:
                 worker.stop.set()
         if dashboard is not None:
-            dashboard.stop()
+            stop_dashboard(dashboard, run_dir)
         node.shutdown()
     return 0
+
+
+def remote_fetcher(coordinator: Coordinator, run_dir: Path, node):
+    """What the per-round evaluation uses to fetch other owners' current modules."""
+    from dipaco.coordinator.gather import fetch_current, hivemind_connect
+
+    connect = hivemind_connect(run_dir, node)
+
+    def fetch(mids: list[str]) -> dict:
+        wanted = {}
+        for mid in mids:
+            owner = coordinator.owners[mid]
+            wanted[mid] = (
+                owner,
+                coordinator.addresses.get(owner, []),
+                coordinator.owner_keys.get(owner),
+            )
+        return fetch_current(connect, coordinator.run_id, wanted)
+
+    return fetch
 
 
 def gather_at_end(coordinator: Coordinator, run_dir: Path, node, patience: float = 30.0) -> None:
@@ -420,6 +445,12 @@ def start_dashboard(args, coordinator):
     return dashboard
 
 
+def stop_dashboard(dashboard, run_dir: Path) -> None:
+    page = dashboard.stop()
+    if page is not None:
+        say(f"the dashboard's last state: {page} (or: dipaco status {run_dir})")
+
+
 def serve_loopback(args, prep, metrics) -> int:
     run_dir = Path(args.run_dir)
     key, key_path = authkey(run_dir)
@@ -449,7 +480,7 @@ def serve_loopback(args, prep, metrics) -> int:
             t.join(30)
         server.close()
         if dashboard is not None:
-            dashboard.stop()
+            stop_dashboard(dashboard, run_dir)
     return 0
 
 
@@ -500,8 +531,11 @@ def follow(proc, log_file: Path) -> int:
                 f.seek(offset)
                 chunk = f.read()
             offset += len(chunk)
-            for line in chunk.decode(errors="replace").splitlines():
-                console.print(line, markup=False, highlight=False, soft_wrap=True)
+            from dipaco.flower.deploy import strip_ansi
+
+            for line in strip_ansi(chunk.decode(errors="replace")).splitlines():
+                if line.strip():
+                    say(line)
         if code is not None:
             return code
         time.sleep(0.5)

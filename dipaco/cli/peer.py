@@ -35,7 +35,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dipaco.cli.common import command_parser, console, dispatch, say
+from dipaco.cli.common import command_parser, console, dispatch, one_line, say
 from dipaco.errors import ConfigError, TransportError
 from dipaco.fileio import write_json_atomic
 from dipaco.peer.doctor import add_doctor_command, check_device
@@ -54,13 +54,57 @@ def dial_loopback(address: str, key: bytes, patience: float = 60.0) -> LoopbackT
         try:
             return LoopbackTransport(address, key)
         except TransportError as exc:
-            if exc.reason == "auth" or time.monotonic() - began > patience:
+            if exc.reason == "auth":
                 raise
-            console.print(
-                f"{exc}; retrying (if this goes on: dipaco-peer doctor {address} checks "
-                "the address, firewall and clock)"
+            if time.monotonic() - began > patience:
+                raise TransportError(
+                    f"cannot reach the run at {address} ({one_line(exc)}) after {patience:.0f} s "
+                    f"of retries; check it with: dipaco-peer doctor {address}"
+                ) from None
+            say(
+                f"{one_line(exc)}; retrying (if this goes on: dipaco-peer doctor {address} "
+                "checks the address, firewall and clock)"
             )
             time.sleep(1.0)
+
+
+def join_address(text: str, authkey_file: str | None) -> str:
+    """What kind of address the user gave: "hivemind" or "loopback"; a ConfigError that says
+    what was expected when it is neither, or is one with a part missing."""
+    expected = (
+        "expected the address `dipaco-coordinator start` printed: a multiaddr such as "
+        "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... (over the internet), or HOST:PORT with "
+        "--authkey-file (a loopback run on this machine)"
+    )
+    if text.startswith(("http://", "https://")):
+        raise ConfigError(f"{text} is a web address (the dashboard's?), not a run's: {expected}")
+    if text.startswith("/"):
+        from hivemind.utils.multiaddr import Multiaddr
+
+        try:
+            maddr = Multiaddr(text)
+            protocols = [p.name for p in maddr.protocols()]
+        except Exception as exc:
+            raise ConfigError(f"{text} is not a valid multiaddr ({exc}): {expected}") from None
+        if "p2p" not in protocols:
+            raise ConfigError(
+                f"{text} lacks the coordinator's peer id: copy the whole address it printed, "
+                "ending in /p2p/12D3KooW..."
+            )
+        if "tcp" not in protocols and "udp" not in protocols:
+            raise ConfigError(f"{text} has no /tcp/PORT part: {expected}")
+        return "hivemind"
+    if text.startswith(("12D3KooW", "Qm")):
+        raise ConfigError(f"{text} is a peer id alone: {expected} (the id is its /p2p/... part)")
+    host, colon, port = text.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{text!r} is not an address: {expected}")
+    if not authkey_file:
+        raise ConfigError(
+            f"{text} is a loopback address: it needs --authkey-file (the run's "
+            "<run-dir>/coordinator/authkey)"
+        )
+    return "loopback"
 
 
 def stable_peer_id(state_dir: Path, given: str | None) -> str:
@@ -81,6 +125,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         return join_flower(args)
     if not args.address:
         raise ConfigError("join needs the address dipaco-coordinator start printed (or --flower)")
+    kind = join_address(args.address, args.authkey_file)
     state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / "peer")
     peer_id = stable_peer_id(state_dir, args.peer_id)
     me = Identity.load_or_create(state_dir / "signing.key")
@@ -88,13 +133,16 @@ def cmd_join(args: argparse.Namespace) -> int:
     stop = threading.Event()
     extra: dict[str, Any] = {}
     node = None
-    if args.address.startswith("/"):
+    if kind == "hivemind":
         transport, node, extra = _hivemind(args, peer_id, state_dir, me, trust)
     else:
-        if not args.authkey_file:
-            raise ConfigError("a loopback address (host:port) needs --authkey-file")
-        key = bytes.fromhex(Path(args.authkey_file).read_text().strip())
-        transport = dial_loopback(args.address, key).authenticate(me, *trust)
+        try:
+            key = bytes.fromhex(Path(args.authkey_file).read_text().strip())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"--authkey-file {args.authkey_file}: not a readable key file ({exc})"
+            ) from None
+        transport = dial_loopback(args.address, key, args.patience).authenticate(me, *trust)
     # Installed once the hivemind node runs: Ctrl-C then stops the peer, which releases its task.
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -314,9 +362,14 @@ def join_flower(args: argparse.Namespace) -> int:
 
         def on_task(info: dict) -> None:
             if info.get("error"):
-                console.print(f"[yellow]{info['op']} failed[/]: {info['error']}", soft_wrap=True)
+                console.event("task_failed", f"{info['op']} failed: {one_line(info['error'])}")
             elif info.get("task"):
-                console.print(f"trained {info['task']} in {info['seconds']:.1f} s")
+                console.event(
+                    "task_trained",
+                    f"task {info['task']}: trained in {info['seconds']:.1f} s",
+                    task=info["task"],
+                    seconds=round(info["seconds"], 2),
+                )
 
         trainer = NodeTrainer(config, on_task=on_task)
         config.update(trainer.node_config)
@@ -331,12 +384,32 @@ def join_flower(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    finished = state_dir / "flower" / "finished.json"
+    finished.unlink(missing_ok=True)  # a marker from an earlier run
     node.start()
-    console.print(f"SuperNode {peer_id} started for {args.flower} (log: {node.log_file})")
+    say(f"SuperNode {peer_id} started for {args.flower} (log: {node.log_file})")
+    began, warned = time.monotonic(), False
     try:
         while not stop.wait(1.0):
+            if finished.exists():
+                say(f"the run has finished; node {peer_id} leaves")
+                break
             code = node.returncode
             if code is None:
+                if (
+                    not warned
+                    and trainer is not None
+                    and trainer.served == 0
+                    and time.monotonic() - began > args.patience
+                ):
+                    warned = True
+                    tail = one_line(deploy.strip_ansi(node.log_tail(3)))
+                    say(
+                        f"no message from the SuperLink at {args.flower} after "
+                        f"{args.patience:.0f} s: check the address and that the operator ran "
+                        f"add-peer for this node's key (dipaco-peer doctor {args.flower}); "
+                        f"the SuperNode's log ends: {tail}"
+                    )
                 continue
             if deploy.REFUSED_LOG_LINE in deploy.strip_ansi(node.log_tail(200)):
                 raise ConfigError(
@@ -349,7 +422,8 @@ def join_flower(args: argparse.Namespace) -> int:
         node.stop()
         if trainer is not None:
             trainer.close()
-    console.print(f"node {peer_id} left")
+    if not finished.exists():
+        say(f"node {peer_id} left")
     return 0
 
 
@@ -376,6 +450,27 @@ def coordinator_trust(
     return key, pin
 
 
+def start_node(address: str, patience: float) -> Any:
+    """A client hivemind node bootstrapped from ``address``, retried for ``patience`` seconds
+    (the coordinator may be restarting); then a TransportError that points to ``doctor``."""
+    from dipaco.protocols.hivemind_transport import HivemindNode
+
+    began = time.monotonic()
+    while True:
+        try:
+            return HivemindNode(initial_peers=[address], client_mode=True)
+        except TransportError as exc:
+            why = one_line(exc).removeprefix("cannot start a hivemind node: ")
+            left = patience - (time.monotonic() - began)
+            if left <= 0:
+                raise TransportError(
+                    f"cannot reach the run at {address} ({why}) after {patience:.0f} s of "
+                    f"retries; check it with: dipaco-peer doctor {address}"
+                ) from None
+            say(f"cannot reach {address} yet ({why}); retrying for {left:.0f} s more")
+            time.sleep(min(2.0, max(left, 0.1)))
+
+
 def _hivemind(
     args: argparse.Namespace,
     peer_id: str,
@@ -386,9 +481,8 @@ def _hivemind(
     """Join the run's DHT in client mode; the scheduler's transport and the Peer's extras."""
     from dipaco.peer.download import RunFiles
     from dipaco.protocols import discovery
-    from dipaco.protocols.hivemind_transport import HivemindNode
 
-    node = HivemindNode(initial_peers=[args.address], client_mode=True)
+    node = start_node(args.address, args.patience)
     try:
         run_id, entry, manifest = discovery.find_run(node, args.run)
         links = []
@@ -475,9 +569,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     join.add_argument("--peer-id")
     join.add_argument(
-        "--state-dir", help="where inner optimizer state is kept (default ~/.cache/dipaco/<id>)"
+        "--state-dir",
+        help="where the peer keeps its key, task checkpoints and downloads "
+        "(default ~/.cache/dipaco/peer)",
     )
     join.add_argument("--max-tasks", type=int)
+    join.add_argument(
+        "--patience",
+        type=float,
+        default=60.0,
+        help="seconds to keep retrying an address that does not answer yet (default 60)",
+    )
     join.add_argument(
         "--precision",
         choices=["auto", "fp32", "bf16"],

@@ -7,11 +7,13 @@ import json
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from urllib.parse import urlencode, urlsplit
 
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from dipaco.cli.common import console
 from dipaco.errors import TransportError
@@ -31,7 +33,23 @@ def status_url(address: str, token: str | None) -> str:
     return f"{parts.scheme}://{parts.netloc}/api/status{suffix}"
 
 
+def saved_status(run_dir: Path) -> dict:
+    """The last state a run's dashboard saved when its coordinator stopped."""
+    file = run_dir / "dashboard" / "status.json"
+    if not file.exists():
+        raise TransportError(
+            f"{run_dir} has no saved dashboard state ({file}): it is written when a coordinator "
+            "started with --dashboard stops; for a live run give the dashboard's address"
+        )
+    try:
+        return json.loads(file.read_text())
+    except ValueError as exc:
+        raise TransportError(f"{file}: not readable: {exc}") from None
+
+
 def fetch_status(address: str, token: str | None = None, timeout: float = 10.0) -> dict:
+    if Path(address).is_dir():
+        return saved_status(Path(address))
     url = status_url(address, token)
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -58,12 +76,19 @@ def render(s: dict) -> Group:
         f"run [bold]{s['run_id']}[/]",
         f"round [bold]{s['round']}/{s['rounds']}[/]",
         state,
-        f"peers {len(s['peers'])}",
+        "peers {} live{}".format(
+            sum(p.get("state") != "gone" for p in s["peers"].values()),
+            f", {sum(p.get('state') == 'gone' for p in s['peers'].values())} gone"
+            if any(p.get("state") == "gone" for p in s["peers"].values())
+            else "",
+        ),
         f"tasks out {len(s['leases'])}",
     )
     routed = s["series"]["routed_ppl"]
     if routed:
         head.add_row(f"routed validation ppl {routed[-1]['ppl']:.2f} (round {routed[-1]['round']})")
+    elif s.get("evaluation"):
+        head.add_row(Text(s["evaluation"], style="dim"))
     grid = Table(title="modules (version, deltas pending)", title_justify="left")
     width = max((len(r["modules"]) for r in s["grid"]), default=0)
     grid.add_column("row")
@@ -78,13 +103,27 @@ def render(s: dict) -> Group:
         ]
         grid.add_row(row["name"], *cells)
     peers = Table(title="peers", title_justify="left")
-    for col in ("peer", "device", "task", "path", "tok/s", "tasks", "MB in", "MB out", "seen"):
-        peers.add_column(col, justify="right" if col[0] in "tTMs" and col != "task" else "left")
+    columns = (
+        "peer",
+        "state",
+        "device",
+        "task",
+        "path",
+        "tok/s",
+        "tasks",
+        "MB in",
+        "MB out",
+        "seen",
+    )
+    for col in columns:
+        right = col in ("tok/s", "tasks", "MB in", "MB out", "seen")
+        peers.add_column(col, justify="right" if right else "left", no_wrap=True)
     for pid, p in sorted(s["peers"].items()):
         peers.add_row(
             pid,
+            str(p.get("state", "")),
             str(p.get("device", "")),
-            str(p.get("task") or "idle"),
+            str(p.get("task") or ""),
             "" if p.get("current_path") is None else f"P{p['current_path']}",
             f"{p.get('tokens_per_s', 0):.0f}",
             str(p.get("tasks_done", 0)),
@@ -92,7 +131,19 @@ def render(s: dict) -> Group:
             f"{p.get('bytes_out', 0) / 1e6:.2f}",
             f"{p.get('seen_ago', 0):.1f} s",
         )
-    parts = [head, grid, peers]
+    owners = Table(title="module owners", title_justify="left")
+    for col in ("owner", "role", "modules", "address", "seen"):
+        owners.add_column(col, no_wrap=col != "modules")
+    for oid, o in sorted(s.get("owners", {}).items()):
+        seen = o.get("seen_ago")
+        owners.add_row(
+            oid,
+            "scheduler" if o.get("scheduler") else "owner",
+            ", ".join(o.get("modules", [])),
+            (o.get("addresses") or [""])[0],
+            "" if seen is None else f"{seen:.1f} s",
+        )
+    parts = [head, grid, peers, owners]
     if s["rejections"]:
         rej = Table(title="rejections", title_justify="left")
         rej.add_column("reason")
@@ -110,6 +161,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not args.watch:
         console.print(render(fetch_status(args.address, args.token)))
         return 0
+    if console.lines:  # to a file: the whole state every interval, as lines
+        while True:
+            s = fetch_status(args.address, args.token)
+            console.print(render(s))
+            if s["finished"]:
+                return 0
+            time.sleep(args.interval)
     with Live(console=console, refresh_per_second=4) as live:
         while True:
             s = fetch_status(args.address, args.token)
@@ -123,7 +181,11 @@ def add_status_command(sub) -> None:
     st = sub.add_parser(
         "status", help="a run's state from its coordinator's dashboard address (host:port)"
     )
-    st.add_argument("address", help="the dashboard address the coordinator printed")
+    st.add_argument(
+        "address",
+        help="the dashboard address the coordinator printed, or a run folder (its last saved "
+        "state)",
+    )
     st.add_argument("--token", help="the dashboard token (when it listens beyond loopback)")
     st.add_argument("--json", action="store_true", help="print the whole snapshot as JSON")
     st.add_argument("--watch", action="store_true", help="refresh until the run finishes")

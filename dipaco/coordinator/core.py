@@ -138,6 +138,11 @@ class Coordinator:
         # scheduler: remote modules it holds a checked copy of at their final version (gathered
         # after the run); owner: what the scheduler's last ReportAck said of ours
         self.gathered: set[str] = set()
+        # scheduler: fetches other owners' current modules (module ids -> tensors) for the
+        # per-round evaluation; None: not possible on this transport
+        self.fetch_remote: Callable[[list[str]], dict[str, dict[str, torch.Tensor]]] | None = None
+        self.eval_note: str | None = None  # why there is no per-round validation, if there is none
+        self.owner_seen: dict[str, float] = {}  # other owners: when they last reported
         self.handing: dict[str, tuple[str, float]] = {}  # module -> (new owner, since)
         self.done: set[tuple[int, int]] = set()  # (path, round) whose task every owner acked
         # (path, round) whose task ran past the deadline: rounds may close without them.
@@ -735,6 +740,7 @@ class Coordinator:
             if not isinstance(info, dict) or not isinstance(info.get("version"), int):
                 self._reject(req.owner_id, "bad-message", f"report for {mid} lacks a version")
         self.remote.update(req.modules)
+        self.owner_seen[req.owner_id] = self.clock()
         if req.addresses:
             self.addresses[req.owner_id] = list(req.addresses)
         self._save_state()
@@ -855,11 +861,9 @@ class Coordinator:
                 "expired_leases": self.scheduler.expired,
                 "task_deadline": self.scheduler.task_deadline(),
                 "overdue": sorted(self.overdue),
-                "peers": {
-                    pid: {k: v for k, v in info.items() if k != "last_seen"}
-                    | {"seen_ago": round(now - info["last_seen"], 1)}
-                    for pid, info in self.peers.items()
-                },
+                "peers": self._peer_rows(now),
+                "owners": self._owner_rows(now),
+                "evaluation": self.eval_note,
                 "rejections": dict(self.rejections),
                 "rejections_by_peer": {p: dict(c) for p, c in self.rejections_by_peer.items()},
                 "access": self.access.summary(),
@@ -868,6 +872,51 @@ class Coordinator:
                 },
             }
         )
+
+    def _peer_rows(self, now: float) -> dict[str, dict[str, Any]]:
+        """Peers as ``status`` shows them: module owners are not peers; a peer's task is the one
+        it holds a lease for now; ``state`` is training, idle, or gone (silent longer than a
+        lease: it left, or died)."""
+        owners = set(self.owners.values()) | set(self.owner_seen)
+        current = {lease.peer_id: t for t, lease in self.scheduler.leases.items()}
+        rows = {}
+        for pid, info in self.peers.items():
+            if pid in owners:
+                continue
+            seen_ago = now - info["last_seen"]
+            state = (
+                "training"
+                if pid in current
+                else "gone"
+                if seen_ago > self.scheduler.lease_seconds
+                else "idle"
+            )
+            rows[pid] = {k: v for k, v in info.items() if k != "last_seen"} | {
+                "seen_ago": round(seen_ago, 1),
+                "task": current.get(pid),
+                "state": state,
+            }
+        return rows
+
+    def _owner_rows(self, now: float) -> dict[str, dict[str, Any]]:
+        """Every coordinator that owns modules of the run, this one included."""
+        rows: dict[str, dict[str, Any]] = {}
+        for mid, owner in sorted(self.owners.items()):
+            row = rows.setdefault(
+                owner,
+                {
+                    "modules": [],
+                    "addresses": self.addresses.get(owner, []),
+                    "scheduler": owner == self.owner_id and self.is_scheduler,
+                    "seen_ago": 0.0
+                    if owner == self.owner_id
+                    else round(now - self.owner_seen[owner], 1)
+                    if owner in self.owner_seen
+                    else None,
+                },
+            )
+            row["modules"].append(mid)
+        return rows
 
     # ---- the wire -----------------------------------------------------------------------------
     _OPS = {
@@ -1054,7 +1103,7 @@ class Coordinator:
             horizon = self.round - self.policy.max_staleness
             self.scheduler.forget_before(horizon)
             self.done = {(p, r) for p, r in self.done if r >= horizon}
-            if self.on_round is not None and all(self.owns(mid) for mid in self.owners):
+            if self.on_round is not None:
                 self.on_round(self.round)
         if self.finished:
             self.finished_event.set()

@@ -149,8 +149,14 @@ def _from_owner(
     for r in wanted:
         version, digest = reply.versions.get(r.module), reply.hashes.get(r.module)
         release = {"run": run_id, "module": r.module, "version": version, "hash": digest}
-        if version != r.version or digest != r.hash:
+        if version != r.version:
             problems.append(f"{r.module} is at v{version}, the scheduler recorded v{r.version}")
+            continue
+        if digest != r.hash:
+            problems.append(
+                f"{r.module} v{version} is not the release the scheduler recorded (hash "
+                f"{str(digest)[:12]}, recorded {r.hash[:12]})"
+            )
             continue
         if not auth.check_payload(
             r.key or "", reply.signatures.get(r.module, ""), "release", release
@@ -281,3 +287,40 @@ def gather_run(
         return gather(
             run_dir, owner_dirs=owner_dirs, connect=hivemind_connect(run_dir, node), say=say
         )
+
+
+def fetch_current(
+    connect: Connect,
+    run_id: str,
+    wanted: dict[str, tuple[str, list[str], str | None]],
+) -> dict[str, Tensors]:
+    """The latest release of each wanted module (module -> (owner, its addresses, its key)),
+    each checked against its owner's release signature and its hash: for the scheduler's
+    per-round evaluation while owners train. A DataError names what could not be had."""
+    by_owner: dict[str, list[str]] = {}
+    for mid, (owner, _, _) in wanted.items():
+        by_owner.setdefault(owner, []).append(mid)
+    out: dict[str, Tensors] = {}
+    for owner, mids in by_owner.items():
+        _, addresses, key = wanted[mids[0]]
+        try:
+            link = connect(owner, addresses, key)
+            try:
+                reply = link.request(m.FetchReleases(peer_id="evaluation", modules=mids))
+            finally:
+                link.close()
+        except DipacoError as exc:
+            raise DataError(f"owner {owner} unreachable: {' '.join(str(exc).split())}") from None
+        for mid in mids:
+            version, digest = reply.versions.get(mid), reply.hashes.get(mid)
+            release = {"run": run_id, "module": mid, "version": version, "hash": digest}
+            tensors = {
+                k.partition("/")[2]: t for k, t in reply.tensors.items() if k.startswith(f"{mid}/")
+            }
+            if (
+                not auth.check_payload(key or "", reply.signatures.get(mid, ""), "release", release)
+                or tensors_sha256(tensors) != digest
+            ):
+                raise DataError(f"owner {owner} sent {mid} without a valid signed release")
+            out[mid] = tensors
+    return out

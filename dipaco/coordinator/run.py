@@ -28,7 +28,7 @@ from dipaco.coordinator.prepare import (
     phase_prefix,
 )
 from dipaco.data.shards import TokenShard, window_batches
-from dipaco.errors import ConfigError
+from dipaco.errors import ConfigError, DipacoError
 from dipaco.fileio import file_info, write_json_atomic
 from dipaco.model.optim import (
     load_optimizer_state_tensors,
@@ -439,7 +439,43 @@ def build_coordinator(
             )
             start_phase(k)
 
+    said: set[str] = set()  # notes logged once
+
+    def note(text: str) -> None:
+        coordinator.eval_note = text
+        if text not in said:
+            said.add(text)
+            log.warning("%s", text)
+
+    def whole_model() -> Callable[[str], dict[str, torch.Tensor]] | None:
+        """Every module's current tensors: this coordinator's own, and (fetched from their
+        owners) the others'; None when the others cannot be fetched now."""
+        others = [mid for mid in c.build_topology().module_ids() if not coordinator.owns(mid)]
+        if not others:
+            return coordinator.store.params
+        if coordinator.fetch_remote is None:
+            note(
+                "no per-round validation: other coordinators own modules and this transport "
+                "cannot fetch them; `dipaco eval --run-dir` after the run gathers them"
+            )
+            return None
+        try:
+            remote = coordinator.fetch_remote(others)
+        except DipacoError as exc:
+            note(f"per-round validation skipped: cannot fetch other owners' modules ({exc})")
+            return None
+        coordinator.eval_note = None
+        return lambda mid: remote[mid] if mid in remote else coordinator.store.params(mid)
+
     def on_round(rnd: int) -> None:
+        if not all(coordinator.owns(mid) for mid in coordinator.owners):
+            # With other owners only the validation runs (with their modules fetched): held-out
+            # scoring for early stopping and routing phases needs every module here.
+            if evaluate and c.eval.every_round:
+                modules = whole_model()
+                if modules is not None:
+                    evaluate_round(rnd, modules)
+            return
         losses = None
         if early is not None:
             losses = track_early_stopping(prep, early, coordinator.store.params, rnd, device)
@@ -447,23 +483,26 @@ def build_coordinator(
                 {"event": "heldout", "round": rnd, "losses": {str(p): v for p, v in losses.items()}}
             )
         if evaluate and c.eval.every_round:
-            result = evaluate_modules(prep, coordinator.store.params, device=device)
-            metrics(
-                {
-                    "event": "eval",
-                    "model": "dipaco",
-                    "round": rnd,
-                    "steps_per_path": c.train.pretrain_steps + rnd * c.train.inner_steps,
-                    "ppl": result["ppl"],
-                    "loss": result["loss"],
-                    "per_path": {str(p): v["ppl"] for p, v in result["per_path"].items()},
-                }
-            )
+            evaluate_round(rnd, coordinator.store.params)
         for k, after in enumerate(coordinator.phase_rounds, start=1):
             if rnd >= after:
                 start_phase(k)
         if plateau > 0:
             decide_phase(rnd, losses)
+
+    def evaluate_round(rnd: int, modules: Callable[[str], dict[str, torch.Tensor]]) -> None:
+        result = evaluate_modules(prep, modules, device=device)
+        metrics(
+            {
+                "event": "eval",
+                "model": "dipaco",
+                "round": rnd,
+                "steps_per_path": c.train.pretrain_steps + rnd * c.train.inner_steps,
+                "ppl": result["ppl"],
+                "loss": result["loss"],
+                "per_path": {str(p): v["ppl"] for p, v in result["per_path"].items()},
+            }
+        )
 
     coordinator = coordinator_for(
         c,
@@ -481,6 +520,12 @@ def build_coordinator(
         files=run_files(prep),
         heldout_loss=heldout_scorer(prep, device) if c.validation.heldout_check else None,
     )
+    if not (evaluate and c.eval.every_round):
+        coordinator.eval_note = (
+            "no per-round validation: the coordinator was started with --no-eval"
+            if not evaluate
+            else "no per-round validation: eval.every_round is off in the run config"
+        )
     coordinator.start(c.build_topology().init_modules(prep.initial_state()))
     for routing in prep.refresh().routings[1:]:
         coordinator.add_phase(

@@ -116,5 +116,12 @@ def _train(msg: Message, context: Context) -> Message:
 
 
 @client_app.query()
-def _hello(msg: Message, context: Context) -> Message:
-    return _answer("hello", msg, context)
+def _query(msg: Message, context: Context) -> Message:
+    """``hello`` (the ServerApp learns the node's key), or ``finished`` (the run is over)."""
+    from dipaco.flower import records as rec
+
+    try:
+        op = rec.meta_of(msg.content).get("op")
+    except Exception:  # malformed: answered as a hello, which reports the problem
+        op = None
+    return _answer("finished" if op == "finished" else "hello", msg, context)

@@ -269,6 +269,13 @@ def respond(
     try:
         if op == "hello":
             return {"op": op, "state": node.report()}, {"envelope": node.hello()}
+        if op == "finished":
+            # `dipaco-peer join --flower` watches for this file, says so and exits
+            write_json_atomic(
+                Path(str(state_dir)) / "flower" / "finished.json",
+                {"run": str(meta.get("run", "")), "round": meta.get("round")},
+            )
+            return {"op": op}, {}
         if op == "train":
             task_id, envelope = node.train(meta, blobs, files)
             return {"op": op, "task": task_id, "state": node.report()}, {"envelope": envelope}

@@ -222,7 +222,35 @@ class DipacoStrategy(Strategy):
                 self.core.round,
                 self.core.rounds,
             )
+        if self.core.finished:
+            self.announce_finished(grid)
         return result
+
+    def announce_finished(self, grid: Grid, wait: float = 15.0) -> int:
+        """Tell every node the run has finished (a ``finished`` query), so that each says so and
+        exits instead of waiting for tasks; waits up to ``wait`` s for them to hear it."""
+        node_ids = sorted(int(n) for n in grid.get_node_ids())
+        if not node_ids:
+            return 0
+        messages = [
+            Message(
+                rec.pack({"op": "finished", "run": self.core.run_id, "round": self.core.round}),
+                dst_node_id=nid,
+                message_type="query",
+                group_id="finished",
+                ttl=wait,
+            )
+            for nid in node_ids
+        ]
+        ids = list(grid.push_messages(messages))
+        waiting, heard, began = set(ids), 0, time.monotonic()
+        while waiting and time.monotonic() - began < wait:
+            for reply in grid.pull_messages(list(waiting)):
+                waiting.discard(reply.metadata.reply_to_message_id)
+                heard += 1
+            time.sleep(self.settings.poll_seconds)
+        log.info("told %d of %d nodes that the run has finished", heard, len(ids))
+        return heard
 
     # ---- sending ------------------------------------------------------------------------------
     def _preferences(self, ready: list[int]) -> list[tuple[int, int | None]]:

@@ -32,8 +32,11 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
+import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -143,6 +146,28 @@ def _install_pdeathsig_for_subprocesses() -> None:
         return await original(*args, **kwargs)
 
     asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
+
+
+def _remove_stale_sockets(since: float) -> list[str]:
+    """Remove hivemind daemon socket files made since ``since`` that nothing listens on: a
+    daemon that failed to start (a dead bootstrap address, a bad multiaddr) leaves its file."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob("hivemind-p2pd-*.sock"):
+        try:
+            if path.stat().st_mtime < since - 1.0:
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(0.5)
+                probe.connect(str(path))
+        except ConnectionRefusedError:
+            try:
+                path.unlink()
+                removed.append(str(path))
+            except OSError:
+                pass
+        except OSError:  # gone already, or someone listens: not ours to remove
+            continue
+    return removed
 
 
 class _WatchedDHT(DHT):
@@ -424,6 +449,7 @@ class HivemindNode:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._p2p: P2P | None = None
+        self._started_at = time.time()
 
         kwargs: dict[str, Any] = {"client_mode": client_mode}
         if client_mode:
@@ -448,7 +474,9 @@ class HivemindNode:
         except BaseException as exc:
             self.shutdown()
             if isinstance(exc, Exception):
-                raise TransportError(f"cannot start a hivemind node: {exc}") from exc
+                # one line, without the daemon's own "2026/11/25 15:43:58" log stamps
+                why = re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", " ".join(str(exc).split()))
+                raise TransportError(f"cannot start a hivemind node: {why}") from exc
             raise
         self.peer_id: str = self._p2p.peer_id.to_base58()
         log.debug("hivemind node %s started (client_mode=%s)", self.peer_id, client_mode)
@@ -592,6 +620,7 @@ class HivemindNode:
         if self._dht.is_alive():
             self._dht.kill()
             self._dht.join(5.0)
+        _remove_stale_sockets(self._started_at)
 
     def __enter__(self) -> HivemindNode:
         return self

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dipaco.errors import ConfigError
+from dipaco.fileio import write_atomic
 from dipaco.watch.snapshot import Series, json_safe, snapshot
 
 log = logging.getLogger(__name__)
@@ -153,9 +154,35 @@ class Dashboard:
         self.thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self) -> Path | None:
+        """Stop serving, and keep the last state viewable: ``<run-dir>/dashboard/index.html``
+        (the page with its last snapshot inside, Plotly beside it) and ``status.json`` (what
+        ``dipaco status RUN_DIR`` reads). Returns the page's path, or None if it could not be
+        written."""
         self.server.shutdown()
         self.server.server_close()
+        try:
+            return self.save(self.run_dir / "dashboard")
+        except OSError as exc:
+            log.warning("cannot save the dashboard's final state: %s", exc)
+            return None
+
+    def save(self, folder: Path) -> Path:
+        data = json.dumps(json_safe(self.snapshot()), allow_nan=False)
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(folder / "status.json", data.encode())
+        plotly = folder / "plotly.min.js"
+        if not plotly.exists():
+            write_atomic(plotly, self.plotly())
+        embedded = data.replace("</", "<\\/")  # nothing in the data can close the script
+        page = self._page.replace(
+            b'<script src="/static/plotly.min.js"></script>',
+            b'<script src="plotly.min.js"></script>\n<script>window.DIPACO_STATUS = '
+            + embedded.encode()
+            + b";</script>",
+        )
+        write_atomic(folder / "index.html", page)
+        return folder / "index.html"
 
     def snapshot(self) -> dict:
         return snapshot(self.coordinator, self.run_dir, self.series)

@@ -179,6 +179,8 @@ def snapshot(coordinator, run_dir: Path, series: Series) -> dict[str, Any]:
         "grid": module_grid(state["modules"], paths_through),
         "leases": state["leases"],
         "peers": peers,
+        "owners": state.get("owners", {}),
+        "evaluation": state.get("evaluation"),
         "rejections": state["rejections"],
         "rejections_by_peer": state["rejections_by_peer"],
         "routing": routing_histogram(run_dir),

@@ -164,6 +164,24 @@ def test_dashboard_in_chromium_and_status_json_during_a_live_run(run_copy, tmp_p
     log = log_path.read_text()
     assert coordinator.returncode in (0, 130), log[-3000:]  # 130: stopped by Ctrl-C, cleanly
     assert "Traceback" not in log, log[-3000:]
+    assert "ERROR" not in log and "\x1b" not in log, log[-3000:]
+
+    # The final state stays viewable once the coordinator is gone: a saved page, and the same
+    # snapshot for `dipaco status RUN_DIR`.
+    assert f"the dashboard's last state: {root / 'dashboard' / 'index.html'}" in log
+    page_html = (root / "dashboard" / "index.html").read_text()
+    assert (
+        "window.DIPACO_STATUS = " in page_html and (root / "dashboard" / "plotly.min.js").exists()
+    )
+    out = subprocess.run(
+        [BIN / "dipaco", "status", root, "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    final = json.loads(out.stdout)
+    assert final["finished"] and sorted(final["peers"]) == ["peer0", "peer1"]
+    assert all(p["task"] is None for p in final["peers"].values())  # no departed peer's task
+    assert [o["scheduler"] for o in final["owners"].values()] == [True]  # owners are not peers
+    assert sorted(next(iter(final["owners"].values()))["modules"]) == sorted(_module_ids(root))
 
 
 def _module_ids(root):

@@ -143,6 +143,11 @@ def test_a_flower_run_with_tls_node_keys_a_stranger_and_a_killed_node(run_copy, 
         time.sleep(2.0)
         kill_tree(nodes[1])
         assert coordinator.wait(480) == 0, printed()
+        # The run's end reaches the surviving node: it says so and exits 0 by itself.
+        assert nodes[0].wait(60) == 0
+        node_out = nodes[0].stdout.read()
+        assert "the run has finished; node node-a leaves" in node_out, node_out
+        assert "\x1b" not in node_out + printed(), "ANSI codes in output to a file"
     finally:
         for proc in nodes:
             if proc.poll() is None:

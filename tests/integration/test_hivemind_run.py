@@ -104,9 +104,10 @@ def read_events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def start_coordinator(root, config) -> tuple[Proc, str]:
+def start_coordinator(root, config, evaluate: bool = False) -> tuple[Proc, str]:
     proc = Proc(BIN / "dipaco-coordinator", "-v", "start", "--config", config, "--run-dir", root,
-                "--no-eval", "--publish-seconds", "2", name="coordinator")  # fmt: skip
+                *([] if evaluate else ["--no-eval"]), "--publish-seconds", "2",
+                name="coordinator")  # fmt: skip
     address_file = root / "coordinator" / "address"
     address = wait_for(
         lambda: proc.saw("another module owner") and address_file.read_text().strip(),
@@ -268,7 +269,8 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(run_copy, tm
     root, owner_dir = run_copy("networked"), tmp_path / "owner"
     procs: list[Proc] = []
     try:
-        coordinator, address = start_coordinator(root, config)
+        # With the per-round validation on: the scheduler fetches the owner's modules for it.
+        coordinator, address = start_coordinator(root, config, evaluate=True)
         procs.append(coordinator)
         owner = start_owner(address, root, owner_dir)
         procs.append(owner)
@@ -310,6 +312,10 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(run_copy, tm
     assert networked_eval["gathered"] == SECOND.split(",")
     assert networked_eval["ppl"] == reference_eval["ppl"]
     assert networked_eval["per_path"] == reference_eval["per_path"]
+    # The per-round validation saw the whole model too: after the last round, the same figure.
+    rounds = {e["round"]: e["ppl"] for e in read_events(root / "metrics.jsonl")
+              if e["event"] == "eval" and e["model"] == "dipaco"}  # fmt: skip
+    assert sorted(rounds) == [1, 2] and rounds[2] == networked_eval["ppl"], rounds
     for run, out in ((local, tmp_path / "export-local"), (root, tmp_path / "export-net")):
         done = cli("export", "--run-dir", run, "--path", 3, "--out", out)
         assert done.returncode == 0, done.stdout + done.stderr

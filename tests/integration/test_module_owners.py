@@ -5,15 +5,21 @@ checks the ownership logic itself: hand-over, per-owner fetch and push, reports,
 result equals a single coordinator's bit for bit.
 """
 
+import json
 import threading
 
+import pytest
 import torch
 
 from dipaco.coordinator.access import change_access
+from dipaco.coordinator.gather import gather
 from dipaco.coordinator.owner import Reporter, take_over
 from dipaco.coordinator.prepare import prepare
 from dipaco.coordinator.run import MetricsLog, build_coordinator, build_owner
+from dipaco.errors import DataError
+from dipaco.model.hf_export import open_run
 from dipaco.peer.peer import Peer
+from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LocalTransport
 
 SECOND = ["L1.M0", "L1.M1"]
@@ -54,6 +60,9 @@ def test_two_owners_match_one_coordinator_bit_for_bit(run_copy, tiny_config):
     )
     # The scheduler's operator allows the second owner's key (dipaco-coordinator allow --owner).
     change_access(primary.root, second.identity.public_key, allow=True, owner=True)
+    # The owner introduces itself as the CLI's owner does; it must not show up as a peer.
+    hello = m.Hello(peer_id="owner-b", device="coordinator")
+    LocalTransport(primary.handle).authenticate(second.identity).request(hello)
     assert take_over(second, LocalTransport(primary.handle), SECOND) == SECOND
     assert {mid for mid, o in primary.owners.items() if o == "owner-b"} == set(SECOND)
     assert set(primary.store.modules) == set(prep.config.build_topology().module_ids()) - set(
@@ -82,3 +91,41 @@ def test_two_owners_match_one_coordinator_bit_for_bit(run_copy, tiny_config):
     # The loss curves still see every task (the scheduler logs TaskDone).
     deltas = [e for e in MetricsLog(root / "metrics.jsonl").read() if e["event"] == "delta"]
     assert len(deltas) == 4 * rounds
+
+    # What `dipaco status` shows: owners as owners, peers without them, no task of a peer gone.
+    state = primary.status().state
+    assert sorted(state["peers"]) == ["peer-0", "peer-1"]
+    assert all(p["task"] is None and p["state"] != "training" for p in state["peers"].values())
+    assert state["owners"]["owner-b"]["modules"] == SECOND
+    assert not state["owners"]["owner-b"]["scheduler"] and state["owners"]["local"]["scheduler"]
+
+    # Gathered whole: the owner's final modules, checked against the scheduler's record and the
+    # owner's release signatures, into the scheduler's folder, where eval and export find them.
+    def connect(owner, addresses, key):
+        assert owner == "owner-b" and key == second.identity.public_key
+        return LocalTransport(second.handle).authenticate(primary.identity, key)
+
+    with pytest.raises(DataError, match=r"owner owner-b .* holds L1\.M0 v2, L1\.M1 v2: not asked"):
+        gather(root)  # nothing gathered yet, and no way to ask
+    got = gather(root, connect=connect)
+    assert sorted(got) == SECOND
+    usable = open_run(root, network=False)
+    assert sorted(usable.remote) == SECOND
+    for mid in prep.config.build_topology().module_ids():
+        for name, tensor in reference.store.params(mid).items():
+            assert torch.equal(usable.params(mid)[name], tensor), (mid, name)
+    # A damaged gathered copy is not used: it is fetched again.
+    version_file = root / "gathered" / "L1.M0" / f"v{rounds}.dpt"
+    version_file.write_bytes(version_file.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(DataError, match="owner-b"):
+        gather(root)
+    assert sorted(gather(root, connect=connect)) == SECOND
+    # An owner that serves something other than what it reported is refused, and named.
+    state_file = root / "coordinator" / "coordinator.json"
+    saved = json.loads(state_file.read_text())
+    saved["remote"]["L1.M1"]["hash"] = "0" * 64
+    state_file.write_text(json.dumps(saved))
+    with pytest.raises(
+        DataError, match=r"owner-b.*L1\.M1 v2 is not the release the scheduler recorded"
+    ):
+        gather(root, connect=connect)

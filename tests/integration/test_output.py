@@ -1,0 +1,278 @@
+"""What the commands print when a person (or a log file) reads them.
+
+Output to a file is one timestamped line per message or event (or one JSON object per line),
+never cut and without ANSI codes; every mistake a user can make at the command line ends with
+exit code 2 and one line saying what to do, and leaves no file or process behind.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from _waiting import wait_for
+
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.slow
+STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d ")
+PEER_ID = "12D3KooWQ6XhUxsJ2Udqf8n2LRWpdP2Skr9boZuZAcWWxfBH4mSp"
+
+
+def run_config(tmp_path) -> Path:
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'preset = "tiny"\n[train]\ninner_steps = 30\nrounds = 2\n'
+        "[scheduler]\nlease_seconds = 5.0\nheartbeat_seconds = 0.5\n"
+    )
+    return config
+
+
+def events(root: Path, kind: str) -> list[dict]:
+    lines = (root / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def to_file(args, path: Path) -> subprocess.Popen:
+    """A command with its stdout and stderr in ``path``, as under nohup or systemd."""
+    out = open(path, "w")  # noqa: SIM115 - the child holds it; closed when the test ends
+    return subprocess.Popen([str(a) for a in args], stdout=out, stderr=subprocess.STDOUT)
+
+
+def plain_lines(path: Path) -> list[str]:
+    text = path.read_text()
+    assert "\x1b" not in text, f"ANSI codes in {path.name}"
+    lines = text.splitlines()
+    assert lines and all(STAMP.match(line) for line in lines), text[-2000:]
+    return lines
+
+
+def test_each_command_writes_one_line_per_task_event_to_a_file(run_copy, tmp_path):
+    root = run_copy()
+    key_file = root / "coordinator" / "authkey"
+    coordinator = to_file(
+        [BIN / "dipaco-coordinator", "start", "--config", run_config(tmp_path), "--run-dir",
+         root, "--transport", "loopback", "--no-eval", "--linger", "30"],
+        tmp_path / "coordinator.log",
+    )  # fmt: skip
+    procs = [coordinator]
+    try:
+        address_file = root / "coordinator" / "address"
+        address = wait_for(
+            lambda: address_file.exists() and address_file.read_text().strip(), 120, "the address"
+        )
+        peer = to_file(
+            [BIN / "dipaco-peer", "join", address, "--authkey-file", key_file, "--peer-id", "p1",
+             "--state-dir", tmp_path / "p1"],
+            tmp_path / "p1.log",
+        )  # fmt: skip
+        procs.append(peer)
+        wait_for(
+            lambda: "run finished" in (tmp_path / "coordinator.log").read_text(), 300, "the end"
+        )
+        # Joining a finished run: said, in JSON lines this time, and exit 0.
+        late = to_file(
+            [BIN / "dipaco-peer", "join", address, "--authkey-file", key_file, "--peer-id", "p2",
+             "--state-dir", tmp_path / "p2", "--log-format", "json"],
+            tmp_path / "p2.log",
+        )  # fmt: skip
+        procs.append(late)
+        assert late.wait(120) == 0, (tmp_path / "p2.log").read_text()
+        assert peer.wait(120) == 0, (tmp_path / "p1.log").read_text()
+        coordinator.send_signal(signal.SIGINT)  # cuts the linger short: the run is over
+        assert coordinator.wait(60) == 0, (tmp_path / "coordinator.log").read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    # The coordinator: its join command whole (no 80-column cut), a line per task event.
+    lines = plain_lines(tmp_path / "coordinator.log")
+    join = next(line for line in lines if "peers join with:" in line)
+    assert str(key_file) in join and re.search(r"--coordinator-key ed25519:\S{40,}$", join)
+    issued, done = events(root, "task_issued"), events(root, "delta")
+    steps = events(root, "outer_step")
+    assert len(issued) >= len(done) == 8 and len(steps) == 12
+    assert sum(" issued to p1: path P" in line for line in lines) == len(issued)
+    assert sum(" done by p1: path P" in line for line in lines) == len(done)
+    assert sum(re.search(r" module \S+ -> v\d ", line) is not None for line in lines) == 12
+    for e in done:
+        assert sum(f"task {e['task']} done by p1" in line for line in lines) == 1
+
+    # The peer: one line when each task starts, one when it is trained, one when acknowledged.
+    lines = plain_lines(tmp_path / "p1.log")
+    acked = {json.loads(line)["task"] for line in (tmp_path / "p1" / "acks.jsonl").open()}
+    assert len(acked) == 8
+    for task in acked:
+        assert sum(f"task {task}: training path P" in line for line in lines) == 1, task
+        assert sum(f"task {task}: trained step 30/30" in line for line in lines) == 1, task
+        assert sum(f"task {task}: delta acknowledged" in line for line in lines) == 1, task
+    assert "the run has finished; peer p1 trained 8 tasks" in lines[-2] + lines[-1]
+
+    records = [json.loads(line) for line in (tmp_path / "p2.log").read_text().splitlines()]
+    assert all(STAMP.match(r["time"] + " ") for r in records)
+    assert any("the run has finished; peer p2 trained 0 tasks" in r["message"] for r in records)
+
+    # eval, to a file: lines a person reads, not a Python dict.
+    ev = subprocess.run([BIN / "dipaco", "eval", "--run-dir", root], capture_output=True, text=True)
+    assert ev.returncode == 0, ev.stdout + ev.stderr
+    assert "{" not in ev.stdout and "\x1b" not in ev.stdout
+    assert all(STAMP.match(line) for line in ev.stdout.splitlines())
+    assert re.search(r"routed validation perplexity \d+\.\d\d over [\d,]+ tokens", ev.stdout)
+
+
+# ---- mistakes: wrong input, exit code 2, one line, nothing left behind ------------------------
+
+
+def p2pd_pids() -> set[int]:
+    out = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"p2pd" in cmdline.read_bytes().split(b"\0")[0]:
+                out.add(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return out
+
+
+def sockets() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("hivemind-p2pd-*.sock")}
+
+
+def one_error(args, *, timeout: float = 120) -> str:
+    """Run a command that must fail: exit 2, exactly one error line, no traceback, and no
+    daemon process or socket file left behind. Its error line."""
+    before_pids, before_sockets = p2pd_pids(), sockets()
+    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out
+    assert "Traceback" not in out and "\x1b" not in out, out
+    errors = [line for line in out.splitlines() if re.match(r"\S+ error \(", line)]
+    assert len(errors) == 1, out
+    time.sleep(0.5)
+    assert p2pd_pids() <= before_pids, "a p2p daemon outlived the command"
+    assert sockets() <= before_sockets, "a daemon socket file was left behind"
+    return errors[0]
+
+
+def test_join_says_what_address_it_wanted(tmp_path):
+    state = ["--state-dir", tmp_path / "state"]
+    line = one_error([BIN / "dipaco-peer", "join", "foo", *state])
+    assert "'foo' is not an address" in line and "/ip4/" in line and "--authkey-file" in line
+    line = one_error([BIN / "dipaco-peer", "join", "/ip4/127.0.0.1/tcp/4001", *state])
+    assert "lacks the coordinator's peer id" in line and "/p2p/" in line
+    line = one_error([BIN / "dipaco-peer", "join", "/ip4/1.2.3/tcp/4001", *state])
+    assert "is not a valid multiaddr" in line
+    line = one_error([BIN / "dipaco-peer", "join", "127.0.0.1:4001", *state])
+    assert "needs --authkey-file" in line
+    line = one_error([BIN / "dipaco-peer", "join", "http://127.0.0.1:8080/", *state])
+    assert "web address" in line
+    line = one_error([BIN / "dipaco-peer", "join", PEER_ID, *state])
+    assert "peer id alone" in line
+
+
+def test_a_dead_address_is_retried_then_pointed_to_doctor(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PEER_ID}"
+    began = time.monotonic()
+    line = one_error(
+        [BIN / "dipaco-peer", "join", address, "--state-dir", tmp_path / "s", "--patience", "4"]
+    )
+    assert time.monotonic() - began >= 4  # it retried for its patience
+    assert f"check it with: dipaco-peer doctor {address}" in line
+    assert "\n" not in line and "failed to connect to bootstrap peers" in line
+
+
+def test_busy_ports_are_refused_before_any_work(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = f"127.0.0.1:{busy.getsockname()[1]}"
+        for option in ("--listen", "--dashboard"):
+            run_dir = tmp_path / option.strip("-")
+            began = time.monotonic()
+            line = one_error(
+                [BIN / "dipaco-coordinator", "start", "--preset", "tiny", "--run-dir", run_dir,
+                 option, taken],
+            )  # fmt: skip
+            assert f"{option} {taken}: port" in line and "is in use" in line
+            assert not run_dir.exists(), "nothing is prepared for a run that cannot serve"
+            assert time.monotonic() - began < 30
+    line = one_error(
+        [BIN / "dipaco-coordinator", "start", "--preset", "tiny", "--run-dir", tmp_path / "f",
+         "--transport", "flower", "--dashboard", "127.0.0.1:0"],
+    )  # fmt: skip
+    assert "--dashboard is not served with --transport flower" in line
+
+
+def test_data_that_looks_like_markup_is_printed_as_it_is(tmp_path):
+    odd = tmp_path / "run[/bold] [red]x"
+    line = one_error([BIN / "dipaco", "eval", "--run-dir", odd])
+    assert f"run folder {odd} does not exist" in line
+    owner = tmp_path / "owner"
+    owner.mkdir()
+    (owner / "manifest.json").write_text("{}")
+    line = one_error([BIN / "dipaco", "eval", "--run-dir", owner])
+    assert "is a module owner's folder" in line and f"--owner-dir {owner}" in line
+
+
+def test_ctrl_c_stops_a_hivemind_coordinator_quickly_and_quietly(run_copy, tmp_path):
+    root = run_copy()
+    before = sockets()
+    log = tmp_path / "coordinator.log"
+    coordinator = subprocess.Popen(
+        [BIN / "dipaco-coordinator", "start", "--config", run_config(tmp_path), "--run-dir",
+         root, "--no-eval"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: "peers join with" in log.read_text(), 120, "the coordinator")
+        helpers = [int(k) for k in _children(coordinator.pid)]
+        began = time.monotonic()
+        coordinator.send_signal(signal.SIGINT)
+        code = coordinator.wait(30)
+        took = time.monotonic() - began
+    finally:
+        if coordinator.poll() is None:
+            os.killpg(coordinator.pid, signal.SIGKILL)
+            coordinator.wait()
+    text = log.read_text()
+    assert code == 130, text
+    assert took < 10, f"{took:.1f} s to stop"
+    assert "ERROR" not in text and "hard way" not in text and "Traceback" not in text, text
+    assert "run the same command to resume" in text
+    # the DHT, p2pd and torch's shared-memory manager (which leaves once its clients have)
+    wait_for(lambda: not any(_alive(pid) for pid in helpers), 15, "its helpers to exit")
+    assert sockets() <= before
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper is not: in a container nothing may reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _children(pid: int) -> list[str]:
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for child in Path("/proc").glob(f"{parent}/task/*/children"):
+            try:
+                kids = child.read_text().split()
+            except OSError:
+                continue
+            out += kids
+            todo += [int(k) for k in kids]
+    return out
