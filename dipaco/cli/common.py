@@ -193,6 +193,9 @@ def setup_logging(verbose: bool) -> None:
         )
     else:
         handler = RichHandler(console=Console(stderr=True), show_path=False, markup=False)
+    # The handler filters too: libraries (hivemind) that set their own loggers' levels would
+    # otherwise print INFO lines through it.
+    handler.setLevel(logging.INFO if verbose else logging.WARNING)
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(message)s" if not console.lines else None,

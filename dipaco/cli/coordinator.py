@@ -403,7 +403,7 @@ def start_owner(args: argparse.Namespace) -> int:
         wait_finished(
             coordinator,
             args.linger,
-            gather_from=lambda: wait_gathered(coordinator, max(args.linger, 60.0)),
+            gather_from=lambda: wait_gathered(coordinator, max(args.linger, 60.0), reporter),
         )
     finally:
         for worker in (reporter, ticker, publisher):
@@ -413,14 +413,17 @@ def start_owner(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_gathered(coordinator: Coordinator, patience: float) -> None:
-    """An owner, once its modules are final: serve until the scheduler says it holds them."""
+def wait_gathered(coordinator: Coordinator, patience: float, reporter=None) -> None:
+    """An owner, once its modules are final: serve until the scheduler says it holds them, then
+    stop reporting (the scheduler is about to leave)."""
     mine = set(coordinator.owned_modules())
     deadline = time.monotonic() + patience
     while time.monotonic() < deadline:
         with coordinator.lock:
             if mine <= coordinator.gathered:
                 say(f"the scheduler has this owner's final modules ({', '.join(sorted(mine))})")
+                if reporter is not None:
+                    reporter.stop.set()
                 return
         time.sleep(0.5)
     say(

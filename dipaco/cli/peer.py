@@ -153,13 +153,15 @@ def cmd_join(args: argparse.Namespace) -> int:
         if info["task"] not in acked_tasks:
             if meter is not None:
                 meter.tasks.inc()
+        acked_tasks.add(info["task"])
+        if not info.get("unacked"):  # every owner of the task's modules has it
+            n = len(acked_tasks)
             console.event(
                 "task_acked",
-                f"task {info['task']}: delta acknowledged ({len(acked_tasks) + 1} tasks done)",
+                f"task {info['task']}: delta acknowledged ({n} task{'s' * (n != 1)} done)",
                 task=info["task"],
-                tasks_done=len(acked_tasks) + 1,
+                tasks_done=n,
             )
-        acked_tasks.add(info["task"])
         with open(acks, "a") as f:
             f.write(json.dumps(info) + "\n")
 

@@ -39,8 +39,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0
     routes = " -> ".join(f"P{p}" for p in result["paths_used"])
-    console.print(f"[bold]path[/] P{result['path']}  (segments: {routes})", highlight=False)
-    console.print(args.prompt + result["text"], markup=False, highlight=False)
+    say(f"path P{result['path']}  (segments: {routes})")
+    if console.lines:  # the text is data: as it is, without a time on each of its lines
+        print(args.prompt + result["text"], flush=True)
+    else:
+        console.print(args.prompt + result["text"], markup=False, highlight=False)
     return 0
 
 

@@ -85,7 +85,7 @@ class Reporter(threading.Thread):
                 self.stop.wait(self.interval)
                 continue
             except DipacoError as exc:
-                log.warning("cannot reach the scheduler: %s", exc)
+                log.warning("cannot reach the scheduler: %s", " ".join(str(exc).split()))
                 self.stop.wait(self.interval)
                 co.changed.set()  # report again as soon as it is back
                 continue

@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,6 +129,9 @@ class PreparedRun:
             self.tokenizer.sha256,
             first.sha256 if first is not None else "iid",
         ]
+        nonce = self.root / "run_nonce"
+        if nonce.exists():  # folders prepared before the nonce existed keep their id
+            parts.append(nonce.read_text().strip())
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -178,6 +182,10 @@ def prepare(
                 f"{root} holds a run whose {', '.join(changed)} settings differ from this config; "
                 f"resume it with the same settings, or start a new run folder (or pass --fresh)"
             )
+    else:
+        # A new run: its id differs from any other folder's prepared from the same config (two
+        # runs announced under one id would collide in the DHT); copies of the folder keep it.
+        write_atomic(root / "run_nonce", (secrets.token_hex(8) + "\n").encode())
     write_json_atomic(config_file, config.to_dict())
     if reuse is not None:
         _reuse(Path(reuse), root, config)

@@ -402,7 +402,10 @@ class Peer:
                     raise RunOver() from None
                 if time.monotonic() - began > self.give_up_seconds or self.stop.is_set():
                     raise
-                log.warning("peer %s: %s; retrying", self.peer_id, exc)
+                # A refusal we expected (the scheduler has not heard another owner's ack yet)
+                # is routine; a transport error is worth a warning.
+                level = logging.INFO if isinstance(exc, RejectedError) else logging.WARNING
+                log.log(level, "peer %s: %s; retrying", self.peer_id, exc)
                 self.stop.wait(self.retry_seconds)
 
     # ---- one task -----------------------------------------------------------------------------
@@ -888,6 +891,7 @@ class Peer:
                         raise
                     self._refresh_owners()  # a module moved: regroup and push again
                     continue
+                remaining = [mid for mid in remaining if mid not in mids]
                 for mid in mids:
                     self.on_ack(
                         {
@@ -896,10 +900,10 @@ class Peer:
                             "path": task.path,
                             "task": task.task_id,
                             "owner": owner,
+                            "unacked": len(remaining),  # modules of the task still to push
                         }
                     )
                 scheduler_done |= ack.task_done
-                remaining = [mid for mid in remaining if mid not in mids]
             if not scheduler_done:
                 self._patient(
                     lambda: self.transport.request(

@@ -48,6 +48,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 from hivemind.proto import runtime_pb2
+from hivemind.utils.logging import use_hivemind_log_handler
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
@@ -55,6 +56,8 @@ from dipaco.errors import RejectedError, TransportError
 from dipaco.protocols.transport import Handler, Transport
 
 log = logging.getLogger(__name__)
+# hivemind's own log lines go through the root logger, formatted and filtered as ours are
+use_hivemind_log_handler("nowhere")
 
 CHUNK = 1 << 20
 WIRE_VERSION = 1

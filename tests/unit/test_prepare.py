@@ -1,6 +1,7 @@
 """Preparing a run: deterministic routing for a seed, and shards that cover the training data."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -23,6 +24,13 @@ def test_routing_is_deterministic_for_a_seed(prepared_tiny, tiny_config, tmp_pat
             TokenShard(again.root / "shards" / f"P{p}" / "train"),
         )
         assert a.doc_ids == b.doc_ids and np.array_equal(a.tokens, b.tokens)
+    # Same data, same shards, but another run: its id differs (two runs announced under one id
+    # would collide in the DHT), and stays the same when the folder is prepared again or copied.
+    first_id = prepare(prepared_tiny, tiny_config).run_id
+    assert again.run_id != first_id
+    assert prepare(again.root, tiny_config).run_id == again.run_id
+    shutil.copytree(again.root, tmp_path / "copy")
+    assert prepare(tmp_path / "copy", tiny_config).run_id == again.run_id
 
 
 def test_every_training_document_lands_in_exactly_one_shard(prepared_tiny):
