@@ -173,12 +173,6 @@ def wait_finished(
 def cmd_start(args: argparse.Namespace) -> int:
     check_port_free(args.listen, "--listen")
     if args.dashboard:
-        if args.transport == "flower":
-            raise ConfigError(
-                "--dashboard is not served with --transport flower: the run lives in the Flower "
-                "ServerApp's process; watch it with its log (flower/run.log in the run folder) "
-                "or run it over hivemind or loopback for the dashboard"
-            )
         check_port_free(args.dashboard, "--dashboard")
     if args.owns or args.join:
         return start_owner(args)
@@ -511,8 +505,20 @@ def serve_flower(args, prep) -> int:
         (run_dir / "coordinator" / "address").write_text(address + "\n")
         if args.local_peers:
             flower.start_local_nodes(args.local_peers)
-        runner = flower.submit(evaluate=not args.no_eval)
-        code = follow(runner, flower.dir / "run.log")
+        runner = flower.submit(
+            evaluate=not args.no_eval,
+            dashboard=args.dashboard or "",
+            dashboard_token=args.dashboard_token or "",
+        )
+        url_file = run_dir / "coordinator" / "dashboard"
+        shown: list[str] = []
+
+        def show_dashboard() -> None:  # the ServerApp starts it once the core is up
+            if args.dashboard and not shown and url_file.exists():
+                shown.append(url_file.read_text().strip())
+                say(f"dashboard at {shown[0]}")
+
+        code = follow(runner, flower.dir / "run.log", show_dashboard)
         result = flower.result()
         if not result or not result.get("finished"):
             raise DipacoError(
@@ -520,15 +526,22 @@ def serve_flower(args, prep) -> int:
                 f"see {flower.dir / 'run.log'} and {flower.dir / 'superlink.log'}, then run "
                 "the same command to resume"
             )
-        console.print(f"run finished: every module at version {result['round']}")
+        say(f"run finished: every module at version {result['round']}")
+        if args.dashboard and (run_dir / "dashboard" / "index.html").exists():
+            say(
+                f"the dashboard's last state: {run_dir / 'dashboard' / 'index.html'} "
+                f"(or: dipaco status {run_dir})"
+            )
     return 0
 
 
-def follow(proc, log_file: Path) -> int:
+def follow(proc, log_file: Path, on_tick=None) -> int:
     """Print a process's log file as it grows, until the process exits; its exit code."""
     offset = 0
     while True:
         code = proc.poll()
+        if on_tick is not None:
+            on_tick()
         if log_file.exists():
             with open(log_file, "rb") as f:
                 f.seek(offset)

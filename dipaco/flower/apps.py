@@ -36,8 +36,11 @@ def serve(
     stop: Callable[[], bool] = lambda: False,
     num_rounds: int | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
+    dashboard: str = "",
+    dashboard_token: str = "",
 ) -> Coordinator:
-    """Run a prepared run's rounds over ``grid`` until it finishes; returns its core."""
+    """Run a prepared run's rounds over ``grid`` until it finishes; returns its core.
+    ``dashboard`` (HOST:PORT) serves the web dashboard from this process meanwhile."""
     import json
 
     from dipaco.config import load_config_dict
@@ -56,7 +59,20 @@ def serve(
         state_file=run_dir / "coordinator" / "flower_nodes.json",
         on_round=on_round,
     )
-    strategy.start(grid, num_rounds=num_rounds, stop=stop)
+    server = None
+    if dashboard:
+        from dipaco.watch.server import Dashboard
+
+        host, _, port = dashboard.rpartition(":")
+        server = Dashboard(
+            core, run_dir, host=host or "127.0.0.1", port=int(port), token=dashboard_token or None
+        ).start()
+        (run_dir / "coordinator" / "dashboard").write_text(server.url + "\n")
+    try:
+        strategy.start(grid, num_rounds=num_rounds, stop=stop)
+    finally:
+        if server is not None:
+            server.stop()
     if core.failure:
         raise RuntimeError(core.failure)
     return core
@@ -79,7 +95,13 @@ def _server_main(grid: Grid, context: Context) -> None:
     _logging()
     cfg: dict[str, Any] = dict(context.run_config)
     run_dir = Path(str(cfg["run-dir"]))
-    core = serve(grid, run_dir, evaluate=bool(cfg.get("eval", True)))
+    core = serve(
+        grid,
+        run_dir,
+        evaluate=bool(cfg.get("eval", True)),
+        dashboard=str(cfg.get("dashboard", "")),
+        dashboard_token=str(cfg.get("dashboard-token", "")),
+    )
     log.info("run %s finished: every module at version %d", core.run_id, core.round)
     # What `dipaco-coordinator start --transport flower` reads once `flwr run` has ended.
     write_json_atomic(

@@ -148,20 +148,36 @@ class FlowerDeployment:
             log_file.close()
         return self.nodes
 
-    def submit(self, *, evaluate: bool = True, env: dict[str, str] | None = None):
-        """``flwr run`` of dipaco's apps over this run folder; its output in flower/run.log."""
+    def submit(
+        self,
+        *,
+        evaluate: bool = True,
+        env: dict[str, str] | None = None,
+        dashboard: str = "",
+        dashboard_token: str = "",
+    ):
+        """``flwr run`` of dipaco's apps over this run folder; its output in flower/run.log.
+        ``dashboard`` (HOST:PORT) makes the ServerApp, which holds the coordinator, serve the
+        dashboard there; its URL appears in ``coordinator/dashboard``."""
         app = deploy.write_app(
             self.dir / "app",
             server="dipaco.flower.apps:server_app",
             client="dipaco.flower.apps:client_app",
-            config={"run-dir": str(self.run_dir), "eval": True},
-        )
+            config={"run-dir": str(self.run_dir), "eval": True, "dashboard": "",
+                    "dashboard-token": ""},
+        )  # fmt: skip
         (self.dir / "result.json").unlink(missing_ok=True)
+        (self.run_dir / "coordinator" / "dashboard").unlink(missing_ok=True)
         self.runner = deploy.submit_run(
             self.home,
             app,
             CONNECTION,
-            {"run-dir": str(self.run_dir), "eval": evaluate},
+            {
+                "run-dir": str(self.run_dir),
+                "eval": evaluate,
+                "dashboard": dashboard,
+                "dashboard-token": dashboard_token,
+            },
             log_file=self.dir / "run.log",
             env=env,
         )

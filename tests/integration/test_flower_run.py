@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -106,7 +107,7 @@ def test_a_flower_run_with_tls_node_keys_a_stranger_and_a_killed_node(run_copy, 
     log = open(tmp_path / "coordinator.log", "w")  # noqa: SIM115 - closed below
     coordinator = subprocess.Popen(
         [BIN / "dipaco-coordinator", "start", "--transport", "flower", "--config", config_file,
-         "--run-dir", root, "--no-eval"],
+         "--run-dir", root, "--no-eval", "--dashboard", "127.0.0.1:0"],
         stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     nodes: list[subprocess.Popen] = []
@@ -123,6 +124,12 @@ def test_a_flower_run_with_tls_node_keys_a_stranger_and_a_killed_node(run_copy, 
         )
         address, ca, key = join_line.groups()
         assert Path(ca).read_text().startswith("-----BEGIN CERTIFICATE-----")
+        # The dashboard, served by the ServerApp that holds the coordinator.
+        url = wait_for(
+            lambda: re.search(r"dashboard at (http://\S+)", printed()), 120, "the dashboard"
+        ).group(1)
+        live = json.loads(urllib.request.urlopen(url + "api/status", timeout=10).read())
+        assert live["rounds"] == 2 and not live["finished"]
 
         # A node whose key was never admitted is refused, and told what to ask for.
         refused = subprocess.run(
@@ -161,6 +168,8 @@ def test_a_flower_run_with_tls_node_keys_a_stranger_and_a_killed_node(run_copy, 
         log.close()
     out = printed()
     assert "run finished" in out
+    saved = json.loads((root / "dashboard" / "status.json").read_text())
+    assert saved["finished"] and saved["round"] == 2
     # Nothing of Flower is left running.
     superlink = json.loads((root / "flower" / "result.json").read_text())
     assert superlink["finished"] and superlink["round"] == 2

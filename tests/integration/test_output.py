@@ -207,11 +207,6 @@ def test_busy_ports_are_refused_before_any_work(tmp_path):
             assert f"{option} {taken}: port" in line and "is in use" in line
             assert not run_dir.exists(), "nothing is prepared for a run that cannot serve"
             assert time.monotonic() - began < 30
-    line = one_error(
-        [BIN / "dipaco-coordinator", "start", "--preset", "tiny", "--run-dir", tmp_path / "f",
-         "--transport", "flower", "--dashboard", "127.0.0.1:0"],
-    )  # fmt: skip
-    assert "--dashboard is not served with --transport flower" in line
 
 
 def test_data_that_looks_like_markup_is_printed_as_it_is(tmp_path):
@@ -276,3 +271,31 @@ def _children(pid: int) -> list[str]:
             out += kids
             todo += [int(k) for k in kids]
     return out
+
+
+def test_a_flower_node_at_a_wrong_address_says_so(tmp_path):
+    from dipaco.flower import deploy
+
+    tls = deploy.make_tls(tmp_path / "tls")
+    with socket.socket() as s:  # nothing listens there
+        s.bind(("127.0.0.1", 0))
+        wrong = f"127.0.0.1:{s.getsockname()[1]}"
+    log = tmp_path / "node.log"
+    node = subprocess.Popen(
+        [BIN / "dipaco-peer", "join", "--flower", wrong, "--root-certificates", tls.ca,
+         "--state-dir", tmp_path / "node", "--peer-id", "n1", "--device", "cpu",
+         "--patience", "5"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: "no message from the SuperLink" in log.read_text(), 120, "the warning")
+        node.send_signal(signal.SIGINT)
+        assert node.wait(60) == 0
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+    lines = plain_lines(log)
+    warning = next(line for line in lines if "no message from the SuperLink" in line)
+    assert f"at {wrong} after 5 s" in warning and f"dipaco-peer doctor {wrong}" in warning
+    assert lines[-1].endswith("node n1 left")
