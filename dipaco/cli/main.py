@@ -18,7 +18,14 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from dipaco.cli.common import choose_config, command_parser, console, dispatch, say
+from dipaco.cli.common import (
+    LineProgress,
+    choose_config,
+    command_parser,
+    console,
+    dispatch,
+    say,
+)
 from dipaco.cli.init import add_init_command
 from dipaco.cli.use import add_owner_dir, add_use_commands
 from dipaco.cli.watch import add_status_command
@@ -37,7 +44,10 @@ from dipaco.fileio import write_json_atomic
 from dipaco.model.topology import Topology
 
 
-def _progress() -> Progress:
+def _progress() -> Progress | LineProgress:
+    """Progress bars on a terminal; a line per finished stage (and every 30 s) otherwise."""
+    if console.lines:
+        return LineProgress()
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
