@@ -24,20 +24,21 @@ a crash or Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import secrets
-import socket
 import threading
 import time
 from pathlib import Path
 
-from dipaco.cli.common import choose_config, command_parser, console, dispatch, one_line, say
+from dipaco.cli.common import choose_config, command_parser, console, dispatch, say
+from dipaco.cli.events import print_events
 from dipaco.coordinator.access import change_access
 from dipaco.coordinator.core import Coordinator
+from dipaco.coordinator.gather import gather_at_end, remote_fetcher, wait_gathered
 from dipaco.coordinator.prepare import prepare
 from dipaco.coordinator.run import MetricsLog, build_coordinator, build_owner, run_local_peers
 from dipaco.errors import ConfigError, DipacoError, RejectedError
+from dipaco.protocols.addresses import check_port_free, split_hostport
 from dipaco.protocols.auth import Identity, check_payload
 from dipaco.protocols.transport import LoopbackServer
 
@@ -69,72 +70,6 @@ def identity(run_dir: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         P2P.generate_identity(str(path))
     return path
-
-
-def _split(listen: str, option: str = "--listen") -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    try:
-        number = int(port)
-    except ValueError:
-        raise ConfigError(f"{option} wants host:port, got {listen!r}") from None
-    if not 0 <= number <= 65535:
-        raise ConfigError(f"{option}: port {number} is outside 0-65535")
-    return host or "127.0.0.1", number
-
-
-def check_port_free(listen: str, option: str) -> None:
-    """ConfigError at once if ``listen``'s port is taken (hivemind's daemon would otherwise
-    share it with the process already there, and peers would reach either at random)."""
-    host, port = _split(listen, option)
-    if port == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            why = (
-                "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be used ({exc.strerror})"
-            )
-            raise ConfigError(
-                f"{option} {listen}: port {port} on {host} {why}; another coordinator or "
-                f"dashboard may be running there: stop it, or pick another port (port 0 picks "
-                f"a free one)"
-            ) from None
-
-
-EVENT_TEXT = {
-    "task_issued": "task {task} issued to {peer}: path P{path}, round {round_1}, {steps} steps",
-    "delta": "task {task} done by {peer}: path P{path}, round {round_1}, loss {loss:.3f}",
-    "outer_step": "module {module} -> v{version} ({n_paths} paths, closed by {closed_by})",
-    "round": "round {round} complete",
-    "task_released": "task {task} released by {peer}",
-    "lease_expired": "task {task}: lease expired ({peer} went silent)",
-    "eval": "round {round}: routed validation perplexity {ppl:.2f}",
-    "owner_changed": "module {module} is now owned by {owner}",
-    "banned": "key {key} banned: {reason}",
-}
-
-
-def print_events(metrics: MetricsLog) -> None:
-    """One line per task event of the coordinator (``console.event``: plain, JSON or dimmed)."""
-
-    def on_event(e: dict) -> None:
-        template = EVENT_TEXT.get(e.get("event", ""))
-        if template is None or (e["event"] == "eval" and e.get("model", "dipaco") != "dipaco"):
-            return
-        values = dict(e)
-        values["round_1"] = e.get("round", 0) + 1 if isinstance(e.get("round"), int) else "?"
-        values["loss"] = (e.get("train_losses") or [float("nan")])[-1]
-        values["n_paths"] = len(e.get("paths", []))
-        try:
-            text = template.format(**values)
-        except (KeyError, ValueError, TypeError):
-            text = f"{e['event']}: {e}"
-        fields = {k: v for k, v in e.items() if isinstance(v, (str, int, float, bool))}
-        console.event(e["event"], text, **{k: v for k, v in fields.items() if k != "event"})
-
-    metrics.listeners.append(on_event)
 
 
 class Ticker(threading.Thread):
@@ -188,7 +123,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     from dipaco.protocols import discovery
     from dipaco.protocols.hivemind_transport import HivemindNode
 
-    host, port = _split(args.listen)
+    host, port = split_hostport(args.listen)
     node = HivemindNode(host=host, port=port, identity_path=identity(run_dir))
     publisher = ticker = dashboard = None
     threads: list[threading.Thread] = []
@@ -263,7 +198,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             coordinator,
             args.linger,
             publisher,
-            gather_from=lambda: gather_at_end(coordinator, run_dir, node),
+            gather_from=lambda: gather_at_end(coordinator, run_dir, node, say),
         )
     finally:
         stop.set()
@@ -278,54 +213,6 @@ def cmd_start(args: argparse.Namespace) -> int:
     return 0
 
 
-def remote_fetcher(coordinator: Coordinator, run_dir: Path, node):
-    """What the per-round evaluation uses to fetch other owners' current modules."""
-    from dipaco.coordinator.gather import fetch_current, hivemind_connect
-
-    connect = hivemind_connect(run_dir, node)
-
-    def fetch(mids: list[str]) -> dict:
-        wanted = {}
-        for mid in mids:
-            owner = coordinator.owners[mid]
-            wanted[mid] = (
-                owner,
-                coordinator.addresses.get(owner, []),
-                coordinator.owner_keys.get(owner),
-            )
-        return fetch_current(connect, coordinator.run_id, wanted)
-
-    return fetch
-
-
-def gather_at_end(coordinator: Coordinator, run_dir: Path, node, patience: float = 30.0) -> None:
-    """Fetch the other owners' final modules into this (the scheduler's) folder, so that eval,
-    export and generate use the whole trained model; owners wait for it before they exit."""
-    from dipaco.coordinator.gather import gather, hivemind_connect, remote_modules
-
-    remote = remote_modules(run_dir)
-    if not remote:
-        return
-    connect = hivemind_connect(run_dir, node)
-    began = time.monotonic()
-    while True:
-        try:
-            got = gather(run_dir, connect=connect)
-            break
-        except DipacoError as exc:
-            if time.monotonic() - began > patience:
-                say(f"could not gather every module: {one_line(exc)}")
-                return
-            time.sleep(1.0)
-    with coordinator.lock:
-        coordinator.gathered = set(got)
-    owners = sorted({r.owner for r in remote})
-    say(
-        f"gathered {len(got)} modules from {len(owners)} other owner(s) into "
-        f"{run_dir / 'gathered'}: dipaco eval, export and generate use them"
-    )
-
-
 def start_owner(args: argparse.Namespace) -> int:
     """Join a run as the owner of some modules (``--join ADDRESS --owns ...``)."""
     from dipaco.coordinator.owner import Reporter, take_over
@@ -337,7 +224,7 @@ def start_owner(args: argparse.Namespace) -> int:
         raise ConfigError("a module owner needs --join ADDRESS and --owns MODULES")
     run_dir = Path(args.run_dir)
     me = Identity.load_or_create(run_dir / "coordinator" / "signing.key")
-    host, port = _split(args.listen)
+    host, port = split_hostport(args.listen)
     node = HivemindNode(
         initial_peers=[args.join], host=host, port=port, identity_path=identity(run_dir)
     )
@@ -397,7 +284,7 @@ def start_owner(args: argparse.Namespace) -> int:
         wait_finished(
             coordinator,
             args.linger,
-            gather_from=lambda: wait_gathered(coordinator, max(args.linger, 60.0), reporter),
+            gather_from=lambda: wait_gathered(coordinator, max(args.linger, 60.0), say, reporter),
         )
     finally:
         for worker in (reporter, ticker, publisher):
@@ -407,33 +294,13 @@ def start_owner(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_gathered(coordinator: Coordinator, patience: float, reporter=None) -> None:
-    """An owner, once its modules are final: serve until the scheduler says it holds them, then
-    stop reporting (the scheduler is about to leave)."""
-    mine = set(coordinator.owned_modules())
-    deadline = time.monotonic() + patience
-    while time.monotonic() < deadline:
-        with coordinator.lock:
-            if mine <= coordinator.gathered:
-                say(f"the scheduler has this owner's final modules ({', '.join(sorted(mine))})")
-                if reporter is not None:
-                    reporter.stop.set()
-                return
-        time.sleep(0.5)
-    say(
-        f"the scheduler did not fetch this owner's modules within {patience:.0f} s; on its "
-        f"machine, `dipaco gather --run-dir RUN_DIR --owner-dir {coordinator.root.parent}` "
-        "(with this folder copied there) or with this owner running again gathers them"
-    )
-
-
 def start_dashboard(args, coordinator):
     """The dashboard when ``--dashboard HOST:PORT`` was given; prints its URL."""
     if not args.dashboard:
         return None
     from dipaco.watch.server import Dashboard
 
-    host, port = _split(args.dashboard)
+    host, port = split_hostport(args.dashboard)
     dashboard = Dashboard(
         coordinator, Path(args.run_dir), host=host, port=port, token=args.dashboard_token
     ).start()
@@ -452,7 +319,7 @@ def serve_loopback(args, prep, metrics) -> int:
     run_dir = Path(args.run_dir)
     key, key_path = authkey(run_dir)
     coordinator = build_coordinator(prep, metrics, evaluate=not args.no_eval)
-    host, port = _split(args.listen)
+    host, port = split_hostport(args.listen)
     server = LoopbackServer(coordinator.handle, key, host=host, port=port)
     console.print(f"coordinator for run {prep.run_id} listening on [bold]{server.address}[/]")
     console.print(

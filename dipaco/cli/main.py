@@ -27,7 +27,7 @@ from dipaco.cli.common import (
     say,
 )
 from dipaco.cli.init import add_init_command
-from dipaco.cli.use import add_owner_dir, add_use_commands
+from dipaco.cli.use import add_owner_dir, add_use_commands, gatherer
 from dipaco.cli.watch import add_status_command
 from dipaco.coordinator.baselines import train_diloco
 from dipaco.coordinator.prepare import PreparedRun, prepare
@@ -249,7 +249,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from dipaco.model.hf_export import open_run
 
-    run = open_run(args.run_dir, owner_dirs=tuple(args.owner_dir), say=say)
+    run = open_run(args.run_dir, remote=gatherer(args))
     run_dir, config, prep = run.prep.root, run.config, run.prep
     modules = run.params
     result = evaluate_modules(prep, modules)

@@ -41,6 +41,7 @@ from dipaco.fileio import write_json_atomic
 from dipaco.peer.doctor import add_doctor_command, check_device
 from dipaco.peer.metrics import PeerMetrics
 from dipaco.peer.peer import Peer
+from dipaco.protocols.addresses import join_address
 from dipaco.protocols.auth import Identity, check_public_key
 from dipaco.protocols.transport import LoopbackTransport
 
@@ -66,45 +67,6 @@ def dial_loopback(address: str, key: bytes, patience: float = 60.0) -> LoopbackT
                 "checks the address, firewall and clock)"
             )
             time.sleep(1.0)
-
-
-def join_address(text: str, authkey_file: str | None) -> str:
-    """What kind of address the user gave: "hivemind" or "loopback"; a ConfigError that says
-    what was expected when it is neither, or is one with a part missing."""
-    expected = (
-        "expected the address `dipaco-coordinator start` printed: a multiaddr such as "
-        "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... (over the internet), or HOST:PORT with "
-        "--authkey-file (a loopback run on this machine)"
-    )
-    if text.startswith(("http://", "https://")):
-        raise ConfigError(f"{text} is a web address (the dashboard's?), not a run's: {expected}")
-    if text.startswith("/"):
-        from hivemind.utils.multiaddr import Multiaddr
-
-        try:
-            maddr = Multiaddr(text)
-            protocols = [p.name for p in maddr.protocols()]
-        except Exception as exc:
-            raise ConfigError(f"{text} is not a valid multiaddr ({exc}): {expected}") from None
-        if "p2p" not in protocols:
-            raise ConfigError(
-                f"{text} lacks the coordinator's peer id: copy the whole address it printed, "
-                "ending in /p2p/12D3KooW..."
-            )
-        if "tcp" not in protocols and "udp" not in protocols:
-            raise ConfigError(f"{text} has no /tcp/PORT part: {expected}")
-        return "hivemind"
-    if text.startswith(("12D3KooW", "Qm")):
-        raise ConfigError(f"{text} is a peer id alone: {expected} (the id is its /p2p/... part)")
-    host, colon, port = text.rpartition(":")
-    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{text!r} is not an address: {expected}")
-    if not authkey_file:
-        raise ConfigError(
-            f"{text} is a loopback address: it needs --authkey-file (the run's "
-            "<run-dir>/coordinator/authkey)"
-        )
-    return "loopback"
 
 
 def stable_peer_id(state_dir: Path, given: str | None) -> str:
@@ -154,7 +116,9 @@ def cmd_join(args: argparse.Namespace) -> int:
             if meter is not None:
                 meter.tasks.inc()
         acked_tasks.add(info["task"])
-        if not info.get("unacked"):  # every owner of the task's modules has it
+        # once, when every owner of the task's modules has it
+        if not info.get("unacked") and info["task"] not in announced:
+            announced.add(info["task"])
             n = len(acked_tasks)
             console.event(
                 "task_acked",
@@ -179,6 +143,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     current: dict[str, TaskID] = {}
     first: dict[str, tuple[int, float]] = {}  # task -> (step, time) when this process saw it
     acked_tasks: set[str] = set()  # on_ack comes once per module of a task
+    announced: set[str] = set()  # tasks whose acknowledgement was printed
     said: dict[str, float] = {}  # task -> when its last progress line was printed (plain output)
 
     def traffic() -> tuple[int, int]:

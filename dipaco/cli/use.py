@@ -12,7 +12,7 @@ from dipaco.cli.common import console, say
 def cmd_export(args: argparse.Namespace) -> int:
     from dipaco.model.hf_export import export_path, open_run
 
-    run = open_run(args.run_dir, owner_dirs=tuple(args.owner_dir), say=say)
+    run = open_run(args.run_dir, remote=gatherer(args))
     out = export_path(run, args.path, args.out)
     info = json.loads((out / "dipaco_path.json").read_text())
     console.print(
@@ -26,7 +26,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dipaco.model.hf_export import generate, open_run
 
     result = generate(
-        open_run(args.run_dir, owner_dirs=tuple(args.owner_dir), say=say),
+        open_run(args.run_dir, remote=gatherer(args)),
         args.prompt,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -45,6 +45,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         console.print(args.prompt + result["text"], markup=False, highlight=False)
     return 0
+
+
+def gatherer(args: argparse.Namespace):
+    """How the command gets other owners' modules: gathered copies, --owner-dir, the network."""
+    from dipaco.coordinator.gather import whole_run
+
+    return lambda run_dir: whole_run(run_dir, owner_dirs=tuple(args.owner_dir), say=say)
 
 
 def add_owner_dir(p: Any) -> None:

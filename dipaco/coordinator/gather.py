@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -324,3 +325,86 @@ def fetch_current(
                 raise DataError(f"owner {owner} sent {mid} without a valid signed release")
             out[mid] = tensors
     return out
+
+
+def whole_run(
+    run_dir: str | Path,
+    *,
+    owner_dirs: Iterable[str | Path] = (),
+    network: bool = True,
+    say: Callable[[str], None] = lambda _: None,
+) -> tuple[set[str], dict[str, tuple[int, Tensors]]]:
+    """What ``open_run`` takes as ``remote``: the modules others own, and each gathered at its
+    final version (module -> (version, tensors))."""
+    remote = {r.module: r for r in remote_modules(run_dir)}
+    got = gather_run(run_dir, owner_dirs=owner_dirs, network=network, say=say)
+    return set(remote), {mid: (remote[mid].version, t) for mid, t in got.items()}
+
+
+# ---- at the end of a run ---------------------------------------------------------------------
+
+
+def remote_fetcher(coordinator, run_dir: Path, node) -> Callable[[list[str]], dict]:
+    """What the per-round evaluation uses to fetch other owners' current modules."""
+    connect = hivemind_connect(run_dir, node)
+
+    def fetch(mids: list[str]) -> dict:
+        wanted = {}
+        for mid in mids:
+            owner = coordinator.owners[mid]
+            wanted[mid] = (
+                owner,
+                coordinator.addresses.get(owner, []),
+                coordinator.owner_keys.get(owner),
+            )
+        return fetch_current(connect, coordinator.run_id, wanted)
+
+    return fetch
+
+
+def gather_at_end(
+    coordinator, run_dir: Path, node, say: Callable[[str], None], patience: float = 30.0
+) -> None:
+    """Fetch the other owners' final modules into this (the scheduler's) folder, so that eval,
+    export and generate use the whole trained model; owners wait for it before they exit."""
+    remote = remote_modules(run_dir)
+    if not remote:
+        return
+    connect = hivemind_connect(run_dir, node)
+    began = time.monotonic()
+    while True:
+        try:
+            got = gather(run_dir, connect=connect)
+            break
+        except DipacoError as exc:
+            if time.monotonic() - began > patience:
+                say("could not gather every module: " + " ".join(str(exc).split()))
+                return
+            time.sleep(1.0)
+    with coordinator.lock:
+        coordinator.gathered = set(got)
+    owners = sorted({r.owner for r in remote})
+    say(
+        f"gathered {len(got)} modules from {len(owners)} other owner(s) into "
+        f"{run_dir / 'gathered'}: dipaco eval, export and generate use them"
+    )
+
+
+def wait_gathered(coordinator, patience: float, say: Callable[[str], None], reporter=None) -> None:
+    """An owner, once its modules are final: serve until the scheduler says it holds them, then
+    stop reporting (the scheduler is about to leave)."""
+    mine = set(coordinator.owned_modules())
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        with coordinator.lock:
+            if mine <= coordinator.gathered:
+                say(f"the scheduler has this owner's final modules ({', '.join(sorted(mine))})")
+                if reporter is not None:
+                    reporter.stop.set()
+                return
+        time.sleep(0.5)
+    say(
+        f"the scheduler did not fetch this owner's modules within {patience:.0f} s; on its "
+        f"machine, `dipaco gather --run-dir RUN_DIR --owner-dir {coordinator.root.parent}` "
+        "(with this folder copied there) or with this owner running again gathers them"
+    )

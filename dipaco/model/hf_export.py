@@ -87,21 +87,18 @@ class UsableRun:
         return model.eval()
 
 
-def open_run(
-    run_dir: str | Path,
-    *,
-    owner_dirs: tuple[str | Path, ...] = (),
-    network: bool = True,
-    say: Callable[[str], None] = lambda _: None,
-) -> UsableRun:
+# What a caller that can gather other owners' modules passes to open_run: the run folder ->
+# (the modules other coordinators own, those of them it gathered: module -> (version, tensors)).
+Remote = Callable[[Path], tuple[set[str], dict[str, tuple[int, dict[str, torch.Tensor]]]]]
+
+
+def open_run(run_dir: str | Path, *, remote: Remote | None = None) -> UsableRun:
     """Open a run folder as ``dipaco eval`` does: its config, ``prepare`` and every module.
 
-    Modules other coordinators own are gathered (``dipaco.coordinator.gather``): from the
-    folder's ``gathered/`` copies, else ``owner_dirs``, else (``network``) from their owners;
-    a DataError names any that cannot be had at their final version.
+    Modules other coordinators own come from ``remote`` (``dipaco.coordinator.gather.whole_run``
+    gathers them: the CLI passes it); without it, a run with other owners is refused, since the
+    scheduler's own copies of their modules are stale.
     """
-    from dipaco.coordinator.gather import gather_run, remote_modules
-
     run_dir = Path(run_dir)
     config_file = run_dir / "config.json"
     if not run_dir.is_dir():
@@ -120,8 +117,13 @@ def open_run(
         raise DataError(f"{config_file}: not valid JSON: {exc}") from None
     config = load_config_dict(raw, origin=str(config_file))
     prep = prepare(run_dir, config)
-    remote = {r.module: r for r in remote_modules(run_dir)}
-    mids = [mid for mid in config.build_topology().module_ids() if mid not in remote]
+    others, gathered = remote(run_dir) if remote is not None else (_other_owned(run_dir), {})
+    if others - set(gathered):
+        raise DataError(
+            f"{run_dir}: modules {sorted(others - set(gathered))} are trained by other "
+            f"coordinators; gather them first (dipaco gather --run-dir {run_dir})"
+        )
+    mids = [mid for mid in config.build_topology().module_ids() if mid not in others]
     store_root = run_dir / "coordinator"
     missing = [mid for mid in mids if not (store_root / "modules" / mid / "head.json").exists()]
     if missing:
@@ -131,10 +133,17 @@ def open_run(
         )
     store = ModuleStore(store_root)
     store.load(mids)
-    gathered = gather_run(run_dir, owner_dirs=owner_dirs, network=network, say=say)
-    return UsableRun(
-        prep, store, {mid: (remote[mid].version, tensors) for mid, tensors in gathered.items()}
-    )
+    return UsableRun(prep, store, gathered)
+
+
+def _other_owned(run_dir: Path) -> set[str]:
+    """Modules the scheduler's saved state says other coordinators own."""
+    state_file = run_dir / "coordinator" / "coordinator.json"
+    try:
+        state = json.loads(state_file.read_text()) if state_file.exists() else {}
+    except ValueError:
+        return set()
+    return {mid for mid, o in (state.get("owners") or {}).items() if o != state.get("owner_id")}
 
 
 def _as_run(run: str | Path | UsableRun) -> UsableRun:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dipaco.coordinator.access import change_access
-from dipaco.coordinator.gather import gather
+from dipaco.coordinator.gather import gather, whole_run
 from dipaco.coordinator.owner import Reporter, take_over
 from dipaco.coordinator.prepare import prepare
 from dipaco.coordinator.run import MetricsLog, build_coordinator, build_owner
@@ -109,7 +109,9 @@ def test_two_owners_match_one_coordinator_bit_for_bit(run_copy, tiny_config):
         gather(root)  # nothing gathered yet, and no way to ask
     got = gather(root, connect=connect)
     assert sorted(got) == SECOND
-    usable = open_run(root, network=False)
+    with pytest.raises(DataError, match=r"modules \['L1.M0', 'L1.M1'\] are trained by other"):
+        open_run(root)  # a library caller that gathers nothing gets no stale modules
+    usable = open_run(root, remote=lambda d: whole_run(d, network=False))
     assert sorted(usable.remote) == SECOND
     for mid in prep.config.build_topology().module_ids():
         for name, tensor in reference.store.params(mid).items():

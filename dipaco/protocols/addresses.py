@@ -1,0 +1,82 @@
+"""Addresses a person types: what a join address is, and whether a port is free to listen on.
+
+Checked before any work starts, so that a mistake is one line saying what was expected (and a
+busy port is refused at once: hivemind's daemon would share it with whatever is there)."""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+from dipaco.errors import ConfigError
+
+
+def split_hostport(listen: str, option: str = "--listen") -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        raise ConfigError(f"{option} wants host:port, got {listen!r}") from None
+    if not 0 <= number <= 65535:
+        raise ConfigError(f"{option}: port {number} is outside 0-65535")
+    return host or "127.0.0.1", number
+
+
+def check_port_free(listen: str, option: str) -> None:
+    """ConfigError at once if ``listen``'s port is taken (hivemind's daemon would otherwise
+    share it with the process already there, and peers would reach either at random)."""
+    host, port = split_hostport(listen, option)
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            why = (
+                "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be used ({exc.strerror})"
+            )
+            raise ConfigError(
+                f"{option} {listen}: port {port} on {host} {why}; another coordinator or "
+                f"dashboard may be running there: stop it, or pick another port (port 0 picks "
+                f"a free one)"
+            ) from None
+
+
+def join_address(text: str, authkey_file: str | None) -> str:
+    """What kind of address the user gave: "hivemind" or "loopback"; a ConfigError that says
+    what was expected when it is neither, or is one with a part missing."""
+    expected = (
+        "expected the address `dipaco-coordinator start` printed: a multiaddr such as "
+        "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... (over the internet), or HOST:PORT with "
+        "--authkey-file (a loopback run on this machine)"
+    )
+    if text.startswith(("http://", "https://")):
+        raise ConfigError(f"{text} is a web address (the dashboard's?), not a run's: {expected}")
+    if text.startswith("/"):
+        from hivemind.utils.multiaddr import Multiaddr
+
+        try:
+            maddr = Multiaddr(text)
+            protocols = [p.name for p in maddr.protocols()]
+        except Exception as exc:
+            raise ConfigError(f"{text} is not a valid multiaddr ({exc}): {expected}") from None
+        if "p2p" not in protocols:
+            raise ConfigError(
+                f"{text} lacks the coordinator's peer id: copy the whole address it printed, "
+                "ending in /p2p/12D3KooW..."
+            )
+        if "tcp" not in protocols and "udp" not in protocols:
+            raise ConfigError(f"{text} has no /tcp/PORT part: {expected}")
+        return "hivemind"
+    if text.startswith(("12D3KooW", "Qm")):
+        raise ConfigError(f"{text} is a peer id alone: {expected} (the id is its /p2p/... part)")
+    host, colon, port = text.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{text!r} is not an address: {expected}")
+    if not authkey_file:
+        raise ConfigError(
+            f"{text} is a loopback address: it needs --authkey-file (the run's "
+            "<run-dir>/coordinator/authkey)"
+        )
+    return "loopback"
