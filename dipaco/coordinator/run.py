@@ -468,26 +468,24 @@ def build_coordinator(
         return lambda mid: remote[mid] if mid in remote else coordinator.store.params(mid)
 
     def on_round(rnd: int) -> None:
-        if not all(coordinator.owns(mid) for mid in coordinator.owners):
-            # With other owners only the validation runs (with their modules fetched): held-out
-            # scoring for early stopping and routing phases needs every module here.
-            if evaluate and c.eval.every_round:
-                modules = whole_model()
-                if modules is not None:
-                    evaluate_round(rnd, modules)
-            return
+        # With other owners the validation fetches their modules; held-out scoring (early
+        # stopping, the plateau rule) needs every module here and waits; a scheduled routing
+        # phase stops the run with that reason (start_phase).
+        whole = all(coordinator.owns(mid) for mid in coordinator.owners)
         losses = None
-        if early is not None:
+        if early is not None and whole:
             losses = track_early_stopping(prep, early, coordinator.store.params, rnd, device)
             metrics(
                 {"event": "heldout", "round": rnd, "losses": {str(p): v for p, v in losses.items()}}
             )
         if evaluate and c.eval.every_round:
-            evaluate_round(rnd, coordinator.store.params)
+            modules = coordinator.store.params if whole else whole_model()
+            if modules is not None:
+                evaluate_round(rnd, modules)
         for k, after in enumerate(coordinator.phase_rounds, start=1):
             if rnd >= after:
                 start_phase(k)
-        if plateau > 0:
+        if plateau > 0 and whole:
             decide_phase(rnd, losses)
 
     def evaluate_round(rnd: int, modules: Callable[[str], dict[str, torch.Tensor]]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import time
 
 from dipaco.errors import ConfigError
 
@@ -22,25 +23,36 @@ def split_hostport(listen: str, option: str = "--listen") -> tuple[str, int]:
     return host or "127.0.0.1", number
 
 
-def check_port_free(listen: str, option: str) -> None:
-    """ConfigError at once if ``listen``'s port is taken (hivemind's daemon would otherwise
-    share it with the process already there, and peers would reach either at random)."""
+def check_port_free(listen: str, option: str, patience: float = 3.0) -> None:
+    """ConfigError within ``patience`` seconds if ``listen``'s port is taken (hivemind's daemon
+    would otherwise share it with the process already there, and peers would reach either at
+    random). The patience lets the helpers of a coordinator that just died (its p2p daemon
+    exits within a second) let go of the port before a restart."""
     host, port = split_hostport(listen, option)
     if port == 0:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            why = (
-                "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be used ({exc.strerror})"
-            )
-            raise ConfigError(
-                f"{option} {listen}: port {port} on {host} {why}; another coordinator or "
-                f"dashboard may be running there: stop it, or pick another port (port 0 picks "
-                f"a free one)"
-            ) from None
+    deadline = time.monotonic() + patience
+    while True:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            # As servers bind: connections of a process that just died (TIME_WAIT) do not hold
+            # the port, a listening socket does.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+                return
+            except OSError as exc:
+                error = exc
+        if error.errno == errno.EADDRINUSE and time.monotonic() < deadline:
+            time.sleep(0.25)
+            continue
+        busy = error.errno == errno.EADDRINUSE
+        why = "is in use" if busy else f"cannot be used ({error.strerror})"
+        raise ConfigError(
+            f"{option} {listen}: port {port} on {host} {why}; another coordinator or "
+            f"dashboard may be running there: stop it, or pick another port (port 0 picks "
+            f"a free one)"
+        )
 
 
 def join_address(text: str, authkey_file: str | None) -> str:
