@@ -215,7 +215,10 @@ def run_command(fn: Callable[[], int | None]) -> int:
     try:
         return fn() or 0
     except DipacoError as exc:
-        console.print(Text.assemble(("error", "bold red"), f" ({exc.reason}): {one_line(exc)}"))
+        if console.mode == "json":
+            console.event("error", f"error ({exc.reason}): {one_line(exc)}", reason=exc.reason)
+        else:
+            console.print(Text.assemble(("error", "bold red"), f" ({exc.reason}): {one_line(exc)}"))
         return 2
     except KeyboardInterrupt:
         say("interrupted; the run folder keeps everything, run the same command to resume")
@@ -266,7 +269,10 @@ def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     args = parser.parse_args(argv)
     if fmt is not None and fmt not in FORMATS:
         parser.error(f"--log-format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
-    console.configure(fmt or args.log_format)
+    try:
+        console.configure(fmt or args.log_format)
+    except ValueError as exc:  # DIPACO_LOG_FORMAT holds something else
+        parser.error(f"DIPACO_LOG_FORMAT: {exc}")
     setup_logging(args.verbose)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to stderr, run goes on
         try:
