@@ -881,7 +881,7 @@ class Coordinator:
         current = {lease.peer_id: t for t, lease in self.scheduler.leases.items()}
         rows = {}
         for pid, info in self.peers.items():
-            if pid in owners:
+            if pid in owners or info.get("device") == "coordinator":  # an owner's Hello
                 continue
             seen_ago = now - info["last_seen"]
             state = (
