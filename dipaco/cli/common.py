@@ -183,9 +183,22 @@ class LineProgress:
             )
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever ``sys.stderr`` is when a record is written (not the object
+    it was when logging was set up: a caller may swap it, as test captures do)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def setup_logging(verbose: bool) -> None:
     if console.lines:
-        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        handler: logging.Handler = _StderrHandler()
         handler.setFormatter(
             logging.Formatter(
                 "%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%dT%H:%M:%S"
@@ -200,7 +213,6 @@ def setup_logging(verbose: bool) -> None:
         level=logging.INFO if verbose else logging.WARNING,
         format="%(message)s" if not console.lines else None,
         handlers=[handler],
-        force=True,
     )
 
 
