@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 import urllib.error
@@ -161,17 +162,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not args.watch:
         console.print(render(fetch_status(args.address, args.token)))
         return 0
-    if console.lines:  # to a file: the whole state every interval, as lines
+    # On a terminal one live picture; to a file the whole state every interval, as lines.
+    live = None if console.lines else Live(console=console, refresh_per_second=4)
+    with live if live is not None else contextlib.nullcontext():
         while True:
             s = fetch_status(args.address, args.token)
-            console.print(render(s))
-            if s["finished"]:
-                return 0
-            time.sleep(args.interval)
-    with Live(console=console, refresh_per_second=4) as live:
-        while True:
-            s = fetch_status(args.address, args.token)
-            live.update(render(s))
+            if live is not None:
+                live.update(render(s))
+            else:
+                console.print(render(s))
             if s["finished"]:
                 return 0
             time.sleep(args.interval)

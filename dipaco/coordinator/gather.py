@@ -83,21 +83,25 @@ def gathered_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "gathered"
 
 
-def read_gathered(run_dir: str | Path, r: RemoteModule) -> Tensors | None:
-    """The gathered copy of ``r`` if there is one at its final version and hash, else None."""
-    folder = gathered_dir(run_dir) / r.module
-    head_file = folder / "head.json"
-    if not head_file.exists():
-        return None
+def _read_release(folder: Path, r: RemoteModule) -> Tensors | None:
+    """``r`` from a module folder (a head.json and its version file) if it holds ``r`` at the
+    version and hash the scheduler recorded, else None."""
     try:
-        head = json.loads(head_file.read_text())
+        head = json.loads((folder / "head.json").read_text())
         if head.get("version") != r.version or head.get("hash") != r.hash:
             return None
         tensors = read_tensor_file(folder / f"v{r.version}.dpt").tensors
+    except FileNotFoundError:
+        return None
     except (ValueError, OSError, DipacoError) as exc:
-        log.warning("gathered copy of %s unreadable (%s): fetching it again", r.module, exc)
+        log.warning("%s unreadable (%s): looking elsewhere", folder, exc)
         return None
     return tensors if tensors_sha256(tensors) == r.hash else None
+
+
+def read_gathered(run_dir: str | Path, r: RemoteModule) -> Tensors | None:
+    """The gathered copy of ``r`` if there is one at its final version and hash, else None."""
+    return _read_release(gathered_dir(run_dir) / r.module, r)
 
 
 def _write(run_dir: Path, r: RemoteModule, tensors: Tensors, source: str) -> None:
@@ -117,15 +121,34 @@ def _write(run_dir: Path, r: RemoteModule, tensors: Tensors, source: str) -> Non
 
 def _from_folder(folder: Path, r: RemoteModule) -> Tensors | None:
     """``r`` from an owner's run folder, if that folder holds it at its final version."""
-    mod = folder / "coordinator" / "modules" / r.module
+    return _read_release(folder / "coordinator" / "modules" / r.module, r)
+
+
+def _ask(
+    connect: Connect, owner: str, addresses: list[str], key: str | None, mids: list[str], who: str
+) -> m.Modules:
+    """``FetchReleases`` of ``mids`` from ``owner``; DataError when it cannot be had."""
     try:
-        head = json.loads((mod / "head.json").read_text())
-        if head.get("version") != r.version or head.get("hash") != r.hash:
-            return None
-        tensors = read_tensor_file(mod / f"v{r.version}.dpt").tensors
-    except (ValueError, OSError, DipacoError):
+        link = connect(owner, addresses, key)
+        try:
+            reply = link.request(m.FetchReleases(peer_id=who, modules=mids))
+        finally:
+            link.close()
+    except DipacoError as exc:
+        raise DataError("unreachable: " + " ".join(str(exc).split())) from None
+    if not isinstance(reply, m.Modules):
+        raise DataError(f"answered {type(reply).__name__}, not modules")
+    return reply
+
+
+def _signed(reply: m.Modules, mid: str, run_id: str, key: str | None) -> Tensors | None:
+    """``mid``'s tensors in ``reply`` if its owner's release signature and its hash verify."""
+    version, digest = reply.versions.get(mid), reply.hashes.get(mid)
+    release = {"run": run_id, "module": mid, "version": version, "hash": digest}
+    if not auth.check_payload(key or "", reply.signatures.get(mid, ""), "release", release):
         return None
-    return tensors if tensors_sha256(tensors) == r.hash else None
+    tensors = {k.partition("/")[2]: t for k, t in reply.tensors.items() if k.startswith(f"{mid}/")}
+    return tensors if tensors_sha256(tensors) == digest else None
 
 
 def _from_owner(
@@ -134,43 +157,27 @@ def _from_owner(
     """The ``wanted`` modules from their owner over the network: (modules got, why not others)."""
     first = wanted[0]
     try:
-        link = connect(owner, list(first.addresses), first.key)
-        try:
-            reply = link.request(
-                m.FetchReleases(peer_id="gather", modules=[r.module for r in wanted])
-            )
-        finally:
-            link.close()
-    except DipacoError as exc:
-        return {}, "unreachable: " + " ".join(str(exc).split())
-    if not isinstance(reply, m.Modules):
-        return {}, f"answered {type(reply).__name__}, not modules"
+        reply = _ask(
+            connect, owner, list(first.addresses), first.key, [r.module for r in wanted], "gather"
+        )
+    except DataError as exc:
+        return {}, str(exc)
     got: dict[str, Tensors] = {}
     problems = []
     for r in wanted:
         version, digest = reply.versions.get(r.module), reply.hashes.get(r.module)
-        release = {"run": run_id, "module": r.module, "version": version, "hash": digest}
+        tensors = _signed(reply, r.module, run_id, r.key)
         if version != r.version:
             problems.append(f"{r.module} is at v{version}, the scheduler recorded v{r.version}")
-            continue
-        if digest != r.hash:
+        elif digest != r.hash:
             problems.append(
                 f"{r.module} v{version} is not the release the scheduler recorded (hash "
                 f"{str(digest)[:12]}, recorded {r.hash[:12]})"
             )
-            continue
-        if not auth.check_payload(
-            r.key or "", reply.signatures.get(r.module, ""), "release", release
-        ):
-            problems.append(f"{r.module}: its release signature does not verify")
-            continue
-        tensors = {
-            k.partition("/")[2]: t for k, t in reply.tensors.items() if k.startswith(f"{r.module}/")
-        }
-        if tensors_sha256(tensors) != r.hash:
-            problems.append(f"{r.module}: the tensors sent do not match their hash")
-            continue
-        got[r.module] = tensors
+        elif tensors is None:
+            problems.append(f"{r.module}: its release signature or its tensors do not verify")
+        else:
+            got[r.module] = tensors
     return got, "; ".join(problems)
 
 
@@ -305,23 +312,12 @@ def fetch_current(
     for owner, mids in by_owner.items():
         _, addresses, key = wanted[mids[0]]
         try:
-            link = connect(owner, addresses, key)
-            try:
-                reply = link.request(m.FetchReleases(peer_id="evaluation", modules=mids))
-            finally:
-                link.close()
-        except DipacoError as exc:
-            raise DataError(f"owner {owner} unreachable: {' '.join(str(exc).split())}") from None
+            reply = _ask(connect, owner, addresses, key, mids, "evaluation")
+        except DataError as exc:
+            raise DataError(f"owner {owner} {exc}") from None
         for mid in mids:
-            version, digest = reply.versions.get(mid), reply.hashes.get(mid)
-            release = {"run": run_id, "module": mid, "version": version, "hash": digest}
-            tensors = {
-                k.partition("/")[2]: t for k, t in reply.tensors.items() if k.startswith(f"{mid}/")
-            }
-            if (
-                not auth.check_payload(key or "", reply.signatures.get(mid, ""), "release", release)
-                or tensors_sha256(tensors) != digest
-            ):
+            tensors = _signed(reply, mid, run_id, key)
+            if tensors is None:
                 raise DataError(f"owner {owner} sent {mid} without a valid signed release")
             out[mid] = tensors
     return out

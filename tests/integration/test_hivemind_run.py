@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _waiting import wait_for
+from _waiting import alive, helper_pids, wait_for
 
 from dipaco.coordinator.prepare import prepare
 from dipaco.coordinator.run import MetricsLog, build_coordinator, run_local_peers
@@ -131,29 +131,6 @@ def start_owner(address, root, owner_dir) -> Proc:
 def start_peer(address, tmp_path, name, *extra) -> Proc:
     return Proc(BIN / "dipaco-peer", "-v", "join", address, "--peer-id", name,
                 "--state-dir", tmp_path / name, *extra, name=name)  # fmt: skip
-
-
-def helper_pids(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (the DHT process, p2pd, ...), from /proc."""
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for child in Path("/proc").glob(f"{parent}/task/*/children"):
-            try:
-                kids = [int(k) for k in child.read_text().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def final_modules(*roots) -> dict[str, dict[str, torch.Tensor]]:

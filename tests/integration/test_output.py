@@ -17,21 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-from _waiting import wait_for
+from _waiting import alive, helper_pids, run_config, wait_for
 
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
 STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d ")
 PEER_ID = "12D3KooWQ6XhUxsJ2Udqf8n2LRWpdP2Skr9boZuZAcWWxfBH4mSp"
-
-
-def run_config(tmp_path) -> Path:
-    config = tmp_path / "run.toml"
-    config.write_text(
-        'preset = "tiny"\n[train]\ninner_steps = 30\nrounds = 2\n'
-        "[scheduler]\nlease_seconds = 5.0\nheartbeat_seconds = 0.5\n"
-    )
-    return config
 
 
 def events(root: Path, kind: str) -> list[dict]:
@@ -231,7 +222,7 @@ def test_ctrl_c_stops_a_hivemind_coordinator_quickly_and_quietly(run_copy, tmp_p
     )  # fmt: skip
     try:
         wait_for(lambda: "peers join with" in log.read_text(), 120, "the coordinator")
-        helpers = [int(k) for k in _children(coordinator.pid)]
+        helpers = helper_pids(coordinator.pid)
         began = time.monotonic()
         coordinator.send_signal(signal.SIGINT)
         code = coordinator.wait(30)
@@ -246,31 +237,8 @@ def test_ctrl_c_stops_a_hivemind_coordinator_quickly_and_quietly(run_copy, tmp_p
     assert "ERROR" not in text and "hard way" not in text and "Traceback" not in text, text
     assert "run the same command to resume" in text
     # the DHT, p2pd and torch's shared-memory manager (which leaves once its clients have)
-    wait_for(lambda: not any(_alive(pid) for pid in helpers), 15, "its helpers to exit")
+    wait_for(lambda: not any(alive(pid) for pid in helpers), 15, "its helpers to exit")
     assert sockets() <= before
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for a reaper is not: in a container nothing may reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _children(pid: int) -> list[str]:
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for child in Path("/proc").glob(f"{parent}/task/*/children"):
-            try:
-                kids = child.read_text().split()
-            except OSError:
-                continue
-            out += kids
-            todo += [int(k) for k in kids]
-    return out
 
 
 def test_a_flower_node_at_a_wrong_address_says_so(tmp_path):

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _waiting import wait_for
+from _waiting import run_config, wait_for
 
 from dipaco.errors import TransportError
 from dipaco.protocols import messages as m
@@ -18,16 +18,6 @@ from dipaco.protocols.transport import LoopbackTransport
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
 DELTA = '"event": "delta"'
-
-
-def run_config(tmp_path) -> Path:
-    """Two rounds of tasks long enough to be caught mid-way, and short leases."""
-    config = tmp_path / "run.toml"
-    config.write_text(
-        'preset = "tiny"\n[train]\ninner_steps = 30\nrounds = 2\n'
-        "[scheduler]\nlease_seconds = 5.0\nheartbeat_seconds = 0.5\n"
-    )
-    return config
 
 
 def start_peer(address, root, tmp_path, i) -> subprocess.Popen:
