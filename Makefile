@@ -6,7 +6,7 @@ PY    := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format bench paper-table clean
+.PHONY: demo test lint format bench gpu-check paper-table clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +38,11 @@ bench: $(STAMP)
 	$(PY) bench/scale.py
 	$(PY) bench/wire.py
 	$(PY) bench/communication.py
+
+# What a session runs first when a GPU is lent to it (bench/gpu_checklist.py; --device cpu form:
+# make gpu-check ARGS="--device cpu"). Rows land in docs/benchmarks.md.
+gpu-check: $(STAMP)
+	$(PY) bench/gpu_checklist.py $(ARGS)
 
 # The paper's comparison at small scale (about 18 minutes on 2 CPU cores): docs/results.md.
 paper-table: $(STAMP)

@@ -110,7 +110,9 @@ def train_step(
     lr = settings.lr_at(step)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    fwd = forward or model
+    # Not ``forward or model``: a compiled module (torch.compile's OptimizedModule) has no truth
+    # value; its ``__len__`` raises.
+    fwd = model if forward is None else forward
     if micro_batch is None or micro_batch >= batch.shape[0]:
         loss = lm_loss(fwd, batch, autocast)
         optimizer.zero_grad(set_to_none=True)

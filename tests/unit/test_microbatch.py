@@ -55,6 +55,34 @@ def test_micro_batch_none_and_large_are_bit_identical() -> None:
             assert torch.equal(params[name], tensor), (kwargs, name)
 
 
+def test_a_compiled_forward_trains_like_the_model() -> None:
+    """The peer passes ``torch.compile(model)`` as ``forward`` on a GPU; a compiled module has no
+    truth value (its ``__len__`` raises), which once stopped every GPU peer at its first step.
+    The "eager" backend compiles through Dynamo without a C compiler, so this runs on any CPU."""
+    base, base_losses = _train()
+    model = new_dense_model(CFG, seed=3)
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(TypeError):
+        bool(compiled)  # the trap itself, so this test keeps meaning something
+    opt = make_optimizer(model, SETTINGS)
+    for micro_batch in (None, 3):
+        model.load_state_dict(new_dense_model(CFG, seed=3).state_dict())
+        opt = make_optimizer(model, SETTINGS)
+        losses = train_steps(
+            model,
+            opt,
+            iter(_batches()),
+            SETTINGS,
+            steps=STEPS,
+            step_offset=0,
+            forward=compiled,
+            micro_batch=micro_batch,
+        )
+        assert losses == pytest.approx(base_losses, abs=1e-5)
+        for name, tensor in model.state_dict().items():
+            torch.testing.assert_close(tensor, base[name], atol=1e-5, rtol=0, msg=name)
+
+
 def test_micro_batch_must_be_positive() -> None:
     with pytest.raises(ValueError):
         _train(micro_batch=0)

@@ -1,0 +1,175 @@
+"""The GPU checklist: what a session runs first whenever it finds a GPU lent to it.
+
+On whatever device is present (``--device cuda``, or ``--device cpu`` for its CPU form, which
+CI's test suite does not run but any machine can), in this order, each a row in
+``docs/benchmarks.md`` with the device named:
+
+  1. precision   the same path, the same batches, the same start: fp32 against bf16 autocast,
+                 and bf16 + torch.compile, for ``--agree-steps`` inner steps through dipaco's
+                 own ``train_steps``. Printed: the largest loss difference and the difference of
+                 the resulting deltas (what a peer sends) relative to the fp32 delta. The
+                 parameters stay fp32 (autocast computes in bf16, the master weights and the
+                 delta are fp32), so the delta's dtype is checked too.
+  2. throughput  ``bench/peer_throughput.py --paper-path`` (the paper's 150 M path): MFU against
+                 the card's measured bf16 matmul peak and the ratio of a real peer's inner loop
+                 to a bare loop (targets: MFU >= 45% on an H100, ratio >= 0.97).
+  3. multi-GPU   skipped, and said so, when the machine has one GPU (``--gpus`` is issue 21's).
+  4. DiPaCo      ``bench/paper_table.py --preset small`` (``smoke`` in the CPU form): the
+                 paper's comparison at small scale, its table printed.
+
+    python bench/gpu_checklist.py                  # the GPU form (make gpu-check)
+    python bench/gpu_checklist.py --device cpu     # the CPU form: tiny sizes, a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _report import add_report_args, record  # noqa: E402
+
+from dipaco.model.optim import InnerSettings, make_optimizer, train_steps  # noqa: E402
+from dipaco.model.transformer import ModelConfig, new_dense_model  # noqa: E402
+
+
+def agreement(device: str, cfg: ModelConfig, steps: int, batch: int, seq: int) -> dict:
+    """Train one path from one start on one list of batches three ways; compare to fp32."""
+    g = torch.Generator().manual_seed(11)
+    batches = [
+        torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
+        for _ in range(steps)
+    ]
+    settings = InnerSettings(lr=1e-3, warmup_steps=max(1, steps // 10), total_steps=steps)
+    start = new_dense_model(cfg, seed=5).state_dict()
+    runs = {}
+    ways = {"fp32": (None, False), "bf16": (torch.bfloat16, False)}
+    if device.startswith("cuda"):
+        ways["bf16+compile"] = (torch.bfloat16, True)
+    for name, (autocast, compiled) in ways.items():
+        model = new_dense_model(cfg, seed=5).to(device)
+        model.load_state_dict(start)
+        opt = make_optimizer(model, settings)
+        marks: list[float] = []  # after each step (its loss read): the first one compiles
+        losses = train_steps(
+            model, opt, iter(batches), settings, steps=steps, step_offset=0,
+            autocast=autocast, forward=torch.compile(model) if compiled else None,
+            on_step=lambda i, loss, marks=marks: marks.append(time.perf_counter()),
+        )  # fmt: skip
+        seconds = (marks[-1] - marks[0]) / max(1, steps - 1)  # per step, the first left out
+        delta = {k: (start[k].to(device) - v).float() for k, v in model.state_dict().items()}
+        dtypes = {str(v.dtype) for v in model.state_dict().values() if v.is_floating_point()}
+        runs[name] = {"losses": losses, "delta": delta, "seconds": seconds, "dtypes": dtypes}
+        print(
+            f"  {name:>13}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, {seconds * 1e3:.1f} ms a step "
+            "after the first; "
+            f"parameters {', '.join(sorted(dtypes))}",
+            flush=True,
+        )
+    ref = runs["fp32"]
+    norm = torch.sqrt(sum((d**2).sum() for d in ref["delta"].values())).item()
+    out = {}
+    for name, r in runs.items():
+        if name == "fp32":
+            continue
+        loss_gap = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"], strict=True))
+        diff = torch.sqrt(
+            sum(((r["delta"][k] - ref["delta"][k]) ** 2).sum() for k in ref["delta"])
+        ).item()
+        out[name] = {
+            "max_loss_gap": loss_gap,
+            "final_loss_gap": abs(r["losses"][-1] - ref["losses"][-1]),
+            "delta_rel": diff / norm,
+            "fp32_params": r["dtypes"] == {"torch.float32"},
+            "speedup": ref["seconds"] / r["seconds"],
+        }
+    return out
+
+
+def step(title: str) -> None:
+    print(f"\n== {title} ==", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--agree-steps", type=int, default=50)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["precision", "throughput", "dipaco"])
+    ap.add_argument("--out", default="runs/gpu_checklist", help="paper table's folder")
+    add_report_args(ap)
+    args = ap.parse_args()
+    gpu = args.device.startswith("cuda")
+    if gpu and not torch.cuda.is_available():
+        print("no CUDA device here: run with --device cpu for the CPU form", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(0) if gpu else "cpu"
+    report = [] if args.no_record else (["--doc", args.doc] if args.doc else [])
+    if args.no_record:
+        report = ["--no-record"]
+    began = time.perf_counter()
+
+    if "precision" not in args.skip:
+        step(f"1. precision on {name}: fp32 against bf16 autocast (and compile)")
+        if gpu:
+            cfg = ModelConfig(vocab_size=8192, dim=896, n_layers=12, n_heads=16, max_seq_len=1024)
+            batch, seq = 8, 1024
+        else:
+            cfg = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=2, max_seq_len=64)
+            batch, seq = 8, 64
+        res = agreement(args.device, cfg, args.agree_steps, batch, seq)
+        parts = []
+        for way, r in res.items():
+            print(
+                f"  {way}: largest loss gap {r['max_loss_gap']:.4f} (final {r['final_loss_gap']:.4f}),"
+                f" delta differs from fp32's by {r['delta_rel']:.2%} of its norm; parameters fp32: "
+                f"{r['fp32_params']}; {r['speedup']:.2f}x fp32's speed "
+                "per step (the first, which compiles, left out)",
+                flush=True,
+            )
+            parts.append(
+                f"{way}: loss gap max {r['max_loss_gap']:.4f} final {r['final_loss_gap']:.4f}, "
+                f"delta {r['delta_rel']:.2%} off fp32's, fp32 master weights "
+                f"{'yes' if r['fp32_params'] else 'NO'}, {r['speedup']:.2f}x fp32 speed per step"
+            )
+        n = sum(p.numel() for p in new_dense_model(cfg, seed=0).parameters())
+        record(
+            args,
+            "precision",
+            f"{n / 1e6:.0f}M path, {args.agree_steps} steps, batch {batch}x{seq}: "
+            + "; ".join(parts),
+        )
+
+    if "throughput" not in args.skip:
+        step(f"2. a real peer's throughput on {name}")
+        cmd = [sys.executable, str(HERE / "peer_throughput.py"), "--device", args.device]
+        cmd += ["--paper-path"] if gpu else ["--quick"]
+        subprocess.run(cmd + report, check=True)
+
+    step("3. several GPUs in one peer")
+    count = torch.cuda.device_count() if gpu else 0
+    print(
+        f"  {count} GPU(s) here; one peer over several GPUs (--gpus) is not built yet "
+        "(issue 21): nothing to run",
+        flush=True,
+    )
+
+    if "dipaco" not in args.skip:
+        step(f"4. DiPaCo at small scale on {name}")
+        cmd = [sys.executable, str(HERE / "paper_table.py"), "--device", args.device]
+        cmd += ["--preset", "small" if gpu else "smoke", "--out", args.out]
+        subprocess.run(cmd, check=True)
+        table = Path(args.out) / "paper_table.md"
+        if table.exists():
+            print(table.read_text())
+    print(f"\nchecklist done in {time.perf_counter() - began:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
