@@ -27,12 +27,14 @@ from rich.console import Console
 from rich.table import Table
 
 from dipaco.config import preset_config
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator, evaluate_modules
 from dipaco.peer.peer import Peer
+from dipaco.prepare.pipeline import prepare
 from dipaco.protocols import messages as m
 from dipaco.protocols.codecs import CODECS
-from dipaco.protocols.hivemind_transport import HivemindNode
+from dipaco.protocols.hivemind import HivemindNode
+from dipaco.run.evaluate import evaluate_modules
+from dipaco.run.factory import build_coordinator
+from dipaco.run.metrics_log import MetricsLog
 
 console = Console(width=150)
 

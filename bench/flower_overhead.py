@@ -40,8 +40,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dipaco.config import load_config
-from dipaco.coordinator.prepare import prepare
 from dipaco.flower import deploy
+from dipaco.prepare.pipeline import prepare
 
 BIN = Path(sys.executable).parent
 console = Console(width=140)

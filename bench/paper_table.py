@@ -64,16 +64,14 @@ import torch  # noqa: E402
 
 from dipaco.config import OuterSection, RunConfig, load_config_dict  # noqa: E402
 from dipaco.coordinator.early_stopping import EarlyStopping  # noqa: E402
-from dipaco.coordinator.prepare import prepare  # noqa: E402
-from dipaco.coordinator.run import (  # noqa: E402
-    MetricsLog,
-    build_coordinator,
-    evaluate_modules,
-    run_local_peers,
-)
 from dipaco.errors import DipacoError  # noqa: E402
 from dipaco.fileio import write_atomic, write_json_atomic  # noqa: E402
+from dipaco.prepare.pipeline import prepare  # noqa: E402
 from dipaco.routing.features import FEATURE_KINDS  # noqa: E402
+from dipaco.run.evaluate import evaluate_modules  # noqa: E402
+from dipaco.run.factory import build_coordinator  # noqa: E402
+from dipaco.run.local import run_local_peers  # noqa: E402
+from dipaco.run.metrics_log import MetricsLog  # noqa: E402
 
 # The base of every model in a preset; variants change topology, routing, outer step, rounds.
 PRESETS: dict[str, dict[str, Any]] = {

@@ -32,11 +32,13 @@ from pathlib import Path
 import torch
 
 from dipaco.config import preset_config
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator
-from dipaco.peer.peer import Peer, resolve_device
+from dipaco.peer.device import resolve_device
+from dipaco.peer.peer import Peer
+from dipaco.prepare.pipeline import prepare
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
+from dipaco.run.factory import build_coordinator
+from dipaco.run.metrics_log import MetricsLog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import add_report_args, record  # noqa: E402

@@ -35,13 +35,14 @@ import torch
 import torch.nn.functional as F
 
 from dipaco.config import preset_config
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator
 from dipaco.data.shards import TokenShard, window_batches
 from dipaco.model.optim import InnerSettings, fused_adamw_available, make_optimizer
 from dipaco.peer.peer import Peer
+from dipaco.prepare.pipeline import prepare
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
+from dipaco.run.factory import build_coordinator
+from dipaco.run.metrics_log import MetricsLog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import add_report_args, record  # noqa: E402

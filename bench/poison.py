@@ -40,13 +40,15 @@ sys.path.insert(0, str(REPO / "bench"))
 from paper_table import LOCAL, PRESETS  # noqa: E402
 
 from dipaco.config import RunConfig, load_config_dict  # noqa: E402
-from dipaco.coordinator.prepare import prepare  # noqa: E402
-from dipaco.coordinator.run import MetricsLog, build_coordinator, evaluate_modules  # noqa: E402
 from dipaco.errors import DipacoError  # noqa: E402
 from dipaco.fileio import write_atomic, write_json_atomic  # noqa: E402
 from dipaco.peer.peer import Peer  # noqa: E402
+from dipaco.prepare.pipeline import prepare  # noqa: E402
 from dipaco.protocols.auth import Identity  # noqa: E402
 from dipaco.protocols.transport import LocalTransport  # noqa: E402
+from dipaco.run.evaluate import evaluate_modules  # noqa: E402
+from dipaco.run.factory import build_coordinator  # noqa: E402
+from dipaco.run.metrics_log import MetricsLog  # noqa: E402
 
 CASES = {  # name -> (hostile paths per level module, one key for all of them)
     "clean": (0, False),

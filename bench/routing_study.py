@@ -32,13 +32,13 @@ import numpy as np
 import torch
 from sklearn.linear_model import LogisticRegression
 
-from dipaco.coordinator.run import path_loader
 from dipaco.data.mixed import source_kind
 from dipaco.data.shards import TokenShard
 from dipaco.fileio import write_atomic, write_json_atomic
-from dipaco.model.hf_export import open_run
 from dipaco.routing.composition import format_composition, shard_composition
 from dipaco.routing.evaluate import token_losses
+from dipaco.run.evaluate import path_loader
+from dipaco.run.export import open_run
 
 
 def doc_losses(model: torch.nn.Module, docs: list[np.ndarray], seq_len: int) -> np.ndarray:

@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dipaco.config import preset_config
-from dipaco.coordinator.prepare import prepare
+from dipaco.prepare.pipeline import prepare
 
 BIN = Path(sys.executable).parent
 TOPOLOGY = "2x4"

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from dipaco.config import preset_config
-from dipaco.coordinator.prepare import prepare
+from dipaco.prepare.pipeline import prepare
 
 
 @pytest.fixture(scope="session")

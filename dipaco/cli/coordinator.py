@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import threading
 import time
 from pathlib import Path
 
@@ -35,12 +34,16 @@ from dipaco.cli.events import print_events
 from dipaco.coordinator.access import change_access
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.gather import gather_at_end, remote_fetcher, wait_gathered
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator, build_owner, run_local_peers
+from dipaco.coordinator.ticker import Ticker
 from dipaco.errors import ConfigError, DipacoError, RejectedError
+from dipaco.net import hivemind
+from dipaco.prepare.pipeline import prepare
 from dipaco.protocols.addresses import check_port_free, split_hostport
-from dipaco.protocols.auth import Identity, check_payload
+from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LoopbackServer
+from dipaco.run.factory import build_coordinator, build_owner
+from dipaco.run.local import LocalRun
+from dipaco.run.metrics_log import MetricsLog
 
 
 def secret_file(path: Path) -> tuple[bytes, Path]:
@@ -59,29 +62,6 @@ def secret_file(path: Path) -> tuple[bytes, Path]:
 def authkey(run_dir: Path) -> tuple[bytes, Path]:
     """The run's shared secret for the loopback transport."""
     return secret_file(run_dir / "coordinator" / "authkey")
-
-
-def identity(run_dir: Path) -> Path:
-    """The node's libp2p key, so that its address (PeerID) survives restarts."""
-    from hivemind.p2p import P2P
-
-    path = run_dir / "coordinator" / "identity.key"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        P2P.generate_identity(str(path))
-    return path
-
-
-class Ticker(threading.Thread):
-    """Calls ``coordinator.tick()`` every second: leases expire and overdue rounds close on time."""
-
-    def __init__(self, coordinator: Coordinator) -> None:
-        super().__init__(name="dipaco-tick", daemon=True)
-        self.coordinator, self.stop = coordinator, threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.wait(1.0):
-            self.coordinator.tick()
 
 
 def wait_finished(
@@ -121,13 +101,11 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.transport == "flower":
         return serve_flower(args, prep)
     from dipaco.protocols import discovery
-    from dipaco.protocols.hivemind_transport import HivemindNode
+    from dipaco.protocols.hivemind import HivemindNode
 
     host, port = split_hostport(args.listen)
-    node = HivemindNode(host=host, port=port, identity_path=identity(run_dir))
+    node = HivemindNode(host=host, port=port, identity_path=hivemind.node_identity(run_dir))
     publisher = ticker = dashboard = None
-    threads: list[threading.Thread] = []
-    stop = threading.Event()
     try:
         coordinator = build_coordinator(
             prep, metrics, evaluate=not args.no_eval, owner_id=node.peer_id
@@ -136,44 +114,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         coordinator.addresses[node.peer_id] = addresses
         coordinator.fetch_remote = remote_fetcher(coordinator, run_dir, node)
         node.serve(coordinator.handle)
-        manifest = coordinator.peer_config
         run_id = prep.run_id
 
         def records() -> list[tuple]:
-            with coordinator.lock:
-                owners: dict[str, list[str]] = {}
-                for mid, owner in coordinator.owners.items():
-                    owners.setdefault(owner, []).append(mid)
-                versions = {mid: coordinator.version(mid) for mid in coordinator.owners}
-                out = [
-                    (
-                        discovery.RUNS,
-                        {
-                            "scheduler": node.peer_id,
-                            "addresses": addresses,
-                            "manifest": discovery.manifest_sha256(manifest),
-                        },
-                        run_id,
-                    ),
-                    (discovery.key(run_id, "manifest"), manifest),
-                    (
-                        discovery.key(run_id, "progress"),
-                        {
-                            "round": coordinator.round,
-                            "rounds": coordinator.rounds,
-                            "modules": versions,
-                            "finished": coordinator.finished,
-                        },
-                    ),
-                ]
-                for owner, mids in owners.items():
-                    info = {
-                        "modules": sorted(mids),
-                        "addresses": coordinator.addresses.get(owner, []),
-                        "scheduler": owner == node.peer_id,
-                    }
-                    out.append((discovery.key(run_id, "owners"), info, owner))
-            return out
+            return hivemind.scheduler_records(coordinator, node.peer_id, addresses, run_id)
 
         publisher = discovery.Publisher(node, records, interval=args.publish_seconds)
         publisher.start()
@@ -192,18 +136,14 @@ def cmd_start(args: argparse.Namespace) -> int:
             f"then on it: dipaco-coordinator start --join {address} --owns MODULES --run-dir DIR",
             soft_wrap=True,
         )
-        if args.local_peers:
-            threads = run_local_peers(coordinator, prep, args.local_peers, stop=stop)
-        wait_finished(
-            coordinator,
-            args.linger,
-            publisher,
-            gather_from=lambda: gather_at_end(coordinator, run_dir, node, say),
-        )
+        with LocalRun(coordinator, prep, args.local_peers):
+            wait_finished(
+                coordinator,
+                args.linger,
+                publisher,
+                gather_from=lambda: gather_at_end(coordinator, run_dir, node, say),
+            )
     finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
         for worker in (publisher, ticker):
             if worker is not None:
                 worker.stop.set()
@@ -217,8 +157,7 @@ def start_owner(args: argparse.Namespace) -> int:
     """Join a run as the owner of some modules (``--join ADDRESS --owns ...``)."""
     from dipaco.coordinator.owner import Reporter, take_over
     from dipaco.protocols import discovery
-    from dipaco.protocols import messages as m
-    from dipaco.protocols.hivemind_transport import HivemindNode
+    from dipaco.protocols.hivemind import HivemindNode
 
     if not (args.owns and args.join):
         raise ConfigError("a module owner needs --join ADDRESS and --owns MODULES")
@@ -226,20 +165,16 @@ def start_owner(args: argparse.Namespace) -> int:
     me = Identity.load_or_create(run_dir / "coordinator" / "signing.key")
     host, port = split_hostport(args.listen)
     node = HivemindNode(
-        initial_peers=[args.join], host=host, port=port, identity_path=identity(run_dir)
+        initial_peers=[args.join],
+        host=host,
+        port=port,
+        identity_path=hivemind.node_identity(run_dir),
     )
     reporter = ticker = publisher = None
     try:
-        run_id, entry, manifest = discovery.find_run(node, args.run)
-        scheduler = node.transport(entry["scheduler"], entry.get("addresses", []))
-        scheduler.authenticate(me, args.scheduler_key)
-        welcome = scheduler.request(m.Hello(peer_id=node.peer_id, device="coordinator"))
-        if discovery.manifest_sha256(welcome.config) != entry["manifest"]:
-            raise ConfigError("the scheduler's manifest differs from the one in the DHT")
-        if welcome.config.get("coordinator_key") != scheduler.server_key or not check_payload(
-            scheduler.server_key, welcome.signature, "manifest", welcome.config
-        ):
-            raise ConfigError("the scheduler's manifest is not signed by the scheduler's key")
+        run_id, manifest, scheduler = hivemind.contact_scheduler(
+            node, me, args.run, args.scheduler_key
+        )
         coordinator = build_owner(
             run_dir,
             manifest,
@@ -266,12 +201,7 @@ def start_owner(args: argparse.Namespace) -> int:
         ticker.start()
 
         def records() -> list[tuple]:
-            info = {
-                "modules": coordinator.owned_modules(),
-                "addresses": addresses,
-                "scheduler": False,
-            }
-            return [(discovery.key(run_id, "owners"), info, node.peer_id)]
+            return hivemind.owner_records(coordinator, node.peer_id, addresses, run_id)
 
         publisher = discovery.Publisher(node, records, interval=args.publish_seconds)
         publisher.start()
@@ -329,19 +259,13 @@ def serve_loopback(args, prep, metrics) -> int:
     )
     (run_dir / "coordinator" / "address").write_text(server.address + "\n")
     dashboard = start_dashboard(args, coordinator)
-    stop = threading.Event()
     ticker = Ticker(coordinator)
     ticker.start()
-    threads = (
-        run_local_peers(coordinator, prep, args.local_peers, stop=stop) if args.local_peers else []
-    )
     try:
-        wait_finished(coordinator, args.linger)
+        with LocalRun(coordinator, prep, args.local_peers):
+            wait_finished(coordinator, args.linger)
     finally:
-        stop.set()
         ticker.stop.set()
-        for t in threads:
-            t.join(30)
         server.close()
         if dashboard is not None:
             stop_dashboard(dashboard, run_dir)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dipaco.cli.common import console
-from dipaco.coordinator.run import MetricsLog
+from dipaco.run.metrics_log import MetricsLog
 
 EVENT_TEXT = {
     "task_issued": "task {task} issued to {peer}: path P{path}, round {round_1}, {steps} steps",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -29,19 +28,17 @@ from dipaco.cli.common import (
 from dipaco.cli.init import add_init_command
 from dipaco.cli.use import add_owner_dir, add_use_commands, gatherer
 from dipaco.cli.watch import add_status_command
-from dipaco.coordinator.baselines import train_diloco
-from dipaco.coordinator.prepare import PreparedRun, prepare
 from dipaco.coordinator.report import plot_run, results_markdown, results_table
-from dipaco.coordinator.run import (
-    MetricsLog,
-    build_coordinator,
-    evaluate_modules,
-    run_local_peers,
-    train_dense_baseline,
-)
 from dipaco.errors import DipacoError
 from dipaco.fileio import write_json_atomic
 from dipaco.model.topology import Topology
+from dipaco.prepare.folder import PreparedRun
+from dipaco.prepare.pipeline import prepare
+from dipaco.run.baseline import train_dense_baseline, train_diloco
+from dipaco.run.evaluate import evaluate_modules
+from dipaco.run.factory import build_coordinator
+from dipaco.run.local import LocalRun
+from dipaco.run.metrics_log import MetricsLog
 
 
 def _progress() -> Progress | LineProgress:
@@ -90,7 +87,6 @@ def run_demo(run_dir: Path, config, n_peers: int) -> int:
     _log_initial_eval(prep, metrics)
 
     coordinator = build_coordinator(prep, metrics)
-    stop = threading.Event()
     total = topology.num_paths * c.train.rounds * c.train.inner_steps
     with _progress() as progress:
         bar = progress.add_task(f"DiPaCo, {n_peers} local peers", total=total, info="")
@@ -110,17 +106,10 @@ def run_demo(run_dir: Path, config, n_peers: int) -> int:
                 progress.console.log(f"round {e['round']}: routed validation ppl {e['ppl']:.1f}")
 
         metrics.listeners.append(on_event)
-        threads = run_local_peers(coordinator, prep, n_peers, stop=stop)
         try:
-            while not coordinator.finished_event.wait(0.5):
-                if not any(t.is_alive() for t in threads):
-                    raise DipacoError(
-                        "every local peer stopped before the run finished (see the log above)"
-                    )
+            with LocalRun(coordinator, prep, n_peers) as local:
+                local.wait()
         finally:
-            stop.set()
-            for t in threads:
-                t.join(30)
             metrics.listeners.clear()
         if coordinator.failure:
             raise DipacoError(coordinator.failure)
@@ -247,7 +236,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from dipaco.model.hf_export import open_run
+    from dipaco.run.export import open_run
 
     run = open_run(args.run_dir, remote=gatherer(args))
     run_dir, config, prep = run.prep.root, run.config, run.prep

@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import secrets
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -36,9 +34,11 @@ from rich.progress import (
 )
 
 from dipaco.cli.common import command_parser, console, dispatch, one_line, say
+from dipaco.cli.doctor import add_doctor_command
 from dipaco.errors import ConfigError, TransportError
 from dipaco.fileio import write_json_atomic
-from dipaco.peer.doctor import add_doctor_command, check_device
+from dipaco.peer.checks import check_device
+from dipaco.peer.identity import coordinator_trust, stable_peer_id
 from dipaco.peer.metrics import PeerMetrics
 from dipaco.peer.peer import Peer
 from dipaco.protocols.addresses import join_address
@@ -69,19 +69,6 @@ def dial_loopback(address: str, key: bytes, patience: float = 60.0) -> LoopbackT
             time.sleep(1.0)
 
 
-def stable_peer_id(state_dir: Path, given: str | None) -> str:
-    """The peer's id: --peer-id, else the one this state folder was given before, else new."""
-    file = state_dir / "peer_id"
-    if given:
-        return given
-    if file.exists():
-        return file.read_text().strip()
-    peer_id = f"{socket.gethostname()}-{secrets.token_hex(3)}"
-    state_dir.mkdir(parents=True, exist_ok=True)
-    file.write_text(peer_id + "\n")
-    return peer_id
-
-
 def cmd_join(args: argparse.Namespace) -> int:
     if args.flower:
         return join_flower(args)
@@ -91,7 +78,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / "peer")
     peer_id = stable_peer_id(state_dir, args.peer_id)
     me = Identity.load_or_create(state_dir / "signing.key")
-    trust = coordinator_trust(state_dir, args.address, args.coordinator_key)
+    trust = coordinator_trust(state_dir, args.address, args.coordinator_key, _trusted_first)
     stop = threading.Event()
     extra: dict[str, Any] = {}
     node = None
@@ -394,33 +381,19 @@ def join_flower(args: argparse.Namespace) -> int:
     return 0
 
 
-def coordinator_trust(
-    state_dir: Path, address: str, given: str | None
-) -> tuple[str | None, Callable[[str], None]]:
-    """The coordinator key to insist on, and what to do when one is first seen.
-
-    ``--coordinator-key`` wins; else the key this state folder pinned for ``address`` before;
-    else the first reply's key is trusted and pinned (like ssh's known_hosts), with a warning.
-    """
-    file = state_dir / "known_coordinators.json"
-    known = json.loads(file.read_text()) if file.exists() else {}
-    key = check_public_key(given) if given else known.get(address)
-
-    def pin(seen: str) -> None:
-        console.print(
-            f"[yellow]trusting coordinator key {seen} on first use[/] (pass --coordinator-key "
-            "to check it against what the run's operator published)",
-            soft_wrap=True,
-        )
-        write_json_atomic(file, {**known, address: seen})
-
-    return key, pin
+def _trusted_first(seen: str) -> None:
+    """Say that a coordinator key is trusted on first use (``coordinator_trust`` pins it)."""
+    console.print(
+        f"[yellow]trusting coordinator key {seen} on first use[/] (pass --coordinator-key "
+        "to check it against what the run's operator published)",
+        soft_wrap=True,
+    )
 
 
 def start_node(address: str, patience: float) -> Any:
     """A client hivemind node bootstrapped from ``address``, retried for ``patience`` seconds
     (the coordinator may be restarting); then a TransportError that points to ``doctor``."""
-    from dipaco.protocols.hivemind_transport import HivemindNode
+    from dipaco.protocols.hivemind import HivemindNode
 
     began = time.monotonic()
     while True:

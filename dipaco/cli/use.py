@@ -10,7 +10,7 @@ from dipaco.cli.common import console, say
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dipaco.model.hf_export import export_path, open_run
+    from dipaco.run.export import export_path, open_run
 
     run = open_run(args.run_dir, remote=gatherer(args))
     out = export_path(run, args.path, args.out)
@@ -23,7 +23,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from dipaco.model.hf_export import generate, open_run
+    from dipaco.run.export import open_run
+    from dipaco.run.generate import generate
 
     result = generate(
         open_run(args.run_dir, remote=gatherer(args)),

@@ -33,6 +33,7 @@ from dipaco.config import SecuritySection
 from dipaco.errors import RejectedError
 from dipaco.fileio import write_json_atomic
 from dipaco.protocols.auth import check_public_key, fingerprint
+from dipaco.protocols.reasons import Reason
 
 log = logging.getLogger(__name__)
 
@@ -192,10 +193,10 @@ class AccessPolicy:
             return
         short = fingerprint(key)
         if key in self.access["revoked"]:
-            raise RejectedError(f"key {short} was revoked by the operator", reason="revoked")
+            raise RejectedError(f"key {short} was revoked by the operator", reason=Reason.REVOKED)
         if key in self.banned:
             raise RejectedError(
-                f"key {short} is banned: {self.banned[key].get('reason', '')}", reason="banned"
+                f"key {short} is banned: {self.banned[key].get('reason', '')}", reason=Reason.BANNED
             )
         if (
             self.settings.join == "allow-list"
@@ -205,13 +206,13 @@ class AccessPolicy:
             raise RejectedError(
                 f"this run admits listed keys only; ask its operator to run: "
                 f"dipaco-coordinator allow {key}",
-                reason="unknown-peer",
+                reason=Reason.UNKNOWN_PEER,
             )
         if not self._take_token(key):
             raise RejectedError(
                 f"key {short} sends more than {self.settings.requests_per_second:g} requests/s "
                 f"(burst {self.settings.burst}); slow down",
-                reason="rate-limited",
+                reason=Reason.RATE_LIMITED,
             )
 
     def _take_token(self, key: str) -> bool:
@@ -237,14 +238,14 @@ class AccessPolicy:
                 raise RejectedError(
                     f"peer id {name!r} belongs to key {fingerprint(owner)}, not "
                     f"{fingerprint(key)}; pick another --peer-id",
-                    reason="identity-mismatch",
+                    reason=Reason.IDENTITY_MISMATCH,
                 )
             used = sum(1 for k in self.names.values() if k == key)
             if key not in self.self_keys and used >= self.settings.max_names_per_key:
                 raise RejectedError(
                     f"key {fingerprint(key)} already uses {used} peer ids "
                     f"(at most {self.settings.max_names_per_key})",
-                    reason="quota",
+                    reason=Reason.QUOTA,
                 )
             self.names[name] = key
             self._save_peers()

@@ -288,7 +288,7 @@ def gather_run(
     except DataError:
         if not network:
             raise
-    from dipaco.protocols.hivemind_transport import HivemindNode
+    from dipaco.protocols.hivemind import HivemindNode
 
     say(f"fetching modules from their owners: {', '.join(sorted({r.owner for r in remote}))}")
     with HivemindNode(client_mode=True) as node:

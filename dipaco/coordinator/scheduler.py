@@ -46,10 +46,27 @@ class Lease:
     module_versions: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class DeadlinePolicy:
+    """When a task is overdue and how few steps a slow peer may be offered (config ``scheduler``)."""
+
+    mads: float = 4.0  # deadline: median + max(mads * MAD, slack * median) of task durations
+    slack: float = 0.5
+    floor: float = 10.0  # never a deadline shorter than this (seconds)
+    min_observations: int = 4  # task durations needed before deadlines apply
+    min_step_fraction: float = 0.25  # a slow peer gets at least this fraction of H steps
+
+
 class Scheduler:
-    def __init__(self, lease_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        lease_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        policy: DeadlinePolicy | None = None,
+    ) -> None:
         self.lease_seconds = lease_seconds
         self.clock = clock
+        self.policy = policy or DeadlinePolicy()
         self.leases: dict[str, Lease] = {}  # task id -> live lease
         self.issued: dict[str, Lease] = {}  # every task id handed out, for late submissions
         self.attempts: dict[tuple[int, int], int] = {}
@@ -111,18 +128,11 @@ class Scheduler:
         self.issued[lease.task_id] = lease
         return lease
 
-    # Set by the coordinator from its policy (config ``scheduler``).
-    deadline_mads = 4.0
-    deadline_slack = 0.5
-    deadline_floor = 10.0
-    min_observations = 4
-    min_step_fraction = 0.25
-
     def task_deadline(self) -> float | None:
         deadline = robust_deadline(
-            self.durations, self.deadline_mads, self.deadline_slack, self.min_observations
+            self.durations, self.policy.mads, self.policy.slack, self.policy.min_observations
         )
-        return None if deadline is None else max(deadline, self.deadline_floor)
+        return None if deadline is None else max(deadline, self.policy.floor)
 
     def overdue(self) -> set[tuple[int, int]]:
         """(path, round) of live leases that have run past the task deadline."""
@@ -144,7 +154,7 @@ class Scheduler:
         per_step = statistics.median(paces)
         if per_step * steps <= deadline:
             return steps
-        floor = max(1, math.ceil(self.min_step_fraction * steps))
+        floor = max(1, math.ceil(self.policy.min_step_fraction * steps))
         return max(floor, min(steps, int(deadline / per_step)))
 
     def heartbeat(self, task_id: str, peer_id: str, step: int = 0) -> Lease | None:

@@ -1,11 +1,11 @@
-"""Data: text sources, the built-in corpus, the tokenizer and token shards on disk."""
+"""Data: documents, text sources, the built-in corpora, the tokenizer and token shards on disk."""
 
 from __future__ import annotations
 
 from dipaco.data.corpus import builtin_corpus, split_train_val
+from dipaco.data.document import Document
 from dipaco.data.shards import ShardWriter, TokenShard, sample_windows
 from dipaco.data.sources import (
-    Document,
     open_source,
     read_hf,
     read_jsonl,

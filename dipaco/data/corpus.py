@@ -14,7 +14,7 @@ import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from dipaco.data.sources import Document
+from dipaco.data.document import Document
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from dipaco.data.corpus import split_text, stdlib_files, stdlib_root
-from dipaco.data.sources import Document
+from dipaco.data.document import Document
 from dipaco.errors import DataError
 
 log = logging.getLogger(__name__)

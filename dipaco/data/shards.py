@@ -24,6 +24,16 @@ from dipaco.fileio import AtomicFile, write_atomic
 
 log = logging.getLogger(__name__)
 
+# A shard's three files: its prefix with each of these appended.
+SHARD_SUFFIXES = (".tokens", ".index.npy", ".json")
+
+
+def shard_name(path: int, split: str = "train", prefix: str = "shards") -> str:
+    """Path ``path``'s shard of ``split`` ("train" or "heldout") in a routing phase's shard
+    folder ``prefix`` ("shards", "shards/phase1", ...), relative to the run folder:
+    ``shards/P3/train``. Peers fetch its files under this name with :data:`SHARD_SUFFIXES`."""
+    return f"{prefix}/P{path}/{split}"
+
 
 def _paths(prefix: str | Path) -> tuple[Path, Path, Path]:
     # Appended, not with_suffix: a prefix like "shards/P3.train" must keep its dots.

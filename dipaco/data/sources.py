@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dipaco.data.corpus import builtin_corpus
+from dipaco.data.document import Document
+from dipaco.data.mixed import mixed_corpus
 from dipaco.errors import DataError
 
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".rst", ".py"})
-
-
-@dataclass(frozen=True)
-class Document:
-    doc_id: str
-    text: str
 
 
 def _existing(path: str | Path) -> Path:
@@ -148,12 +144,8 @@ def open_source(spec: str, field: str = "text") -> Iterator[Document]:
             name, split = name.rsplit(":", 1)
         return read_hf(name, split=split, field=field)
     if spec in ("builtin", "builtin:stdlib"):
-        from dipaco.data.corpus import builtin_corpus
-
         return iter(builtin_corpus())
     if spec == "builtin:mixed":
-        from dipaco.data.mixed import mixed_corpus
-
         return iter(mixed_corpus())
     if spec.startswith("builtin:"):
         raise DataError(

@@ -44,9 +44,10 @@ def serve(
     import json
 
     from dipaco.config import load_config_dict
-    from dipaco.coordinator.prepare import prepare
-    from dipaco.coordinator.run import MetricsLog, build_coordinator
     from dipaco.flower.strategy import DipacoStrategy
+    from dipaco.prepare.pipeline import prepare
+    from dipaco.run.factory import build_coordinator
+    from dipaco.run.metrics_log import MetricsLog
 
     run_dir = Path(run_dir)
     config_file = run_dir / "config.json"

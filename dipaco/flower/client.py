@@ -28,12 +28,15 @@ from typing import Any
 import torch
 from flwr.app import RecordDict
 
+from dipaco.data.shards import shard_name
 from dipaco.errors import ConfigError, CorruptFileError, DipacoError, TransportError, WireError
 from dipaco.fileio import write_json_atomic
 from dipaco.flower import forward
 from dipaco.flower import records as rec
 from dipaco.peer.download import RunFiles
-from dipaco.peer.peer import Peer, TaskAborted
+from dipaco.peer.identity import coordinator_trust, stable_peer_id
+from dipaco.peer.modules import TaskAborted
+from dipaco.peer.peer import Peer
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LoopbackServer, Transport
@@ -114,7 +117,8 @@ class NodeState:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config = node_config
         self.identity = auth.Identity.load_or_create(self.dir / "signing.key")
-        self.peer_id = _peer_id(self.dir, str(node_config.get("peer-id", "") or ""))
+        # the same rule as every dipaco-peer
+        self.peer_id = stable_peer_id(self.dir, str(node_config.get("peer-id", "") or "") or None)
         self.cache_dir = self.dir / "flower" / "modules"
 
     # ---- trust --------------------------------------------------------------------------------
@@ -125,13 +129,11 @@ class NodeState:
         if given:
             return auth.check_public_key(given)
         where = str(self.config.get("superlink", "flower") or "flower")
-        file = self.dir / "known_coordinators.json"
-        known = json.loads(file.read_text()) if file.exists() else {}
-        if where not in known:
-            log.warning("trusting coordinator key %s on first use (%s)", offered, where)
-            write_json_atomic(file, {**known, where: offered})
+        key, pin = coordinator_trust(self.dir, where, None)
+        if key is None:
+            pin(offered)  # logs that it is trusted on first use
             return offered
-        return known[where]
+        return key
 
     # ---- what the node holds ------------------------------------------------------------------
     def report(self) -> str:
@@ -229,7 +231,7 @@ class NodeState:
         if relay.submitted is None:
             raise TransportError("the task ended without a delta")
         self.save_cache({mid: peer.cache[mid] for mid in path_mids if mid in peer.cache})
-        shard = offer.shard or f"shards/P{offer.path}/train"
+        shard = offer.shard or shard_name(offer.path)
         infos = offer.shard_files or {
             name: info
             for name, info in welcome.config.get("files", {}).items()
@@ -338,9 +340,3 @@ class NodeTrainer:
 
     def close(self) -> None:
         self.server.close()
-
-
-def _peer_id(state_dir: Path, given: str) -> str:
-    from dipaco.cli.peer import stable_peer_id  # the same rule as every dipaco-peer
-
-    return stable_peer_id(state_dir, given or None)

@@ -1,4 +1,6 @@
-"""How much memory one path needs to train, how much the device has, and the micro-batch to use.
+"""The training device: which one ``auto`` means and what the inner loop uses on it (autocast,
+torch.compile, fused AdamW); how much memory one path needs to train, how much the device has,
+and the micro-batch to use.
 
 The estimate is deliberately simple and on the generous side: fp32 parameters, their gradients,
 AdamW's two moments, and the activations autograd keeps for one micro-batch of a Llama-style
@@ -14,10 +16,38 @@ from pathlib import Path
 import torch
 
 from dipaco.errors import ConfigError
+from dipaco.model.optim import fused_adamw_available
 from dipaco.model.transformer import ModelConfig
 
 _FP32 = 4
 _GIB = 2**30
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` is the first CUDA GPU when there is one, else the CPU."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def training_features(device: str, precision: str = "auto", compile: str = "auto") -> dict:
+    """What the inner loop uses on this device: autocast dtype, torch.compile, fused AdamW.
+
+    ``precision``: "auto" (bfloat16 autocast on a GPU that has it, float32 elsewhere), "fp32"
+    or "bf16". ``compile``: "auto" (on a GPU), "on" or "off". The fused AdamW kernel is used
+    wherever torch has one (CPU and CUDA), see ``dipaco.model.optim.make_optimizer``.
+    """
+    if precision not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"precision must be auto, fp32 or bf16, not {precision!r}")
+    if compile not in ("auto", "on", "off"):
+        raise ConfigError(f"compile must be auto, on or off, not {compile!r}")
+    gpu = device.startswith("cuda") and torch.cuda.is_available()
+    bf16 = precision == "bf16" or (precision == "auto" and gpu and torch.cuda.is_bf16_supported())
+    return {
+        "autocast": torch.bfloat16 if bf16 else None,
+        "compile": compile == "on" or (compile == "auto" and gpu),
+        "fused": fused_adamw_available(device),
+    }
 
 
 def path_parameter_count(model_cfg: ModelConfig) -> int:
@@ -152,6 +182,16 @@ def check_fits(
             "length, or a device with more memory",
             reason="device-too-small",
         )
+
+
+def fit_micro_batch(
+    model_cfg: ModelConfig, train_cfg: dict, device: str, memory_bytes: int | None = None
+) -> int:
+    """The micro-batch for the run's batch on ``device`` (:func:`pick_micro_batch`), after
+    :func:`check_fits` has refused a device on which not even one window fits."""
+    seq_len, batch_size = train_cfg["seq_len"], train_cfg["batch_size"]
+    check_fits(model_cfg, seq_len, device, memory_bytes=memory_bytes)
+    return pick_micro_batch(model_cfg, batch_size, seq_len, device, memory_bytes=memory_bytes)
 
 
 def _gib(n: float) -> str:

@@ -46,6 +46,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from dipaco import faults
 from dipaco.errors import ConfigError, RejectedError, WireError
 from dipaco.fileio import AtomicFile
+from dipaco.protocols.reasons import Reason
 from dipaco.protocols.wire import loads_checked
 
 KEY_PREFIX = "ed25519:"
@@ -202,29 +203,33 @@ def _pack(magic: bytes, header: dict[str, Any], body: bytes) -> bytes:
 def _split(data: bytes, magic: bytes) -> tuple[dict[str, Any], memoryview]:
     if len(data) < 8 or bytes(data[:4]) != magic:
         kind = "request" if magic == REQUEST_MAGIC else "reply"
-        raise RejectedError(f"the {kind} is not in a signed dipaco envelope", reason="unsigned")
+        raise RejectedError(
+            f"the {kind} is not in a signed dipaco envelope", reason=Reason.UNSIGNED
+        )
     (size,) = struct.unpack("<I", bytes(data[4:8]))
     if size > MAX_ENVELOPE_HEADER or 8 + size > len(data):
         raise RejectedError(
-            f"envelope header of {size} bytes is too long or cut short", reason="bad-envelope"
+            f"envelope header of {size} bytes is too long or cut short", reason=Reason.BAD_ENVELOPE
         )
     try:
         header = loads_checked(memoryview(data)[8 : 8 + size], "envelope header")
     except WireError as exc:  # not JSON, or a NaN, an endless number, a lone surrogate
-        raise RejectedError(str(exc), reason="bad-envelope") from None
+        raise RejectedError(str(exc), reason=Reason.BAD_ENVELOPE) from None
     if not isinstance(header, dict):
-        raise RejectedError("envelope header is not a JSON object", reason="bad-envelope")
+        raise RejectedError("envelope header is not a JSON object", reason=Reason.BAD_ENVELOPE)
     body = memoryview(data)[8 + size :]  # no copy: the body may be a large delta
     for name in ("key", "nonce", "sha256", "sig"):
         if not isinstance(header.get(name), str):
-            raise RejectedError(f"envelope header lacks {name!r}", reason="bad-envelope")
+            raise RejectedError(f"envelope header lacks {name!r}", reason=Reason.BAD_ENVELOPE)
     return header, body
 
 
 def _unpack(data: bytes, magic: bytes) -> tuple[dict[str, Any], memoryview]:
     header, body = _split(data, magic)
     if hashlib.sha256(body).hexdigest() != header["sha256"]:
-        raise RejectedError("the body does not match the envelope's hash", reason="bad-signature")
+        raise RejectedError(
+            "the body does not match the envelope's hash", reason=Reason.BAD_SIGNATURE
+        )
     return header, body
 
 
@@ -244,10 +249,10 @@ def open_request(data: bytes) -> Signed:
     header, body = _unpack(data, REQUEST_MAGIC)
     ts = header.get("ts")
     if not isinstance(ts, int | float) or isinstance(ts, bool):
-        raise RejectedError("envelope header lacks a timestamp", reason="bad-envelope")
+        raise RejectedError("envelope header lacks a timestamp", reason=Reason.BAD_ENVELOPE)
     text = _request_text(header["key"], ts, header["nonce"], header["sha256"])
     if not verify(header["key"], header["sig"], text):
-        raise RejectedError("the request's signature does not verify", reason="bad-signature")
+        raise RejectedError("the request's signature does not verify", reason=Reason.BAD_SIGNATURE)
     return Signed(header["key"], header["nonce"], float(ts), body)
 
 
@@ -309,10 +314,10 @@ class ReplayGuard:
             raise RejectedError(
                 f"the request's clock is {signed.ts - now:+.0f} s off the coordinator's (at most "
                 f"{self.skew:.0f} s allowed): set the machine's clock (NTP)",
-                reason="clock-skew",
+                reason=Reason.CLOCK_SKEW,
             )
         if signed.nonce in self._seen:
-            raise RejectedError("this request was already received once", reason="replay")
+            raise RejectedError("this request was already received once", reason=Reason.REPLAY)
         self._seen[signed.nonce] = signed.ts
         # Forget nonces whose timestamps have left the window: such requests fail the time check.
         while self._seen:

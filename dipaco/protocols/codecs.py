@@ -5,18 +5,24 @@ A delta is a ``dict[str, torch.Tensor]`` of float32 tensors (one per parameter o
 :mod:`dipaco.protocols.wire`); :func:`decode` turns wire tensors back into float32 tensors shaped
 like a reference dict, validating everything, because the wire is never trusted.
 
-Codecs and their per-element error bounds (``x`` the sent value, ``y`` the decoded one):
+Each codec is one subclass of :class:`Codec`, found by its name in a registry: :func:`get` gives
+the registered instance, :func:`register` adds a class (also usable as a class decorator),
+:func:`unregister` removes one, and :func:`names` (also ``CODECS``) lists the registered names.
+:func:`encode`, :func:`decode` and :class:`ErrorFeedback` take the codec's name and look it up
+there, so a new codec is one class and one ``register`` call.
 
-``lossless``
+Built-in codecs and their per-element error bounds (``x`` the sent value, ``y`` the decoded one):
+
+``lossless`` (:class:`Lossless`)
     The float32 tensors themselves. Exact: ``y == x`` bit for bit. 4 bytes per element.
-``fp16``
+``fp16`` (:class:`Fp16`)
     IEEE half precision, round to nearest. For ``|x|`` in the normal fp16 range
     ``[2**-14, 65504]``: ``|y - x| <= 2**-11 * |x|``; below it (subnormals) ``|y - x| <= 2**-25``.
     Values beyond 65504 would overflow, so :func:`encode` refuses them. 2 bytes per element.
-``bf16``
+``bf16`` (:class:`Bf16`)
     bfloat16, round to nearest: ``|y - x| <= 2**-8 * |x|`` over the whole float32 normal
     range. 2 bytes per element.
-``int8``
+``int8`` (:class:`Int8Blockwise`)
     Block-wise absmax quantisation. The tensor is flattened and zero-padded to a multiple of
     :data:`BLOCK` elements; each block gets ``scale = max |x|`` over the block (float32, wire name
     ``f"{name}#scale"``, shape ``[nblocks]``) and ``q = round(x / scale * 127)`` (int8, shape
@@ -34,22 +40,105 @@ exactly the current residual, which stays bounded by one step's quantisation err
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
+from typing import ClassVar, TypeVar
 
 import torch
 
 from dipaco.errors import WireError
 
-CODECS = ("lossless", "fp16", "bf16", "int8")
 BLOCK = 256  # elements per int8 block
 SCALE_SUFFIX = "#scale"
 _QMAX = 127
-_FLOAT_DTYPE = {"lossless": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
-def _check_codec_local(codec: str) -> None:
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+class Codec(ABC):
+    """One way to carry float32 delta tensors on the wire.
+
+    A subclass sets ``name`` (what peers and coordinators call it) and ``lossless`` (True when
+    decoding gives back the input bit for bit, so :class:`ErrorFeedback` keeps no residual), and
+    implements :meth:`encode_tensor`, :meth:`decode_tensor` and, when a parameter travels as more
+    than one wire tensor, :meth:`wire_names`. The module-level :func:`encode` and :func:`decode`
+    do what every codec shares: looking the codec up, turning inputs into cpu float32, and
+    checking the set of wire names.
+    """
+
+    name: ClassVar[str]
+    lossless: ClassVar[bool] = False
+
+    def wire_names(self, name: str) -> list[str]:
+        """The names of the wire tensors that carry parameter ``name``."""
+        return [name]
+
+    def check_name(self, name: str) -> None:
+        """Raise ValueError if a parameter called ``name`` cannot be sent with this codec."""
+        return None
+
+    @abstractmethod
+    def encode_tensor(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A contiguous cpu float32 tensor -> its wire tensors, named by :meth:`wire_names`.
+
+        Raises ValueError for values the codec cannot carry.
+        """
+
+    @abstractmethod
+    def decode_tensor(
+        self, name: str, wire: dict[str, torch.Tensor], shape: torch.Size
+    ) -> torch.Tensor:
+        """Parameter ``name`` of ``shape``, float32, from untrusted ``wire`` tensors.
+
+        ``wire`` holds exactly the names :meth:`wire_names` gives for every parameter, and
+        ``wire[name]`` is a tensor; anything else wrong raises WireError naming the tensor.
+        """
+
+    def decode_own(
+        self, name: str, wire: dict[str, torch.Tensor], shape: torch.Size
+    ) -> torch.Tensor:
+        """Decode wire tensors this process just encoded (no validation needed)."""
+        return self.decode_tensor(name, wire, shape)
+
+
+_REGISTRY: dict[str, Codec] = {}
+_C = TypeVar("_C", bound=type[Codec])
+
+
+def register(codec_cls: _C) -> _C:
+    """Make ``codec_cls`` available by its ``name``; returns the class, so it can decorate it."""
+    if not (isinstance(codec_cls, type) and issubclass(codec_cls, Codec)):
+        raise TypeError(f"{codec_cls!r} is not a subclass of Codec")
+    name = getattr(codec_cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"codec class {codec_cls.__name__} needs a non-empty string name")
+    if name in _REGISTRY:
+        raise ValueError(f"a codec named {name!r} is already registered")
+    _REGISTRY[name] = codec_cls()
+    return codec_cls
+
+
+def unregister(name: str) -> None:
+    """Forget the codec registered as ``name`` (KeyError if there is none)."""
+    del _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    """The registered codec names, in registration order (the built-ins first)."""
+    return tuple(_REGISTRY)
+
+
+def get(name: str) -> Codec:
+    """The codec registered as ``name``; ValueError naming the registered ones otherwise."""
+    codec = _REGISTRY.get(name) if isinstance(name, str) else None
+    if codec is None:
+        raise ValueError(f"unknown codec {name!r}; expected one of {names()}")
+    return codec
+
+
+def __getattr__(attr: str) -> tuple[str, ...]:
+    # ``CODECS`` is computed on each access, so it always lists what is registered now.
+    if attr == "CODECS":
+        return names()
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
 def _as_float32(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -69,6 +158,74 @@ def _all_finite(t: torch.Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(t)
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+class _FloatCodec(Codec):
+    """A cast of every element to ``dtype``: one wire tensor per parameter, its own name."""
+
+    dtype: ClassVar[torch.dtype]
+
+    def encode_tensor(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = x.to(self.dtype)
+        # The cast may round the largest floats to infinity.
+        if not _all_finite(y):
+            raise ValueError(f"tensor {name!r} has non-finite values; cannot encode as {self.name}")
+        return {name: y}
+
+    def decode_tensor(
+        self, name: str, wire: dict[str, torch.Tensor], shape: torch.Size
+    ) -> torch.Tensor:
+        t = wire[name]
+        if t.dtype != self.dtype:
+            raise WireError(
+                f"tensor {name!r} has dtype {t.dtype}, codec {self.name} sends {self.dtype}"
+            )
+        if t.shape != shape:
+            raise WireError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+        if not _all_finite(t):
+            raise WireError(f"tensor {name!r} has non-finite values")
+        return t.to(torch.float32)
+
+    def decode_own(
+        self, name: str, wire: dict[str, torch.Tensor], shape: torch.Size
+    ) -> torch.Tensor:
+        return wire[name].to(torch.float32)
+
+
+@register
+class Lossless(_FloatCodec):
+    """The float32 tensors themselves (no copy when already contiguous cpu float32)."""
+
+    name = "lossless"
+    lossless = True
+    dtype = torch.float32
+
+
+@register
+class Fp16(_FloatCodec):
+    """IEEE half precision; refuses values beyond +-65504, which would overflow."""
+
+    name = "fp16"
+    dtype = torch.float16
+
+    def encode_tensor(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if x.numel():
+            lo, hi = (float(v) for v in torch.aminmax(x))  # NaN propagates to both
+            if not max(-lo, hi) <= _FP16_MAX:
+                raise ValueError(
+                    f"tensor {name!r} has values beyond the fp16 range (+-{_FP16_MAX:g}) "
+                    "or non-finite values; use bf16 or lossless"
+                )
+        # Values within the range stay finite: no second check.
+        return {name: x.to(self.dtype)}
+
+
+@register
+class Bf16(_FloatCodec):
+    """bfloat16: float32's range with 8 bits of mantissa."""
+
+    name = "bf16"
+    dtype = torch.bfloat16
 
 
 def _nblocks(numel: int) -> int:
@@ -99,13 +256,56 @@ def _dequantise(q: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torc
     return y.reshape(-1)[:numel].reshape(shape)
 
 
-def _wire_names(codec: str, names) -> list[str]:
-    out = []
-    for name in names:
-        out.append(name)
-        if codec == "int8":
-            out.append(name + SCALE_SUFFIX)
-    return out
+@register
+class Int8Blockwise(Codec):
+    """Block-wise absmax int8: codes ``name`` [nblocks, BLOCK] and scales ``name#scale``."""
+
+    name = "int8"
+
+    def wire_names(self, name: str) -> list[str]:
+        return [name, name + SCALE_SUFFIX]
+
+    def check_name(self, name: str) -> None:
+        if name.endswith(SCALE_SUFFIX):
+            raise ValueError(f"tensor name {name!r} collides with int8 scale companions")
+
+    def encode_tensor(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scale = _quantise(x)
+        if not bool(torch.isfinite(scale).all()):
+            raise ValueError(f"tensor {name!r} has non-finite values; cannot encode as int8")
+        return {name: q, name + SCALE_SUFFIX: scale}
+
+    def decode_tensor(
+        self, name: str, wire: dict[str, torch.Tensor], shape: torch.Size
+    ) -> torch.Tensor:
+        q, sname = wire[name], name + SCALE_SUFFIX
+        scale = wire[sname]
+        nb = _nblocks(math.prod(shape))
+        if q.dtype != torch.int8:
+            raise WireError(f"tensor {name!r} has dtype {q.dtype}, codec int8 sends torch.int8")
+        if q.shape != (nb, BLOCK):
+            raise WireError(
+                f"tensor {name!r} has shape {list(q.shape)}, expected [{nb}, {BLOCK}] "
+                f"(int8 blocks for a parameter of shape {list(shape)})"
+            )
+        if not isinstance(scale, torch.Tensor):
+            raise WireError(f"wire entry {sname!r} is not a tensor")
+        if scale.dtype != torch.float32:
+            raise WireError(f"tensor {sname!r} has dtype {scale.dtype}, expected torch.float32")
+        if scale.shape != (nb,):
+            raise WireError(f"tensor {sname!r} has shape {list(scale.shape)}, expected [{nb}]")
+        if not _all_finite(scale):
+            raise WireError(f"tensor {sname!r} has non-finite scales")
+        if bool((scale < 0).any()):
+            raise WireError(f"tensor {sname!r} has negative scales")
+        if nb and int(q.min()) < -_QMAX:
+            raise WireError(f"tensor {name!r} uses the code -128, outside [-127, 127]")
+        return _dequantise(q, scale.to(q.device), shape)
+
+    def decode_own(
+        self, name: str, wire: dict[str, torch.Tensor], shape: torch.Size
+    ) -> torch.Tensor:
+        return _dequantise(wire[name], wire[name + SCALE_SUFFIX], shape)
 
 
 def encode(codec: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -117,31 +317,11 @@ def encode(codec: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     collides with a scale companion, or values the codec cannot carry (non-finite values, or
     ``|x| > 65504`` for ``fp16``).
     """
-    _check_codec_local(codec)
+    c = get(codec)
     wire: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if codec == "int8" and name.endswith(SCALE_SUFFIX):
-            raise ValueError(f"tensor name {name!r} collides with int8 scale companions")
-        x = _as_float32(name, tensor)
-        if codec == "int8":
-            q, scale = _quantise(x)
-            if not bool(torch.isfinite(scale).all()):
-                raise ValueError(f"tensor {name!r} has non-finite values; cannot encode as int8")
-            wire[name] = q
-            wire[name + SCALE_SUFFIX] = scale
-            continue
-        if codec == "fp16" and x.numel():
-            lo, hi = (float(v) for v in torch.aminmax(x))  # NaN propagates to both
-            if not max(-lo, hi) <= _FP16_MAX:
-                raise ValueError(
-                    f"tensor {name!r} has values beyond the fp16 range (+-{_FP16_MAX:g}) "
-                    "or non-finite values; use bf16 or lossless"
-                )
-        y = x.to(_FLOAT_DTYPE[codec])
-        # fp16 values within range stay finite; bf16 may round the largest floats to infinity.
-        if codec != "fp16" and not _all_finite(y):
-            raise ValueError(f"tensor {name!r} has non-finite values; cannot encode as {codec}")
-        wire[name] = y
+        c.check_name(name)
+        wire.update(c.encode_tensor(name, _as_float32(name, tensor)))
     return wire
 
 
@@ -156,11 +336,13 @@ def decode(
     float values) raises :class:`~dipaco.errors.WireError` naming the tensor. Outputs live on
     the wire tensors' device (cpu for frames read by :mod:`dipaco.protocols.wire`).
     """
-    if codec not in CODECS:
-        raise WireError(f"unknown codec {codec!r}; expected one of {CODECS}", reason="bad-codec")
+    try:
+        c = get(codec)
+    except ValueError as e:
+        raise WireError(str(e), reason="bad-codec") from None
     if not isinstance(wire, dict):
         raise WireError(f"wire tensors must be a dict, got {type(wire).__name__}")
-    expected = _wire_names(codec, like)
+    expected = [wire_name for name in like for wire_name in c.wire_names(name)]
     got = set(wire)
     missing = [n for n in expected if n not in got]
     unexpected = sorted(got.difference(expected))
@@ -173,47 +355,10 @@ def decode(
         raise WireError(f"{codec} delta has wrong tensor names: {'; '.join(parts)}")
     out: dict[str, torch.Tensor] = {}
     for name, ref in like.items():
-        shape = torch.Size(ref.shape)
-        t = wire[name]
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(wire[name], torch.Tensor):
             raise WireError(f"wire entry {name!r} is not a tensor")
-        if codec == "int8":
-            out[name] = _decode_int8(name, t, wire[name + SCALE_SUFFIX], shape)
-            continue
-        want = _FLOAT_DTYPE[codec]
-        if t.dtype != want:
-            raise WireError(f"tensor {name!r} has dtype {t.dtype}, codec {codec} sends {want}")
-        if t.shape != shape:
-            raise WireError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
-        if not _all_finite(t):
-            raise WireError(f"tensor {name!r} has non-finite values")
-        out[name] = t if codec == "lossless" else t.to(torch.float32)
+        out[name] = c.decode_tensor(name, wire, torch.Size(ref.shape))
     return out
-
-
-def _decode_int8(name: str, q: torch.Tensor, scale, shape: torch.Size) -> torch.Tensor:
-    sname = name + SCALE_SUFFIX
-    nb = _nblocks(math.prod(shape))
-    if q.dtype != torch.int8:
-        raise WireError(f"tensor {name!r} has dtype {q.dtype}, codec int8 sends torch.int8")
-    if q.shape != (nb, BLOCK):
-        raise WireError(
-            f"tensor {name!r} has shape {list(q.shape)}, expected [{nb}, {BLOCK}] "
-            f"(int8 blocks for a parameter of shape {list(shape)})"
-        )
-    if not isinstance(scale, torch.Tensor):
-        raise WireError(f"wire entry {sname!r} is not a tensor")
-    if scale.dtype != torch.float32:
-        raise WireError(f"tensor {sname!r} has dtype {scale.dtype}, expected torch.float32")
-    if scale.shape != (nb,):
-        raise WireError(f"tensor {sname!r} has shape {list(scale.shape)}, expected [{nb}]")
-    if not _all_finite(scale):
-        raise WireError(f"tensor {sname!r} has non-finite scales")
-    if bool((scale < 0).any()):
-        raise WireError(f"tensor {sname!r} has negative scales")
-    if nb and int(q.min()) < -_QMAX:
-        raise WireError(f"tensor {name!r} uses the code -128, outside [-127, 127]")
-    return _dequantise(q, scale.to(q.device), shape)
 
 
 def wire_bytes(wire: dict[str, torch.Tensor]) -> int:
@@ -227,9 +372,9 @@ class ErrorFeedback:
     ``compress(codec, key, delta)`` sends ``encode(codec, delta + residual)`` and keeps
     ``residual = (delta + residual) - decode(sent)``, per ``(key, tensor name)``. So the sum of
     all decoded deltas of a stream equals the sum of the true deltas minus the current residual:
-    compression error does not accumulate. ``lossless`` sends ``delta + residual`` exactly and
-    stores nothing (any residual left from an earlier lossy round is flushed into it). Residuals
-    are float32 cpu tensors; they are replaced, never modified in place.
+    compression error does not accumulate. A lossless codec sends ``delta + residual`` exactly
+    and stores nothing (any residual left from an earlier lossy round is flushed into it).
+    Residuals are float32 cpu tensors; they are replaced, never modified in place.
     """
 
     SEP = "|"
@@ -240,7 +385,7 @@ class ErrorFeedback:
     def compress(
         self, codec: str, key: str, tensors: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        _check_codec_local(codec)
+        c = get(codec)
         if self.SEP in key:
             raise ValueError(f"stream key {key!r} must not contain {self.SEP!r}")
         res = self._residuals.get(key, {})
@@ -257,13 +402,12 @@ class ErrorFeedback:
                 x = x + r
             target[name] = x
         wire = encode(codec, target)
-        if codec == "lossless":
+        if c.lossless:
             for name in target:
                 res.pop(name, None)
         else:
-            sent = _decode_own(codec, wire, target)
             for name, x in target.items():
-                res[name] = x - sent[name]
+                res[name] = x - c.decode_own(name, wire, x.shape)
         if res:
             self._residuals[key] = res
         else:
@@ -295,12 +439,3 @@ class ErrorFeedback:
     def reset(self, key: str) -> None:
         """Forget the residuals of one stream (e.g. after its module was re-synchronised)."""
         self._residuals.pop(key, None)
-
-
-def _decode_own(
-    codec: str, wire: dict[str, torch.Tensor], like: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Decode wire tensors we just encoded ourselves (no validation)."""
-    if codec == "int8":
-        return {n: _dequantise(wire[n], wire[n + SCALE_SUFFIX], x.shape) for n, x in like.items()}
-    return {n: wire[n].to(torch.float32) for n in like}

@@ -37,15 +37,15 @@ from threadpoolctl import threadpool_limits
 
 from dipaco.errors import ConfigError, DataError
 from dipaco.model.transformer import PathModel
+from dipaco.routing.balance import balance_offsets
 from dipaco.routing.evaluate import token_losses
-from dipaco.routing.kmeans import (
+from dipaco.routing.saved import (
     SavedRouter,
-    _balance_offsets,
-    _check_features,
-    _float_array,
-    _is_int,
-    _is_number,
-    _top_paths,
+    check_features,
+    float_array,
+    is_int,
+    is_number,
+    top_paths,
 )
 
 logger = logging.getLogger(__name__)
@@ -80,16 +80,16 @@ def score_documents(
     listed (document, path) pairs are scored and a path no document lists is never loaded;
     every other entry is -inf. ``on_path(p)`` is called after path p has been scored.
     """
-    if not _is_int(num_paths) or num_paths < 1:
+    if not is_int(num_paths) or num_paths < 1:
         raise ConfigError(f"num_paths must be a positive integer, got {num_paths!r}")
-    if not _is_int(prefix_tokens) or prefix_tokens < 0:
+    if not is_int(prefix_tokens) or prefix_tokens < 0:
         raise ConfigError(f"prefix_tokens must be a non-negative integer, got {prefix_tokens!r}")
-    if not _is_int(seq_len) or seq_len <= prefix_tokens:
+    if not is_int(seq_len) or seq_len <= prefix_tokens:
         raise ConfigError(
             f"seq_len ({seq_len!r}) must be an integer above prefix_tokens ({prefix_tokens}), "
             "or no token would be scored"
         )
-    if not _is_int(batch_size) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
     windows = [_window(d, i, seq_len, prefix_tokens) for i, d in enumerate(docs)]
     n = len(windows)
@@ -198,7 +198,7 @@ class LogisticRouter(SavedRouter):
 
     def top_paths(self, features: np.ndarray, n: int) -> np.ndarray:
         """The ``n`` best paths of every row, best first, shape (N, n) int64; column 0 is assign."""
-        return _top_paths(self.path_scores, features, n, self.num_paths)
+        return top_paths(self.path_scores, features, n, self.num_paths)
 
     def to_json_dict(self) -> dict[str, Any]:
         return {
@@ -223,25 +223,25 @@ class LogisticRouter(SavedRouter):
             missing, extra = sorted(_FIELDS - set(obj)), sorted(set(obj) - _FIELDS)
             raise ValueError(f"fields do not match: missing {missing}, unexpected {extra}")
         levels = obj["levels"]
-        if not isinstance(levels, list) or not all(_is_int(k) for k in levels):
+        if not isinstance(levels, list) or not all(is_int(k) for k in levels):
             raise ValueError("levels must be a list of integers")
-        if not _is_number(obj["balance"]):
+        if not is_number(obj["balance"]):
             raise ValueError("balance must be a number")
-        if not _is_int(obj["seed"]):
+        if not is_int(obj["seed"]):
             raise ValueError("seed must be an integer")
         return cls(
             levels=[int(k) for k in levels],
-            mean=_float_array(obj["mean"], 1, "mean"),
-            scale=_float_array(obj["scale"], 1, "scale"),
-            weights=_float_array(obj["weights"], 2, "weights"),
-            bias=_float_array(obj["bias"], 1, "bias"),
-            offsets=_float_array(obj["offsets"], 1, "offsets"),
+            mean=float_array(obj["mean"], 1, "mean"),
+            scale=float_array(obj["scale"], 1, "scale"),
+            weights=float_array(obj["weights"], 2, "weights"),
+            bias=float_array(obj["bias"], 1, "bias"),
+            offsets=float_array(obj["offsets"], 1, "offsets"),
             balance=float(obj["balance"]),
             seed=int(obj["seed"]),
         )
 
     def _standardize(self, features: np.ndarray) -> np.ndarray:
-        x = _check_features(features)
+        x = check_features(features)
         if x.shape[1] != self.feature_dim:
             raise DataError(
                 f"features have {x.shape[1]} dimensions, the router expects {self.feature_dim}",
@@ -274,16 +274,16 @@ def fit_logistic_router(
     if (
         not isinstance(levels, (list, tuple))
         or not levels
-        or not all(_is_int(k) and k >= 1 for k in levels)
+        or not all(is_int(k) and k >= 1 for k in levels)
     ):
         raise ConfigError(f"levels must be a non-empty list of positive integers, got {levels!r}")
     levels = [int(k) for k in levels]
     num_paths = math.prod(levels)
-    if not _is_number(balance) or not 0.0 <= balance <= 1.0:
+    if not is_number(balance) or not 0.0 <= balance <= 1.0:
         raise ConfigError(f"balance must be a number in [0, 1], got {balance!r}")
-    if not _is_number(C) or not (math.isfinite(C) and C > 0.0):
+    if not is_number(C) or not (math.isfinite(C) and C > 0.0):
         raise ConfigError(f"C must be a positive finite number, got {C!r}")
-    x = _check_features(features)
+    x = check_features(features)
     n, d = x.shape
     y = np.asarray(labels)
     if y.shape != (n,):
@@ -298,7 +298,7 @@ def fit_logistic_router(
     y = y.astype(np.int64)
     if y.min() < 0 or y.max() >= num_paths:
         raise DataError(f"labels must lie in [0, {num_paths})", reason="bad-path")
-    xa = x if assign_features is None else _check_features(assign_features)
+    xa = x if assign_features is None else check_features(assign_features)
     if xa.shape[1] != d:
         raise DataError(
             f"assign_features have {xa.shape[1]} dimensions, features have {d}",
@@ -345,8 +345,8 @@ def fit_logistic_router(
         seed=int(seed),
     )
     if balance > 0.0:
-        # _balance_offsets minimizes scores + o; our scores are maximized, hence both signs.
-        offsets = -_balance_offsets(
+        # balance_offsets minimizes scores + o; our scores are maximized, hence both signs.
+        offsets = -balance_offsets(
             -router.logits(xa), float(balance), what=f"{num_paths} paths (logistic router)"
         )
         router = dataclasses.replace(router, offsets=offsets)
@@ -432,11 +432,11 @@ def _router_problem(r: LogisticRouter) -> str | None:
     """Why ``r`` is inconsistent, or None."""
     if not isinstance(r.levels, list) or not r.levels:
         return f"levels must be a non-empty list of positive integers, got {r.levels!r}"
-    if not all(_is_int(k) and k >= 1 for k in r.levels):
+    if not all(is_int(k) and k >= 1 for k in r.levels):
         return f"levels must be a non-empty list of positive integers, got {r.levels!r}"
-    if not _is_number(r.balance) or not 0.0 <= r.balance <= 1.0:
+    if not is_number(r.balance) or not 0.0 <= r.balance <= 1.0:
         return f"balance must be in [0, 1], got {r.balance!r}"
-    if not _is_int(r.seed):
+    if not is_int(r.seed):
         return f"seed must be an integer, got {r.seed!r}"
     if not isinstance(r.mean, np.ndarray) or r.mean.ndim != 1 or r.mean.size == 0:
         return "mean must be a non-empty 1-D array"

@@ -13,71 +13,35 @@ every cluster also carries an additive offset: the choice is argmin_k (||z - c_k
 The offsets play the role of the bias the paper trains to "match the target document-to-path
 distribution" (§7.2.1). Here they are the dual variables of the capacity-constrained
 assignment of the training documents, solved so that every cluster's share lies within
-[balance / K, (2 - balance) / K] (see ``_balance_offsets``); balance = 0 is plain k-means.
+[balance / K, (2 - balance) / K] (see :mod:`dipaco.routing.balance`); balance = 0 is plain
+k-means. Saving and loading go through :class:`dipaco.routing.saved.SavedRouter`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 import math
-import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import numpy as np
-from scipy.sparse.csgraph import csgraph_from_dense, dijkstra
 from sklearn.cluster import KMeans
 from threadpoolctl import threadpool_limits
 
-from dipaco.errors import ConfigError, CorruptFileError, DataError
-from dipaco.fileio import write_atomic
-
-logger = logging.getLogger(__name__)
+from dipaco.errors import ConfigError, DataError
+from dipaco.routing.balance import balance_offsets
+from dipaco.routing.saved import (
+    ASSIGN_CHUNK,
+    SavedRouter,
+    check_features,
+    float_array,
+    is_int,
+    is_number,
+    top_paths,
+)
 
 FORMAT = "dipaco-kmeans-router/1"
 METHODS = ("kmeans", "product")
 N_INIT = 4
-# Rows scored at once by assign(): bounds the (rows x clusters) score matrix in memory.
-ASSIGN_CHUNK = 65536
-
-_R = TypeVar("_R")
-
-
-class SavedRouter:
-    """Canonical JSON, its SHA-256, crash-safe save and validated load, for every router kind.
-
-    A subclass gives ``to_json_dict`` and ``_from_json_dict`` (which raises on anything
-    malformed); files are never unpickled.
-    """
-
-    def to_json_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    @classmethod
-    def _from_json_dict(cls, obj: Any) -> Any:
-        raise NotImplementedError
-
-    def canonical_json(self) -> bytes:
-        # json writes floats with repr(), which round-trips float64 exactly.
-        return json.dumps(
-            self.to_json_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False
-        ).encode("utf-8")
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.canonical_json()).hexdigest()
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the canonical JSON atomically; the file's sha256 equals ``self.sha256``."""
-        write_atomic(Path(path), self.canonical_json())
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Any:
-        return _parse_router(path, _read_router_json(path), cls._from_json_dict)
 
 
 @dataclass(eq=False)
@@ -163,7 +127,7 @@ class KMeansRouter(SavedRouter):
 
     def top_paths(self, features: np.ndarray, n: int) -> np.ndarray:
         """The ``n`` best paths of every row, best first, shape (N, n) int64; column 0 is assign."""
-        return _top_paths(self.path_scores, features, n, self.num_paths)
+        return top_paths(self.path_scores, features, n, self.num_paths)
 
     def to_json_dict(self) -> dict[str, Any]:
         return {
@@ -186,34 +150,34 @@ class KMeansRouter(SavedRouter):
         if obj.get("format") != FORMAT:
             raise ValueError(f"format is {obj.get('format')!r}, expected {FORMAT!r}")
         levels = obj["levels"]
-        if not isinstance(levels, list) or not all(_is_int(k) for k in levels):
+        if not isinstance(levels, list) or not all(is_int(k) for k in levels):
             raise ValueError("levels must be a list of integers")
         slices = obj["slices"]
         if not isinstance(slices, list) or not all(
-            isinstance(s, list) and len(s) == 2 and all(_is_int(v) for v in s) for s in slices
+            isinstance(s, list) and len(s) == 2 and all(is_int(v) for v in s) for s in slices
         ):
             raise ValueError("slices must be a list of [start, stop] integer pairs")
         centroids, offsets = obj["centroids"], obj["offsets"]
         if not isinstance(centroids, list) or not isinstance(offsets, list):
             raise ValueError("centroids and offsets must be lists")
-        if not _is_number(obj["scale"]) or not _is_number(obj["balance"]):
+        if not is_number(obj["scale"]) or not is_number(obj["balance"]):
             raise ValueError("scale and balance must be numbers")
-        if not _is_int(obj["seed"]):
+        if not is_int(obj["seed"]):
             raise ValueError("seed must be an integer")
         return cls(
             levels=list(levels),
             method=obj["method"],
-            mean=_float_array(obj["mean"], 1, "mean"),
+            mean=float_array(obj["mean"], 1, "mean"),
             scale=float(obj["scale"]),
-            centroids=[_float_array(c, 2, "centroids") for c in centroids],
-            offsets=[_float_array(o, 1, "offsets") for o in offsets],
+            centroids=[float_array(c, 2, "centroids") for c in centroids],
+            offsets=[float_array(o, 1, "offsets") for o in offsets],
             slices=[(int(a), int(b)) for a, b in slices],
             balance=float(obj["balance"]),
             seed=int(obj["seed"]),
         )
 
     def _standardize(self, features: np.ndarray) -> np.ndarray:
-        x = _check_features(features)
+        x = check_features(features)
         if x.shape[1] != self.feature_dim:
             raise DataError(
                 f"features have {x.shape[1]} dimensions, the router expects {self.feature_dim}",
@@ -241,13 +205,13 @@ def fit_router(
     if (
         not isinstance(levels, (list, tuple))
         or not levels
-        or not all(_is_int(k) and k >= 1 for k in levels)
+        or not all(is_int(k) and k >= 1 for k in levels)
     ):
         raise ConfigError(f"levels must be a non-empty list of positive integers, got {levels!r}")
     levels = [int(k) for k in levels]
-    if not _is_number(balance) or not 0.0 <= balance <= 1.0:
+    if not is_number(balance) or not 0.0 <= balance <= 1.0:
         raise ConfigError(f"balance must be a number in [0, 1], got {balance!r}")
-    x = _check_features(features)
+    x = check_features(features)
     n, d = x.shape
     if method == "product":
         if d < len(levels):
@@ -282,7 +246,7 @@ def fit_router(
             km = KMeans(n_clusters=k, n_init=N_INIT, random_state=seed).fit(zg)
         cents = np.asarray(km.cluster_centers_, dtype=np.float64)
         what = f"level {g} ({k} modules)" if method == "product" else f"{k} paths"
-        offs = _balance_offsets(_scores(zg, cents), balance, what=what)
+        offs = balance_offsets(_scores(zg, cents), balance, what=what)
         centroids.append(cents)
         offsets.append(offs)
     return KMeansRouter(
@@ -334,44 +298,6 @@ def routing_stats(
     }
 
 
-def _read_router_json(path: str | os.PathLike[str]) -> Any:
-    """The parsed JSON of a router file; DataError if missing, CorruptFileError if not JSON."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"router file {path} does not exist", reason="missing-file") from None
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptFileError(f"router file {path} is not valid JSON: {e}") from None
-    except RecursionError:  # "[[[[..." deeper than the parser's stack: not a router either
-        raise CorruptFileError(f"router file {path} nests too deeply to be a router") from None
-
-
-def _parse_router(path: str | os.PathLike[str], obj: Any, parse: Callable[[Any], _R]) -> _R:
-    """``parse(obj)``, with every validation failure turned into a CorruptFileError naming path."""
-    try:
-        return parse(obj)
-    except (ValueError, TypeError, KeyError, OverflowError, ConfigError) as e:
-        raise CorruptFileError(f"router file {path} is malformed: {e}") from None
-
-
-def _top_paths(
-    path_scores: Callable[[np.ndarray], np.ndarray], features: np.ndarray, n: int, num_paths: int
-) -> np.ndarray:
-    """The ``n`` highest-scoring paths per row, best first (lowest index first on ties)."""
-    if not _is_int(n) or not 1 <= n <= num_paths:
-        raise ConfigError(f"top_paths needs 1 <= n <= {num_paths} paths, got {n!r}")
-    x = _check_features(features)
-    out = np.empty((x.shape[0], int(n)), dtype=np.int64)
-    for i in range(0, x.shape[0], ASSIGN_CHUNK):
-        scores = path_scores(x[i : i + ASSIGN_CHUNK])
-        # A stable sort of the negated scores keeps argmax's tie rule: lowest index first.
-        out[i : i + ASSIGN_CHUNK] = np.argsort(-scores, axis=1, kind="stable")[:, : int(n)]
-    return out
-
-
 def _split_dims(d: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous slices of [0, d), sizes differing by at most one, larger first."""
     size, extra = divmod(d, parts)
@@ -397,280 +323,11 @@ def _nearest(z: np.ndarray, centroids: np.ndarray, offsets: np.ndarray) -> np.nd
     return out
 
 
-def _balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarray:
-    """Offsets o (K,) so that argmin_k (scores + o) puts every cluster's count in [lo, hi].
-
-    This is the dual of the capacity-constrained assignment (min total distance subject to
-    lo <= count_k <= hi), solved in three deterministic stages:
-
-    1. greedy repricing moves the bulk: the cluster furthest outside the band moves its
-       offset by exactly enough to bring its count halfway into the band. This is often
-       enough on its own; when it is not it ends in a price war, so
-    2. successive shortest paths move the rest one document at a time along the cheapest
-       chain of clusters (min-cost flow on the K-node cluster graph), which keeps the
-       assignment optimal for its counts; and
-    3. offsets that reproduce that assignment with a strict margin are read off the same
-       cluster graph (difference constraints, margin half its minimum mean cycle).
-    """
-    n, k = scores.shape
-    if balance == 0.0 or k == 1:
-        return np.zeros(k)
-    lo, hi = _count_band(n, k, balance)
-
-    def violation(offsets: np.ndarray) -> int:
-        counts = np.bincount(np.argmin(scores + offsets, axis=1), minlength=k)
-        return int(np.maximum(counts - hi, 0).sum() + np.maximum(lo - counts, 0).sum())
-
-    greedy = _greedy_offsets(scores, lo, hi)
-    if violation(greedy) == 0:
-        return greedy
-    choice, potentials = _shortest_path_moves(scores, greedy, lo, hi)
-    # Documents with identical features cannot be separated, so stage 3 can fall short;
-    # then keep whichever offsets came closest.
-    candidates = [_separating_offsets(scores, choice), potentials, greedy]
-    misses = [violation(o) for o in candidates]
-    best = candidates[int(np.argmin(misses))]
-    if min(misses) > 0:
-        final = np.bincount(np.argmin(scores + best, axis=1), minlength=k)
-        logger.warning(
-            "k-means balance for %s not met: cluster sizes %d..%d, wanted %d..%d of %d "
-            "documents (documents with identical features cannot be split); keeping the "
-            "closest offsets found",
-            what,
-            final.min(),
-            final.max(),
-            lo,
-            hi,
-            n,
-        )
-    return best
-
-
-def _count_band(n: int, k: int, balance: float) -> tuple[int, int]:
-    """Document counts per cluster allowed by the share band, widened to N/K when too narrow."""
-    # The small slack absorbs float fuzz such as 5000 * 0.8 / 4 = 1000.0000000000001.
-    lo = math.ceil(n * balance / k - 1e-9)
-    hi = math.floor(n * (2.0 - balance) / k + 1e-9)
-    return min(lo, n // k), max(hi, -(-n // k))
-
-
-def _greedy_offsets(scores: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """Stage 1: exact single-cluster repricing steps; returns the best offsets seen."""
-    n, k = scores.shape
-    ideal = n / k
-    target_lo = min(math.ceil((lo + ideal) / 2), hi)
-    target_hi = max(math.floor((hi + ideal) / 2), lo)
-    market = _Market(scores)
-    best_total, best_offsets, since_best = math.inf, market.offsets.copy(), 0
-    while since_best < 2 * k + 10:
-        per_cluster = np.maximum(market.counts - hi, 0) + np.maximum(lo - market.counts, 0)
-        total = int(per_cluster.sum())
-        if total < best_total:
-            best_total, best_offsets, since_best = total, market.offsets.copy(), 0
-        else:
-            since_best += 1
-        if total == 0:
-            break
-        j = int(np.argmax(per_cluster))
-        if market.counts[j] > hi:
-            market.shed(j, int(market.counts[j]) - target_hi)
-        else:
-            market.pull(j, target_lo - int(market.counts[j]))
-    return best_offsets
-
-
-class _Market:
-    """Documents choosing argmin_k (scores + offsets), kept current as one offset moves."""
-
-    def __init__(self, scores: np.ndarray) -> None:
-        self.k = scores.shape[1]
-        self.cost = scores.copy()
-        self.offsets = np.zeros(self.k)
-        self.choice = np.argmin(self.cost, axis=1)
-        self.best = self.cost[np.arange(self.cost.shape[0]), self.choice]
-        self.counts = np.bincount(self.choice, minlength=self.k)
-
-    def shed(self, j: int, surplus: int) -> None:
-        """Raise offset j so that its ``surplus`` weakest members move to their second choice."""
-        members = np.flatnonzero(self.choice == j)
-        others = self.cost[members]
-        others[:, j] = np.inf
-        second = np.argmin(others, axis=1)
-        second_cost = others[np.arange(members.size), second]
-        margin = second_cost - self.best[members]
-        step = _step_past(margin, surplus)
-        leaving = margin < step
-        self.offsets[j] += step
-        self.cost[:, j] += step
-        self.best[members] += step
-        moved = members[leaving]
-        self.best[moved] = second_cost[leaving]
-        self.choice[moved] = second[leaving]
-        self.counts[j] -= moved.size
-        self.counts += np.bincount(second[leaving], minlength=self.k)
-
-    def pull(self, j: int, deficit: int) -> None:
-        """Lower offset j so that the ``deficit`` closest outsiders switch to j."""
-        outside = np.flatnonzero(self.choice != j)
-        gap = self.cost[outside, j] - self.best[outside]
-        step = _step_past(gap, deficit)
-        self.offsets[j] -= step
-        self.cost[:, j] -= step
-        self.best[self.choice == j] -= step
-        moved = outside[gap < step]
-        self.counts -= np.bincount(self.choice[moved], minlength=self.k)
-        self.counts[j] += moved.size
-        self.choice[moved] = j
-        self.best[moved] = self.cost[moved, j]
-
-
-def _step_past(values: np.ndarray, count: int) -> float:
-    """A step with exactly ``count`` of ``values`` (>= 0) below it, halfway to the next one."""
-    count = max(1, min(count, values.size))
-    if count < values.size:
-        part = np.partition(values, [count - 1, count])
-        a, b = float(part[count - 1]), float(part[count])
-    else:
-        a = b = float(values.max())
-    if b > a:
-        return (a + b) / 2.0
-    # Exact ties cannot be split; move the whole tie.
-    return a + 1e-9 * (1.0 + abs(a))
-
-
-def _shortest_path_moves(
-    scores: np.ndarray, offsets: np.ndarray, lo: int, hi: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Stage 2: move documents one at a time until every count is in [lo, hi].
-
-    Starts from every document at its argmin under ``offsets``, which then act as Johnson
-    potentials: reduced costs stay >= 0 and Dijkstra applies. Edge weight
-    W[a, b] is the cheapest reduced cost of moving one member of a to b; repricing by the
-    distances shifts W by (shift_b - shift_a), so only the rows of the clusters on the path
-    (whose members changed) are recomputed. Moved documents end on exact ties, so the
-    assignment is tracked explicitly. First no cluster may end above ``hi`` (surplus flows to
-    any cluster below it), then none below ``lo`` (taken from clusters above it); neither
-    phase breaks the other's bound.
-    """
-    n, k = scores.shape
-    offsets = offsets.copy()
-    choice = np.argmin(scores + offsets, axis=1)
-    counts = np.bincount(choice, minlength=k)
-    weight = np.stack([_edge_row(scores, offsets, choice, a) for a in range(k)])
-    for phase in ("upper", "lower"):
-        for step in range(n):
-            if phase == "upper":
-                sources, sinks = counts > hi, counts < hi
-                if not sources.any():
-                    break
-            else:
-                sources, sinks = counts > lo, counts < lo
-                if not sinks.any():
-                    break
-            if step % 64 == 63:  # bound the drift of the incremental updates
-                weight = np.stack([_edge_row(scores, offsets, choice, a) for a in range(k)])
-            graph = csgraph_from_dense(np.maximum(weight, 0.0), null_value=np.inf)
-            dist, parent, _ = dijkstra(
-                graph,
-                directed=True,
-                indices=np.flatnonzero(sources),
-                min_only=True,
-                return_predecessors=True,
-            )
-            target = int(np.argmin(np.where(sinks, dist, np.inf)))
-            if not (sinks[target] and math.isfinite(dist[target])):
-                break
-            shift = np.where(dist < dist[target], dist[target] - dist, 0.0)
-            offsets += shift
-            weight += shift[None, :] - shift[:, None]
-            node = target
-            while parent[node] >= 0:
-                a = int(parent[node])
-                members = np.flatnonzero(choice == a)
-                gap = scores[members, node] + offsets[node] - scores[members, a] - offsets[a]
-                choice[members[np.argmin(gap)]] = node
-                weight[node] = _edge_row(scores, offsets, choice, node)
-                node = a
-            weight[node] = _edge_row(scores, offsets, choice, node)
-            counts[node] -= 1
-            counts[target] += 1
-    return choice, offsets
-
-
-def _edge_row(scores: np.ndarray, offsets: np.ndarray, choice: np.ndarray, a: int) -> np.ndarray:
-    """W[a, :]: the cheapest extra cost of moving one member of cluster a to each cluster."""
-    members = np.flatnonzero(choice == a)
-    row = np.full(scores.shape[1], np.inf)
-    if members.size:
-        cost = scores[members] + offsets
-        row = (cost - cost[:, a : a + 1]).min(axis=0)
-    row[a] = np.inf
-    return row
-
-
-def _separating_offsets(scores: np.ndarray, choice: np.ndarray) -> np.ndarray:
-    """Stage 3: offsets o with argmin_k (scores + o) == choice, each by a strict margin.
-
-    A member i of cluster a stays there iff o_a - o_b < s_ib - s_ia for every b, so
-    o_a - o_b <= W[a, b] - eps with W[a, b] = min over members of (s_ib - s_ia). Such o exist
-    iff every cycle of W has mean weight > eps; eps is half the minimum cycle mean (Karp),
-    and o are shortest-path potentials under W - eps. When a cycle has weight zero
-    (identical documents split between clusters) eps is 0 and ties remain.
-    """
-    n, k = scores.shape
-    rows = np.arange(n)
-    gain = scores - scores[rows, choice][:, None]
-    w = np.full((k, k), np.inf)
-    for a in range(k):
-        members = np.flatnonzero(choice == a)
-        if members.size:
-            w[a] = gain[members].min(axis=0)
-        w[a, a] = np.inf
-    # Karp: walks[m, v] = lightest walk of exactly m edges ending at v, starting anywhere.
-    walks = np.empty((k + 1, k))
-    walks[0] = 0.0
-    for m in range(1, k + 1):
-        walks[m] = np.min(walks[m - 1][:, None] + w, axis=0)
-    cyclic = np.isfinite(walks[k])
-    if cyclic.any():
-        with np.errstate(invalid="ignore"):
-            ratios = (walks[k][None, :] - walks[:k]) / (k - np.arange(k))[:, None]
-        per_node = np.where(np.isnan(ratios), -np.inf, ratios).max(axis=0)
-        eps = max(float(per_node[cyclic].min()) / 2.0, 0.0)
-    else:
-        # No cycle at all: any margin is feasible; take half the smallest positive move.
-        positive = w[np.isfinite(w) & (w > 0)]
-        eps = float(positive.min()) / 2.0 if positive.size else 0.0
-    # o_a <= o_b + (W[a, b] - eps): an edge b -> a; Floyd-Warshall from a virtual root.
-    dist = np.where(np.isfinite(w.T), w.T - eps, np.inf)
-    np.fill_diagonal(dist, 0.0)
-    for m in range(k):
-        dist = np.minimum(dist, dist[:, m : m + 1] + dist[m : m + 1, :])
-    return np.minimum(dist.min(axis=0), 0.0)
-
-
-def _check_features(features: np.ndarray) -> np.ndarray:
-    try:
-        x = np.asarray(features, dtype=np.float64)
-    except (TypeError, ValueError) as e:
-        raise DataError(f"features are not numeric: {e}", reason="bad-data") from None
-    if x.ndim != 2:
-        raise DataError(
-            f"features must be a 2-D array (N, D), got shape {x.shape}", reason="bad-shape"
-        )
-    if x.shape[1] == 0:
-        raise DataError("features have zero dimensions", reason="bad-shape")
-    if not np.isfinite(x).all():
-        bad = int((~np.isfinite(x)).any(axis=1).sum())
-        raise DataError(f"features contain non-finite values in {bad} rows", reason="non-finite")
-    return x
-
-
 def _router_problem(r: KMeansRouter) -> str | None:
     """Why ``r`` is inconsistent, or None."""
     if r.method not in METHODS:
         return f"method must be one of {METHODS}, got {r.method!r}"
-    if not r.levels or not all(_is_int(k) and k >= 1 for k in r.levels):
+    if not r.levels or not all(is_int(k) and k >= 1 for k in r.levels):
         return f"levels must be a non-empty list of positive integers, got {r.levels!r}"
     if not isinstance(r.mean, np.ndarray) or r.mean.ndim != 1 or r.mean.size == 0:
         return "mean must be a non-empty 1-D array"
@@ -704,24 +361,3 @@ def _router_problem(r: KMeansRouter) -> str | None:
     if not np.isfinite(r.mean).all():
         return "mean contains non-finite values"
     return None
-
-
-def _float_array(value: Any, ndim: int, what: str) -> np.ndarray:
-    """Nested lists of numbers -> float64 array of ``ndim`` dims; strings and bools rejected."""
-    rows = value if ndim == 2 else [value]
-    if not isinstance(rows, list) or not all(isinstance(row, list) for row in rows):
-        raise ValueError(f"{what} must be a {ndim}-D list of numbers")
-    if not all(_is_number(v) for row in rows for v in row):
-        raise ValueError(f"{what} must contain only numbers")
-    arr = np.array(value, dtype=np.float64)
-    if arr.ndim != ndim:
-        raise ValueError(f"{what} is ragged")
-    return arr
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)

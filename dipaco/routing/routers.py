@@ -7,7 +7,8 @@ import os
 from dipaco.errors import CorruptFileError
 from dipaco.routing import discriminative, kmeans
 from dipaco.routing.discriminative import LogisticRouter
-from dipaco.routing.kmeans import KMeansRouter, _parse_router, _read_router_json
+from dipaco.routing.kmeans import KMeansRouter
+from dipaco.routing.saved import parse_router, read_router_json
 
 Router = KMeansRouter | LogisticRouter
 
@@ -23,11 +24,11 @@ def load_router(path: str | os.PathLike[str]) -> Router:
     DataError if the file is missing; CorruptFileError if it is not JSON, names an unknown
     format, or fails the router's validation.
     """
-    obj = _read_router_json(path)
+    obj = read_router_json(path)
     fmt = obj.get("format") if isinstance(obj, dict) else None
     parse = _PARSERS.get(fmt) if isinstance(fmt, str) else None
     if parse is None:
         raise CorruptFileError(
             f"router file {path} has unknown format {fmt!r}; expected one of {sorted(_PARSERS)}"
         )
-    return _parse_router(path, obj, parse)
+    return parse_router(path, obj, parse)

@@ -58,7 +58,7 @@ def write_config(folder: Path, text: str = CONFIG) -> Path:
 def prepare_run(root: Path, text: str = CONFIG) -> Path:
     """Prepare the harness's run once (tokenizer, pretraining, router, shards): ~10-20 s."""
     from dipaco.config import load_config
-    from dipaco.coordinator.prepare import prepare
+    from dipaco.prepare.pipeline import prepare
 
     prepare(root, load_config(write_config(root.parent / "config", text)))
     return root

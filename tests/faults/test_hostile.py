@@ -38,8 +38,8 @@ def prepared_heldout(tmp_path_factory):
 
 
 def final_ppl(root) -> float:
-    from dipaco.coordinator.run import evaluate_modules
-    from dipaco.model.hf_export import open_run
+    from dipaco.run.evaluate import evaluate_modules
+    from dipaco.run.export import open_run
 
     run = open_run(root)
     return evaluate_modules(run.prep, run.store.params)["ppl"]

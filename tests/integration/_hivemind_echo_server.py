@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from dipaco.protocols.hivemind_transport import HivemindNode
+from dipaco.protocols.hivemind import HivemindNode
 
 
 def main() -> None:

@@ -25,11 +25,13 @@ import torch
 from _waiting import wait_for
 
 from dipaco.config import load_config_dict
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator, run_local_peers
 from dipaco.coordinator.store import ModuleStore
 from dipaco.fileio import write_json_atomic
 from dipaco.flower import deploy
+from dipaco.prepare.pipeline import prepare
+from dipaco.run.factory import build_coordinator
+from dipaco.run.local import run_local_peers
+from dipaco.run.metrics_log import MetricsLog
 
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow

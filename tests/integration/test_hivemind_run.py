@@ -20,11 +20,13 @@ import pytest
 import torch
 from _waiting import alive, helper_pids, wait_for
 
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator, run_local_peers
+from dipaco.prepare.pipeline import prepare
 from dipaco.protocols import discovery
-from dipaco.protocols.hivemind_transport import HivemindNode
+from dipaco.protocols.hivemind import HivemindNode
 from dipaco.protocols.wire import read_tensor_file
+from dipaco.run.factory import build_coordinator
+from dipaco.run.local import run_local_peers
+from dipaco.run.metrics_log import MetricsLog
 
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow

@@ -22,12 +22,9 @@ from hivemind.proto import runtime_pb2  # noqa: E402
 from hivemind.utils.asyncio import as_aiter  # noqa: E402
 
 from dipaco.errors import RejectedError, TransportError  # noqa: E402
-from dipaco.protocols.hivemind_transport import (  # noqa: E402
-    HivemindNode,
-    HivemindTransport,
-    _ByteServicer,
-    _child_pids,
-)
+from dipaco.procs import child_pids as _child_pids  # noqa: E402
+from dipaco.protocols.hivemind import HivemindNode, HivemindTransport  # noqa: E402
+from dipaco.protocols.hivemind.server import _ByteServicer  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 SERVER = Path(__file__).with_name("_hivemind_echo_server.py")

@@ -4,8 +4,11 @@ import threading
 
 import torch
 
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator, evaluate_modules, run_local_peers
+from dipaco.prepare.pipeline import prepare
+from dipaco.run.evaluate import evaluate_modules
+from dipaco.run.factory import build_coordinator
+from dipaco.run.local import run_local_peers
+from dipaco.run.metrics_log import MetricsLog
 
 
 def train(root, config, n_peers, *, stop_after_deltas=None, evaluate=True):

@@ -14,13 +14,14 @@ import torch
 from dipaco.coordinator.access import change_access
 from dipaco.coordinator.gather import gather, whole_run
 from dipaco.coordinator.owner import Reporter, take_over
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator, build_owner
 from dipaco.errors import DataError
-from dipaco.model.hf_export import open_run
 from dipaco.peer.peer import Peer
+from dipaco.prepare.pipeline import prepare
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LocalTransport
+from dipaco.run.export import open_run
+from dipaco.run.factory import build_coordinator, build_owner
+from dipaco.run.metrics_log import MetricsLog
 
 SECOND = ["L1.M0", "L1.M1"]
 

@@ -5,10 +5,11 @@ import threading
 import pytest
 import torch
 
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator
 from dipaco.peer.peer import Peer
+from dipaco.prepare.pipeline import prepare
 from dipaco.protocols.transport import LocalTransport
+from dipaco.run.factory import build_coordinator
+from dipaco.run.metrics_log import MetricsLog
 
 
 class Crash(Exception):

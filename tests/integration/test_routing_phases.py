@@ -12,22 +12,20 @@ import pytest
 
 from dipaco.cli.main import main
 from dipaco.coordinator.early_stopping import EarlyStopping
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import (
-    MetricsLog,
-    build_coordinator,
-    evaluate_modules,
-    peer_config,
-    run_local_peers,
-)
 from dipaco.data.shards import TokenShard
 from dipaco.errors import ConfigError
 from dipaco.peer.download import RunFiles
 from dipaco.peer.peer import Peer
+from dipaco.prepare.pipeline import prepare
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
 from dipaco.routing.discriminative import LogisticRouter
 from dipaco.routing.routers import load_router
+from dipaco.run.evaluate import evaluate_modules
+from dipaco.run.factory import build_coordinator
+from dipaco.run.local import run_local_peers
+from dipaco.run.manifest import peer_config
+from dipaco.run.metrics_log import MetricsLog
 
 
 def test_discriminative_phase_reshards_mid_run_and_peers_download_the_new_shards(

@@ -16,7 +16,8 @@ from dipaco.config import SecuritySection
 from dipaco.coordinator.access import change_access
 from dipaco.coordinator.core import Coordinator
 from dipaco.errors import ConfigError, RejectedError, WireError
-from dipaco.peer.peer import Peer, TaskAborted
+from dipaco.peer.modules import TaskAborted
+from dipaco.peer.peer import Peer
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LocalTransport

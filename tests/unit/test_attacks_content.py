@@ -283,8 +283,9 @@ def test_heldout_check_refuses_a_delta_that_makes_its_path_worse(tmp_path):
 
 
 def test_heldout_check_with_a_prepared_runs_own_documents(prepared_tiny, tiny_config, tmp_path):
-    from dipaco.coordinator.prepare import prepare
-    from dipaco.coordinator.run import coordinator_for, heldout_scorer
+    from dipaco.prepare.pipeline import prepare
+    from dipaco.run.evaluate import heldout_scorer
+    from dipaco.run.factory import coordinator_for
 
     prep = prepare(prepared_tiny, tiny_config)
     score = heldout_scorer(prep)

@@ -1,7 +1,7 @@
 """DiLoCo-P beside a DiPaCo run: the same everything but the topology, routing and outer step."""
 
 from dipaco.config import load_config_dict
-from dipaco.coordinator.baselines import diloco_config
+from dipaco.run.baseline import diloco_config
 
 
 def test_diloco_config_keeps_model_data_and_schedule_and_changes_only_what_diloco_is():

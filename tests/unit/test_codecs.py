@@ -1,13 +1,16 @@
+import hashlib
 import math
 
 import pytest
 import torch
 
 from dipaco.errors import WireError
+from dipaco.protocols import codecs
 from dipaco.protocols import wire as w
 from dipaco.protocols.codecs import (
     BLOCK,
     CODECS,
+    Codec,
     ErrorFeedback,
     decode,
     encode,
@@ -343,3 +346,122 @@ def test_int8_encode_decode_is_vectorised():
     start = time.perf_counter()
     decode("int8", encode("int8", x), x)
     assert time.perf_counter() - start < 2.0
+
+
+# ---- pinned wire bytes ------------------------------------------------------------------------
+
+
+def fixed_delta() -> dict[str, torch.Tensor]:
+    """A small delta built from exact integer arithmetic, so it is the same on every machine."""
+    i = torch.arange(600, dtype=torch.int64)
+    mat = (((i * 7919) % 1000) - 500).to(torch.float32).reshape(20, 30) / 37.0
+    vec = torch.zeros(300, dtype=torch.float32)  # two int8 blocks, the second all zero
+    vec[:40] = (torch.arange(40, dtype=torch.float32) - 20.0) / 3.0
+    return {"mat": mat, "vec": vec, "scalar": torch.tensor(0.1, dtype=torch.float32)}
+
+
+def wire_digest(wire: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every wire tensor's name, dtype, shape and raw bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(wire):
+        t = wire[name]
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# Computed with the codecs as they were before they became classes: the bytes on the wire must
+# never change, or peers and coordinators of different versions would misread each other.
+PINNED = {
+    "lossless": "cf2c3b8d03905e1525173b967c951cbf8714a89969fdf3e2478a2e4f1a9958f6",
+    "fp16": "2446f608987fececbdfa84fc1398d5fb4e9683407ef69ebe8ff4aede03a8b02a",
+    "bf16": "a64906012d3aec8a5e08bf85e061f29517f2f2525a245a1815cbde78ec46740d",
+    "int8": "d112dc71eb89bbfea8fdd8029c214557ddc8b23f428b82463b84f094512427bc",
+}
+
+
+def test_every_builtin_codec_is_pinned():
+    assert tuple(PINNED) == CODECS == codecs.names()
+
+
+@pytest.mark.parametrize("codec", sorted(PINNED))
+def test_encoded_bytes_are_pinned(codec):
+    assert wire_digest(encode(codec, fixed_delta())) == PINNED[codec]
+
+
+# ---- the registry -----------------------------------------------------------------------------
+
+
+def test_builtin_codecs_are_classes_in_the_registry():
+    kinds = {
+        "lossless": codecs.Lossless,
+        "fp16": codecs.Fp16,
+        "bf16": codecs.Bf16,
+        "int8": codecs.Int8Blockwise,
+    }
+    for name, cls in kinds.items():
+        c = codecs.get(name)
+        assert type(c) is cls and c.name == name
+        assert c.lossless == (name == "lossless")
+
+
+def test_unknown_names_and_bad_registrations_are_refused():
+    with pytest.raises(ValueError, match=r"unknown codec 'zstd'; expected one of \('lossless'"):
+        codecs.get("zstd")
+    with pytest.raises(ValueError, match="already registered"):
+        codecs.register(codecs.Fp16)
+    with pytest.raises(TypeError, match="not a subclass of Codec"):
+        codecs.register(dict)  # type: ignore[arg-type]
+
+
+class Negated(Codec):
+    """A toy codec: sends -x as float32 and negates it back (exact)."""
+
+    name = "toy-negated"
+    lossless = True
+
+    def encode_tensor(self, name, x):
+        return {name: x.neg()}
+
+    def decode_tensor(self, name, wire, shape):
+        t = wire[name]
+        if t.dtype != torch.float32 or t.shape != shape:
+            raise WireError(f"tensor {name!r} is not float32 of shape {list(shape)}")
+        return t.neg()
+
+
+@pytest.fixture
+def toy_codec():
+    codecs.register(Negated)
+    try:
+        yield Negated.name
+    finally:
+        codecs.unregister(Negated.name)
+
+
+def test_a_new_codec_is_one_class_and_one_register_call(toy_codec):
+    assert toy_codec in codecs.CODECS  # the module attribute follows the registry
+    delta = sample_delta()
+    sent = encode(toy_codec, delta)
+    for name, x in delta.items():
+        assert torch.equal(sent[name], -x), name
+    received = w.decode(w.encode(w.Frame("Delta", {"codec": toy_codec}, sent))).tensors
+    out = decode(toy_codec, received, delta)
+    for name, x in delta.items():
+        assert torch.equal(out[name], x), name
+    # The shared checks apply to it too.
+    with pytest.raises(WireError, match="wrong tensor names"):
+        decode(toy_codec, {}, delta)
+    ef = ErrorFeedback()
+    ef.compress(toy_codec, "P1", delta)
+    assert ef.state_tensors() == {}  # lossless: no residual kept
+
+
+def test_unregistered_codec_is_unknown_again(toy_codec):
+    codecs.unregister(toy_codec)
+    try:
+        with pytest.raises(WireError, match="unknown codec"):
+            decode(toy_codec, {}, {})
+        assert toy_codec not in codecs.CODECS
+    finally:
+        codecs.register(Negated)  # the fixture unregisters it

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from dipaco.config import load_config, preset_config
-from dipaco.coordinator.prepare import prepare
 from dipaco.errors import ConfigError
+from dipaco.prepare.pipeline import prepare
 
 
 def test_toml_config_starts_from_a_preset_and_overrides(tmp_path):

@@ -6,8 +6,9 @@ import urllib.request
 
 import pytest
 
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator
+from dipaco.prepare.pipeline import prepare
+from dipaco.run.factory import build_coordinator
+from dipaco.run.metrics_log import MetricsLog
 from dipaco.watch.server import Dashboard, is_loopback
 from dipaco.watch.snapshot import Series
 

@@ -4,10 +4,10 @@ import socket
 
 import pytest
 
+from dipaco.cli.doctor import add_doctor_command
 from dipaco.config import preset_config
-from dipaco.peer.doctor import (
+from dipaco.peer.checks import (
     Check,
-    add_doctor_command,
     all_passed,
     check_memory,
     parse_address,

@@ -16,14 +16,16 @@ from flwr.app import Message
 from flwr.clientapp import ClientApp
 
 from dipaco.config import load_config_dict
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator, run_local_peers
 from dipaco.fileio import write_json_atomic
 from dipaco.flower import records as rec
 from dipaco.flower.apps import client_app, serve
 from dipaco.flower.client import NodeTrainer
 from dipaco.flower.grid import LocalGrid
+from dipaco.prepare.pipeline import prepare
 from dipaco.protocols import messages as m
+from dipaco.run.factory import build_coordinator
+from dipaco.run.local import run_local_peers
+from dipaco.run.metrics_log import MetricsLog
 
 
 def configure(root: Path, **sections: dict) -> None:

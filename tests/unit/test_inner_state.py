@@ -5,11 +5,12 @@ owners acknowledge, the round may close and another peer may take the path's nex
 once (the fault harness caught a peer that saved only after its push returned, and the next
 round trained from a fresh optimizer)."""
 
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator
 from dipaco.peer.peer import Peer
+from dipaco.prepare.pipeline import prepare
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LocalTransport
+from dipaco.run.factory import build_coordinator
+from dipaco.run.metrics_log import MetricsLog
 
 
 def test_the_inner_state_of_a_round_is_saved_before_its_deltas_are_sent(run_copy, tiny_config):
@@ -18,15 +19,17 @@ def test_the_inner_state_of_a_round_is_saved_before_its_deltas_are_sent(run_copy
     state = root / "peer"
     seen: list[tuple[str, bool]] = []
 
-    class Watched(Peer):
-        def _ask_owner(self, owner, make):
-            msg = make()
-            if isinstance(msg, m.SubmitDelta):
-                path, rnd = msg.task_id.split("-")[:2]  # "P<path>-r<round>-..."
-                seen.append((msg.task_id, (state / "inner" / f"{path}-{rnd}.dpt").exists()))
-            return super()._ask_owner(owner, make)
+    peer = Peer(LocalTransport(co.handle), "solo", state)
+    ask = peer.links.ask  # every request to a module owner, deltas included, goes through it
 
-    peer = Watched(LocalTransport(co.handle), "solo", state)
+    def watched(owner, make):
+        msg = make()
+        if isinstance(msg, m.SubmitDelta):
+            path, rnd = msg.task_id.split("-")[:2]  # "P<path>-r<round>-..."
+            seen.append((msg.task_id, (state / "inner" / f"{path}-{rnd}.dpt").exists()))
+        return ask(owner, make)
+
+    peer.links.ask = watched
     done = peer.run()
     paths = tiny_config.build_topology().num_paths
     assert done == paths * tiny_config.train.rounds

@@ -108,7 +108,7 @@ def test_full_balance_splits_documents_as_equally_as_possible():
 
 def test_balancing_is_fast_and_silent_at_production_size(caplog):
     x, _ = blobs([0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.05, 0.05], 5000, dim=128, spread=3.0)
-    with caplog.at_level(logging.WARNING, logger="dipaco.routing.kmeans"):
+    with caplog.at_level(logging.WARNING, logger="dipaco.routing.balance"):
         start = time.perf_counter()
         router = fit_router(x, [16], balance=0.9, seed=0)
         elapsed = time.perf_counter() - start
@@ -122,7 +122,7 @@ def test_unreachable_balance_warns_and_still_returns_a_router(caplog):
     rng = np.random.default_rng(0)
     # 80 identical documents cannot be split between two clusters.
     x = np.concatenate([np.zeros((80, 3)), rng.normal(size=(20, 3)) + 10])
-    with caplog.at_level(logging.WARNING, logger="dipaco.routing.kmeans"):
+    with caplog.at_level(logging.WARNING, logger="dipaco.routing.balance"):
         router = fit_router(x, [2], balance=1.0)
     assert any("balance" in r.getMessage() for r in caplog.records)
     assert router.assign(x).shape == (100,)

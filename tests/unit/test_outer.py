@@ -207,7 +207,7 @@ def test_by_default_three_sign_flipped_deltas_of_eight_do_not_reverse_the_step()
     # Issue 17, break 8: with the old default (the plain mean) 3 of 8 deltas at -2.5x turned a
     # module's step around: (5 * 1 - 3 * 2.5) / 8 < 0. The default of an open run is robust.
     from dipaco.config import load_config_dict
-    from dipaco.coordinator.run import outer_settings
+    from dipaco.run.factory import outer_settings
 
     s = outer_settings(load_config_dict({}))
     g = torch.Generator().manual_seed(1)

@@ -14,12 +14,14 @@ import pytest
 import torch
 
 from dipaco.config import preset_config
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator, run_local_peers
 from dipaco.coordinator.scheduler import Scheduler
 from dipaco.peer.peer import Peer
+from dipaco.prepare.pipeline import prepare
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
+from dipaco.run.factory import build_coordinator
+from dipaco.run.local import run_local_peers
+from dipaco.run.metrics_log import MetricsLog
 
 ROUNDS = 3
 

@@ -1,10 +1,11 @@
 """A peer accounts for its time (claim, fetch, train, push, save) and for the tokens it trained."""
 
 from dipaco.cli.peer import time_summary
-from dipaco.coordinator.prepare import prepare
-from dipaco.coordinator.run import MetricsLog, build_coordinator
 from dipaco.peer.peer import TIMED, Peer
+from dipaco.prepare.pipeline import prepare
 from dipaco.protocols.transport import LocalTransport
+from dipaco.run.factory import build_coordinator
+from dipaco.run.metrics_log import MetricsLog
 
 
 def test_a_peer_times_each_part_of_its_tasks_and_counts_its_tokens(run_copy, tiny_config):

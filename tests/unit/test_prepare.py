@@ -6,9 +6,9 @@ import shutil
 import numpy as np
 import pytest
 
-from dipaco.coordinator.prepare import prepare
 from dipaco.data.shards import TokenShard
 from dipaco.errors import ConfigError
+from dipaco.prepare.pipeline import prepare
 from dipaco.routing.features import prefix_features
 
 

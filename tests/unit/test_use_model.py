@@ -10,10 +10,11 @@ import torch
 from dipaco.cli.common import command_parser
 from dipaco.cli.use import add_use_commands
 from dipaco.config import load_config_dict
-from dipaco.coordinator.prepare import prepare
 from dipaco.coordinator.store import ModuleStore
 from dipaco.errors import ConfigError, DataError
-from dipaco.model import hf_export
+from dipaco.prepare.pipeline import prepare
+from dipaco.run.export import export_path, open_run
+from dipaco.run.generate import generate, path_logits, route_tokens
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def used_run(tmp_path_factory, prepared_tiny):
         for t in tensors.values():
             t.add_(torch.randn(t.shape, generator=gen) * 0.05)
     ModuleStore(root / "coordinator").initialize(modules)
-    return hf_export.open_run(root)
+    return open_run(root)
 
 
 def test_exported_paths_match_dipaco_logits(used_run, tmp_path):
@@ -41,14 +42,14 @@ def test_exported_paths_match_dipaco_logits(used_run, tmp_path):
     ids = torch.tensor([[5, 17, 300, 42, 3, 99, 12, 400, 260, 7]])
     logits = {}
     for path in (0, used_run.topology.num_paths - 1):
-        out = hf_export.export_path(used_run, path, tmp_path / f"P{path}")
+        out = export_path(used_run, path, tmp_path / f"P{path}")
         assert (out / "model.safetensors").exists() and (out / "config.json").exists()
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         assert model.config.vocab_size == used_run.model_config.vocab_size
         assert not model.config.tie_word_embeddings
         with torch.no_grad():
             hf = model(ids).logits.float()
-        ours = hf_export.path_logits(used_run, path, ids)
+        ours = path_logits(used_run, path, ids)
         torch.testing.assert_close(hf, ours, atol=1e-4, rtol=1e-4)
         logits[path] = ours
     assert not torch.allclose(logits[0], logits[used_run.topology.num_paths - 1], atol=1e-3)
@@ -63,14 +64,14 @@ def test_exported_paths_match_dipaco_logits(used_run, tmp_path):
 
 def test_generate_is_routed_and_deterministic(used_run):
     prompt = "import os\n\ndef main():\n    "
-    a = hf_export.generate(used_run, prompt, max_new_tokens=12, seed=3)
-    b = hf_export.generate(used_run, prompt, max_new_tokens=12, seed=3)
+    a = generate(used_run, prompt, max_new_tokens=12, seed=3)
+    b = generate(used_run, prompt, max_new_tokens=12, seed=3)
     assert a == b
     assert a["text"] and 0 <= a["path"] < used_run.topology.num_paths
     assert a["paths_used"] == [a["path"]]
-    expected = hf_export.route_tokens(used_run, used_run.prep.tokenizer.encode(prompt))
+    expected = route_tokens(used_run, used_run.prep.tokenizer.encode(prompt))
     assert a["path"] == expected
-    r = hf_export.generate(used_run, prompt, max_new_tokens=12, seed=3, reroute_every=4)
+    r = generate(used_run, prompt, max_new_tokens=12, seed=3, reroute_every=4)
     assert r["path"] == a["path"] and len(r["paths_used"]) == 3
     assert all(0 <= p < used_run.topology.num_paths for p in r["paths_used"])
 
@@ -78,13 +79,13 @@ def test_generate_is_routed_and_deterministic(used_run):
 def test_bad_inputs_give_clear_errors(used_run, tmp_path):
     n = used_run.topology.num_paths
     with pytest.raises(ConfigError, match=f"numbered 0 to {n - 1}"):
-        hf_export.export_path(used_run, n, tmp_path / "bad")
+        export_path(used_run, n, tmp_path / "bad")
     with pytest.raises(ConfigError, match="does not exist"):
-        hf_export.path_logits(used_run, -1, [1, 2, 3])
+        path_logits(used_run, -1, [1, 2, 3])
     with pytest.raises(DataError, match="does not exist"):
-        hf_export.open_run(tmp_path / "missing")
+        open_run(tmp_path / "missing")
     with pytest.raises(DataError, match="empty prompt"):
-        hf_export.generate(used_run, "", max_new_tokens=2)
+        generate(used_run, "", max_new_tokens=2)
 
 
 def test_cli_commands(used_run, tmp_path, capsys):

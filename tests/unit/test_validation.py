@@ -8,7 +8,6 @@ import torch
 
 from dipaco.config import load_config_dict
 from dipaco.coordinator.outer import OuterSettings, outer_gradient
-from dipaco.coordinator.run import outer_settings
 from dipaco.coordinator.validation import (
     NormTracker,
     clip_to_median_norm,
@@ -19,6 +18,7 @@ from dipaco.coordinator.validation import (
     weighted_mean,
 )
 from dipaco.errors import ConfigError, CorruptFileError
+from dipaco.run.factory import outer_settings
 
 
 def t(*xs):
@@ -179,8 +179,8 @@ def test_validation_config_defaults_and_errors():
 
 
 def test_auto_takes_the_mean_where_the_heldout_check_scores_every_delta(tmp_path):
-    from dipaco.coordinator.run import coordinator_for
     from dipaco.model.transformer import new_dense_model
+    from dipaco.run.factory import coordinator_for
 
     def build(name, validation, heldout=True):
         config = load_config_dict({"validation": validation, "topology": {"levels": "2x2"}})

@@ -1,25 +1,24 @@
-"""``dipaco-peer doctor``: check, before joining, that this machine can take part in a run.
+"""The checks ``dipaco-peer doctor`` runs before joining: can this machine take part in a run?
 
-Checks: the training device, its free memory against what one path of the run's model needs,
-whether the coordinator's address is reachable over TCP, the round trip time, and the clock
-skew against the coordinator's clock (signed requests further off than
-``security.clock_skew_seconds`` are refused). The loopback protocol tells no time before a
-peer authenticates, so the clock is only compared when ``time_url`` names an HTTP endpoint of
-the coordinator (its dashboard: its ``Date`` header); otherwise the check is skipped, not passed.
+Each check returns a plain :class:`Check` (name, ok, detail, advice, skipped); printing them is
+the command's job (``dipaco.cli.doctor``). Checks: the training device, its free memory against
+what one path of the run's model needs, whether the coordinator's address is reachable over
+TCP, the round trip time, and the clock skew against the coordinator's clock (signed requests
+further off than ``security.clock_skew_seconds`` are refused). The loopback protocol tells no
+time before a peer authenticates, so the clock is only compared when ``time_url`` names an HTTP
+endpoint of the coordinator (its dashboard: its ``Date`` header); otherwise the check is
+skipped, not passed.
 """
 
 from __future__ import annotations
 
-import argparse
 import email.utils
-import json
 import re
 import socket
 import statistics
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from dipaco.config import RunConfig
 
@@ -30,6 +29,8 @@ _MULTIADDR = re.compile(r"^/(ip4|ip6|dns|dns4|dns6)/([^/]+)/tcp/(\d+)(/.*)?$")
 
 @dataclass
 class Check:
+    """One check's outcome; ``advice`` says what to do about a failure (or a concern)."""
+
     name: str
     ok: bool
     detail: str
@@ -92,8 +93,7 @@ def check_device(device: str) -> tuple[Check, str]:
     """The device that ``device`` (``auto``, ``cpu``, ``cuda:0``...) resolves to."""
     import torch
 
-    from dipaco.peer.device import device_memory_bytes
-    from dipaco.peer.peer import resolve_device
+    from dipaco.peer.device import device_memory_bytes, resolve_device
 
     name = resolve_device(device)
     try:
@@ -326,63 +326,3 @@ def run_checks(
     limit = config.security.clock_skew_seconds if config is not None else 300.0
     checks.append(check_clock(time_url, limit, timeout))
     return checks
-
-
-def checks_json(checks: list[Check]) -> str:
-    return json.dumps({"ok": all_passed(checks), "checks": [c.to_dict() for c in checks]})
-
-
-def print_checks(checks: list[Check], console: Any) -> None:
-    from rich.table import Table
-
-    table = Table(title="dipaco-peer doctor")
-    table.add_column("", no_wrap=True)
-    table.add_column("check", no_wrap=True)
-    table.add_column("detail")
-    table.add_column("advice")
-    for c in checks:
-        mark = "[dim]–[/]" if c.skipped else ("[green]✓[/]" if c.ok else "[red]✗[/]")
-        table.add_row(mark, c.name, c.detail, c.advice)
-    console.print(table)
-    if all_passed(checks):
-        console.print("[green]all checks passed[/] (– : skipped, nothing to compare with)")
-    else:
-        console.print("[red]some checks failed[/]: see the advice above")
-
-
-def cmd_doctor(args: argparse.Namespace) -> int:
-    from dipaco.cli.common import choose_config, console
-
-    config = choose_config(args.config, args.preset) if (args.config or args.preset) else None
-    checks = run_checks(
-        args.address,
-        config=config,
-        device=args.device,
-        memory_bytes=int(args.memory_gb * _GIB) if args.memory_gb else None,
-        timeout=args.timeout,
-        time_url=args.time_url,
-    )
-    if args.json:
-        print(checks_json(checks))
-    else:
-        print_checks(checks, console)
-    return 0 if all_passed(checks) else 1
-
-
-def add_doctor_command(sub: Any) -> argparse.ArgumentParser:
-    """Register ``doctor`` on the ``dipaco-peer`` command's subparsers."""
-    p = sub.add_parser("doctor", help="check this machine and the coordinator before joining")
-    p.add_argument(
-        "address", nargs="?", help="the coordinator's address (host:port or a TCP multiaddr)"
-    )
-    p.add_argument("--config", help="the run's TOML config, to estimate the memory a path needs")
-    p.add_argument("--preset", help="or the run's preset (demo, tiny)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda:0, ...")
-    p.add_argument("--memory-gb", type=float, help="plan for this much memory instead of probing")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds per network probe")
-    p.add_argument(
-        "--time-url", help="an HTTP URL of the coordinator (its dashboard) to compare clocks with"
-    )
-    p.add_argument("--json", action="store_true", help="print the checks as JSON")
-    p.set_defaults(fn=cmd_doctor)
-    return p

@@ -1,0 +1,211 @@
+"""The coordinator's state and the small queries every part of it asks: which modules it owns,
+their versions, the rounds done; and counting a refusal. The operations live in the parts (see
+core.py) and act on this state.
+"""
+
+import json
+import logging
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dipaco.config import SchedulerSection, SecuritySection, ValidationSection
+from dipaco.coordinator.access import AccessPolicy
+from dipaco.coordinator.outer import OuterSettings
+from dipaco.coordinator.records import Phase
+from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
+from dipaco.coordinator.store import ModuleStore
+from dipaco.coordinator.validation import KeyScores, NormTracker
+from dipaco.errors import CorruptFileError, RejectedError
+from dipaco.model.topology import Topology
+from dipaco.protocols import auth
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorBase:
+    def __init__(
+        self,
+        root: str | Path,
+        topology: Topology,
+        *,
+        rounds: int,
+        inner_steps: int,
+        step_offset: int,
+        total_steps: int,
+        seed: int,
+        outer: OuterSettings,
+        lease_seconds: float,
+        run_id: str,
+        peer_config: dict[str, Any],
+        shard_tokens: list[int] | None = None,
+        on_round: Callable[[int], None] | None = None,
+        metrics: Callable[[dict], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        policy: SchedulerSection | None = None,
+        owner_id: str = "local",
+        identity: auth.Identity | None = None,
+        scheduler_key: str | None = None,
+        security: SecuritySection | None = None,
+        is_scheduler: bool = True,
+        codec: str = "lossless",
+        files: dict[str, Path] | None = None,
+        phase_rounds: list[int] | tuple[int, ...] = (),
+        validation: ValidationSection | None = None,
+        heldout_loss: Callable[[int, dict[str, dict[str, torch.Tensor]]], float] | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.topology = topology
+        self.rounds, self.inner_steps = rounds, inner_steps
+        self.step_offset, self.total_steps, self.seed = step_offset, total_steps, seed
+        self.outer = outer
+        self.run_id = run_id
+        self.peer_config = {**peer_config, "owner_id": owner_id}
+        # Outer-step weights: each path's shard size (paper eq. 2-3); without it, trained tokens.
+        self.shard_tokens = shard_tokens
+        self.on_round, self.metrics = on_round, metrics or (lambda event: None)
+        self.policy = policy or SchedulerSection(lease_seconds=lease_seconds)
+        self.store = ModuleStore(self.root)
+        p = self.policy
+        deadline = DeadlinePolicy(
+            p.deadline_mads, p.deadline_slack, p.deadline_floor, p.min_observations,
+            p.min_step_fraction,
+        )  # fmt: skip
+        self.scheduler = Scheduler(lease_seconds, clock, deadline)
+        self.lock = threading.RLock()
+        self.clock = clock
+        self.rejections: Counter[str] = Counter()
+        self.rejections_by_peer: dict[str, Counter[str]] = defaultdict(Counter)
+        self.peers: dict[str, dict[str, Any]] = {}
+        self.epoch = 0
+        self.finished_event = threading.Event()
+        self.failure: str | None = None  # set when the run cannot go on (finished_event too)
+        # Ownership: module id -> owner id. The scheduler knows every module's owner; an owner
+        # that is not the scheduler lists only its own modules.
+        self.owner_id, self.is_scheduler, self.codec = owner_id, is_scheduler, codec
+        # Our Ed25519 key signs replies, tickets, releases and the manifest; the scheduler's key
+        # is the one whose tickets an owner accepts (our own, on the scheduler).
+        self.identity = identity or auth.Identity.load_or_create(self.root / "signing.key")
+        self.scheduler_key = self.identity.public_key if is_scheduler else scheduler_key
+        if self.scheduler_key is None:
+            raise ValueError("a module owner needs the scheduler's public key (scheduler_key)")
+        self.security = security or SecuritySection()
+        self.access = AccessPolicy(
+            self.root,
+            self.security,
+            self_keys=(self.identity.public_key, self.scheduler_key),
+            metrics=self.metrics,
+            clock=clock,
+        )
+        self.guard = auth.ReplayGuard(self.security.clock_skew_seconds)
+        self.owner_keys: dict[str, str] = {owner_id: self.identity.public_key}
+        self._caller: str | None = None  # the key of the request being handled (under the lock)
+        self.max_request_bytes = 64 << 20  # set from the modules' size by start()
+        if is_scheduler:
+            self.peer_config["coordinator_key"] = self.identity.public_key
+        self.owners: dict[str, str] = {}
+        self.addresses: dict[str, list[str]] = {}  # owner id -> how peers reach it
+        self.remote: dict[str, dict[str, Any]] = {}  # other owners' modules, from their reports
+        # scheduler: remote modules it holds a checked copy of at their final version (gathered
+        # after the run); owner: what the scheduler's last ReportAck said of ours
+        self.gathered: set[str] = set()
+        # scheduler: fetches other owners' current modules (module ids -> tensors) for the
+        # per-round evaluation; None: not possible on this transport
+        self.fetch_remote: Callable[[list[str]], dict[str, dict[str, torch.Tensor]]] | None = None
+        self.eval_note: str | None = None  # why there is no per-round validation, if there is none
+        self.owner_seen: dict[str, float] = {}  # other owners: when they last reported
+        self.handing: dict[str, tuple[str, float]] = {}  # module -> (new owner, since)
+        self.done: set[tuple[int, int]] = set()  # (path, round) whose task every owner acked
+        # (path, round) whose task ran past the deadline: rounds may close without them.
+        self.overdue: set[tuple[int, int]] = set()
+        self.void: dict[str, int] = {}  # an owner's copy of the scheduler's ended leases
+        self.files = files or {}
+        # Routing phases (DiPaCo Algorithm 1, line 2): tasks whose base round is at or past
+        # phase_rounds[k - 1] train on phase k's shards, and wait until that phase is ready.
+        self.phase_rounds = sorted(phase_rounds)
+        # Phases decided during the run (schedule_phase) survive a restart in this file.
+        self._decided = self.root / "decided_phases.json"
+        if self._decided.exists():
+            try:
+                decided = [int(r) for r in json.loads(self._decided.read_text())["after"]]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CorruptFileError(f"{self._decided}: unreadable ({exc})") from exc
+            self.phase_rounds = sorted(set(self.phase_rounds) | set(decided))
+        self.phases: dict[int, Phase] = {}
+        if self.is_scheduler:
+            self.phases[0] = Phase("shards", shard_tokens)
+        self.last_round = 0
+        self.changed = threading.Event()  # set on every change an owner must report
+        self.unstepped: set[str] = set()  # modules whose outer step failed (disk): retried
+        # Trust in a delta's content (validation.py): its norm against the module's recent ones,
+        # and (optional) the path's held-out loss with it, from ``heldout_loss(path, modules)``.
+        self.validation = validation or ValidationSection()
+        v = self.validation
+        self.norms = NormTracker(
+            self.root / "validation.json",
+            mode=v.norm_check,
+            mads=v.norm_mads,
+            ratio=v.norm_ratio,
+            min_observations=v.min_observations,
+            max_norm=v.max_norm,
+            window=v.norm_window,
+        )
+        self.heldout_loss = heldout_loss
+        self.key_scores = KeyScores(self.root / "key_scores.json", v.heldout_tolerance)
+        # "auto" aggregation with the held-out check: the modules whose every delta is scored
+        # take the paper's mean, the others the robust combiner (outer_settings_of).
+        self.checked_mean = (
+            v.aggregation == "auto" and v.heldout_check and outer.aggregation != "mean"
+        )
+
+    def owned_modules(self) -> list[str]:
+        return [mid for mid in self.topology.module_ids() if self.owners.get(mid) == self.owner_id]
+
+    def owns(self, mid: str) -> bool:
+        return self.owners.get(mid) == self.owner_id
+
+    def version(self, mid: str) -> int | None:
+        """A module's version; None for another owner's module not yet reported."""
+        if self.owns(mid):
+            return self.store.version(mid)
+        info = self.remote.get(mid)
+        return info["version"] if info else None
+
+    def reported(self, mid: str) -> set[int]:
+        if self.owns(mid):
+            return set(self.store.modules[mid].pending)
+        return set(self.remote.get(mid, {}).get("pending", []))
+
+    def path_round(self, path: int) -> int:
+        return min(self.version(mid) or 0 for mid in self.topology.path_modules(path))
+
+    @property
+    def round(self) -> int:
+        """Rounds completed by every module (that this coordinator knows of)."""
+        mids = self.topology.module_ids() if self.is_scheduler else self.owned_modules()
+        return min((self.version(mid) or 0 for mid in mids), default=0)
+
+    @property
+    def finished(self) -> bool:
+        return self.round >= self.rounds
+
+    def _reject(self, peer_id: str, reason: str, message: str):
+        self._count(peer_id, reason)
+        exc = RejectedError(message, reason=reason)
+        exc.counted = True  # handle() must not count it again
+        raise exc
+
+    def _count(self, peer_id: str, reason: str) -> None:
+        self.rejections[reason] += 1
+        self.rejections_by_peer[peer_id][reason] += 1
+        self.access.offence(self._caller, reason)
+
+    def _seen(self, peer_id: str, **info: Any) -> None:
+        peer = self.peers.setdefault(peer_id, {"tasks_done": 0, "tokens": 0, "task": None})
+        peer["last_seen"] = self.clock()
+        peer.update(info)

@@ -1,0 +1,62 @@
+"""Routing phases (DiPaCo Algorithm 1, line 2): which phase's shards a task trains on, deciding a
+phase during the run (written to ``decided_phases.json`` before it is used), making a phase's
+shards available, and a path's outer-step weight (its shard's tokens in that phase).
+
+Functions of the coordinator (bound as its methods in core.py).
+"""
+
+import json
+import logging
+from pathlib import Path
+
+from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.records import Phase
+from dipaco.fileio import file_info, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+def phase_of(core: CoordinatorBase, base_round: int) -> int:
+    """The routing phase whose shards a task of this base round trains on."""
+    return sum(1 for r in core.phase_rounds if r <= base_round)
+
+
+def schedule_phase(core: CoordinatorBase) -> tuple[int, int] | None:
+    """Decide a routing phase now: (its number, the first base round that trains on it).
+
+    That round is past every module's version, so no task already issued changes shards;
+    the decision is written to disk before it is returned. None when no round is left.
+    """
+    with core.lock:
+        versions = [core.version(mid) or 0 for mid in core.topology.module_ids()]
+        after = max([core.round, *versions]) + 1
+        if after >= core.rounds:
+            return None
+        if any(r >= after for r in core.phase_rounds):  # one is pending already
+            return None
+        core.phase_rounds = sorted({*core.phase_rounds, after})
+        previous = []
+        if core._decided.exists():
+            previous = json.loads(core._decided.read_text())["after"]
+        core.root.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(core._decided, {"after": sorted({*previous, after})})
+        phase = len(core.phase_rounds)
+        core.metrics({"event": "phase_decided", "phase": phase, "after_round": after})
+        return phase, after
+
+
+def add_phase(
+    core: CoordinatorBase, phase: int, prefix: str, tokens: list[int], files: dict[str, Path]
+) -> None:
+    """Make a routing phase's shards available: its tasks open and its files are served."""
+    with core.lock:
+        infos = {name: file_info(path) for name, path in files.items()}
+        core.files.update(files)
+        core.phases[phase] = Phase(prefix, tokens, infos)
+        core.metrics({"event": "phase_ready", "phase": phase, "shard_tokens": tokens})
+
+
+def weight(core: CoordinatorBase, path: int, base_round: int) -> float | None:
+    phase = core.phases.get(core.phase_of(base_round))
+    tokens = (phase.tokens if phase else None) or core.shard_tokens
+    return float(tokens[path]) if tokens else None

@@ -1,0 +1,87 @@
+"""The coordinator's records, typed: a task as a request acts for it, and a routing phase."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dipaco.coordinator.scheduler import Lease
+from dipaco.data.shards import shard_name
+
+
+@dataclass(frozen=True)
+class Task:
+    """A leased task: what its signed ticket says, or (on the scheduler) what its lease says.
+
+    ``versions`` are the module versions it was issued against (its base), ``weight`` its path's
+    outer-step weight when known (the shard's tokens in its phase), ``key`` the public key it was
+    issued to (None for a lease read without a ticket)."""
+
+    task_id: str
+    peer: str
+    path: int
+    round: int
+    versions: dict[str, int]
+    weight: float | None = None
+    key: str | None = None
+
+    @classmethod
+    def of_lease(cls, lease: Lease, weight: float | None, key: str | None = None) -> Task:
+        return cls(
+            lease.task_id, lease.peer_id, lease.path, lease.round,
+            dict(lease.module_versions), weight, key,
+        )  # fmt: skip
+
+    def ticket_payload(self) -> dict[str, Any]:
+        """What the scheduler signs into the task's ticket (the wire format: docs/protocol.md)."""
+        return {
+            "task": self.task_id,
+            "peer": self.peer,
+            "path": self.path,
+            "round": self.round,
+            "versions": self.versions,
+            "weight": self.weight,
+            "key": self.key,
+        }
+
+    @classmethod
+    def of_ticket(cls, payload: dict[str, Any]) -> Task | None:
+        """The task a verified ticket names; None when a field has the wrong type."""
+        versions = payload.get("versions")
+        weight = payload.get("weight")
+        fields = (payload.get("task"), payload.get("peer"), payload.get("key"))
+        if not (
+            isinstance(fields[0], str)
+            and isinstance(fields[1], str)
+            and (fields[2] is None or isinstance(fields[2], str))
+            and _count(payload.get("path"))
+            and _count(payload.get("round"))
+            and isinstance(versions, dict)
+            and all(isinstance(k, str) and _count(v) for k, v in versions.items())
+            and (weight is None or (isinstance(weight, int | float) and weight >= 0))
+        ):
+            return None
+        return cls(
+            fields[0], fields[1], payload["path"], payload["round"], versions, weight, fields[2]
+        )
+
+
+@dataclass
+class Phase:
+    """A routing phase's shards: their folder's name (``shards``, ``shards_phase1``...), each
+    path's tokens in it (the outer-step weights), and its files as the manifest lists them."""
+
+    prefix: str
+    tokens: list[int] | None
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def shard(self, path: int) -> str:
+        return shard_name(path, prefix=self.prefix)
+
+    def shard_files(self, path: int) -> dict[str, dict[str, Any]]:
+        shard = self.shard(path)
+        return {k: v for k, v in self.files.items() if k.startswith(shard + ".")}
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0

@@ -1,0 +1,208 @@
+"""Rounds and quorum: which paths are open, closing a module's round when every path reported or
+the missing ones are overdue (DiLoCo's outer step, through the store), the ticker that expires
+leases, and what follows a finished round or task.
+
+Functions of the coordinator (bound as its methods in core.py).
+"""
+
+import logging
+import math
+from dataclasses import replace
+
+from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.outer import OuterSettings
+from dipaco.coordinator.records import Task
+from dipaco.protocols import messages as m
+from dipaco.protocols.reasons import Reason
+
+log = logging.getLogger(__name__)
+
+
+def open_paths(core: CoordinatorBase) -> dict[int, int]:
+    out = {}
+    for p in range(core.topology.num_paths):
+        mids = core.topology.path_modules(p)
+        versions = {core.version(mid) for mid in mids}
+        if len(versions) != 1 or None in versions:
+            continue  # some module of the path is still waiting for other paths
+        (v,) = versions
+        reported = (p, v) in core.done or all(p in core.reported(mid) for mid in mids)
+        if v < core.rounds and not reported and core.phase_of(v) in core.phases:
+            out[p] = v
+    return out
+
+
+def tick(core: CoordinatorBase) -> None:
+    """Expire leases and close overdue rounds; servers call this every second or so."""
+    with core.lock:
+        tick_now(core)
+
+
+def tick_now(core: CoordinatorBase) -> None:
+    gone = core.scheduler.expire()
+    for lease in gone:
+        core._expired(lease)
+    if gone:
+        core._save_state()  # their tickets are void, and stay so after a restart
+    now = core.clock()
+    for mid, (owner, since) in list(core.handing.items()):
+        if now - since > 120:  # the new owner never confirmed: keep the module
+            log.warning("handover of %s to %s timed out; keeping it", mid, owner)
+            del core.handing[mid]
+    if core.is_scheduler:
+        # Once overdue, a (path, round) stays skipped until the round is over everywhere: a
+        # module that closed without it must not leave the path's other modules waiting.
+        core.overdue |= core.scheduler.overdue()
+        core.overdue = {(p, r) for p, r in core.overdue if r >= core.round}
+    if not core.overdue and not core.unstepped:
+        return
+    stepped = False
+    for mid in core.owned_modules():
+        if mid not in core.handing:
+            stepped |= maybe_step(core, mid)
+    if stepped:
+        core._save_state()
+        after_change(core)
+
+
+def maybe_step(core: CoordinatorBase, mid: str) -> bool:
+    """Step when every path has reported, or when the missing ones are overdue (a quorum)."""
+    record = core.store.modules[mid]
+    if record.version >= core.rounds:
+        return False
+    paths = set(core.topology.paths_through(mid))
+    if set(record.pending) != paths:
+        missing = {(p, record.version) for p in paths - set(record.pending)}
+        need = math.ceil(core.policy.quorum * len(paths))
+        if not (missing <= core.overdue and len(record.pending) >= need):
+            return False
+    try:
+        info = core.store.outer_step(mid, core.outer_settings_of(mid))
+    except OSError as exc:  # a full disk: nothing was committed; the ticker tries again
+        if mid not in core.unstepped:
+            log.error("outer step of %s failed: %s; retrying every second", mid, exc)
+            core.metrics({"event": "outer_step_failed", "module": mid, "error": str(exc)})
+        core.unstepped.add(mid)
+        return False
+    core.unstepped.discard(mid)
+    info["closed_by"] = "deadline" if set(info["paths"]) != paths else "all"
+    core.metrics({"event": "outer_step", **info})
+    for clipped in info.get("clipped", []):  # robust aggregation scaled a delta down
+        core.metrics({"event": "delta_clipped", "stage": "aggregation", "module": mid, **clipped})
+    log.info(
+        "outer step %s -> v%d (paths %s, late %s, %s)",
+        mid,
+        info["version"],
+        info["paths"],
+        info["late_paths"],
+        info["closed_by"],
+    )
+    core.changed.set()
+    return True
+
+
+def after_change(core: CoordinatorBase) -> None:
+    """Notice a finished round (the scheduler) and wake the reporter (other owners)."""
+    core.changed.set()
+    if core.round > core.last_round:
+        for rnd in range(core.last_round + 1, core.round + 1):
+            core.metrics({"event": "round", "round": rnd})
+        core.last_round = core.round
+        # Tasks of rounds that no delta can join any more (even late) are forgotten, so that
+        # a long run does not keep a record of every task it ever leased.
+        horizon = core.round - core.policy.max_staleness
+        core.scheduler.forget_before(horizon)
+        core.done = {(p, r) for p, r in core.done if r >= horizon}
+        if core.on_round is not None:
+            core.on_round(core.round)
+    if core.finished:
+        core.finished_event.set()
+
+
+def outer_settings_of(core: CoordinatorBase, mid: str) -> OuterSettings:
+    """The outer step of ``mid``: ``core.outer``, except that with ``checked_mean`` (the
+    "auto" aggregation of an open run with the held-out check on) a module whose every path
+    this coordinator scores takes the plain mean: each delta was judged on its own already,
+    and the mean costs honest runs nothing (docs/security.md has both measured)."""
+    if (
+        core.checked_mean
+        and core.heldout_loss is not None
+        and all(
+            core.owns(x)
+            for p in core.topology.paths_through(mid)
+            for x in core.topology.path_modules(p)
+        )
+    ):
+        return replace(core.outer, aggregation="mean")
+    return core.outer
+
+
+def task_done(core: CoordinatorBase, req: m.TaskDone) -> m.Ok:
+    core._need_scheduler(req.peer_id)
+    core._seen(req.peer_id)
+    task = core._task(req.peer_id, req.task_id, req.ticket)
+    if (task.path, task.round) not in core.done:
+        missing = unacked(core, task)
+        if missing:
+            # A task is done when its deltas are, not when its peer says so: a TaskDone
+            # without them would take the path out of the round and stall its modules.
+            # The lease stays: it expires, or the round's deadline re-issues it.
+            core._reject(
+                req.peer_id,
+                Reason.NOT_ACKED,
+                f"task {req.task_id}: no acknowledged delta for {', '.join(missing)} yet",
+            )
+        record_done(core, task, req.peer_id, req.tokens, req.losses)
+        after_change(core)
+    return m.Ok()
+
+
+def unacked(core: CoordinatorBase, task: Task) -> list[str]:
+    """The modules of ``task``'s path holding no acknowledged delta of it: for our own
+    modules, its task id among the pending, late or applied deltas; for another owner's, its
+    last report shows the path pending at the task's base, or the module past that base."""
+    missing = []
+    for mid in core.topology.path_modules(task.path):
+        base = task.versions.get(mid)
+        if core.owns(mid):
+            record = core.store.modules[mid]
+            held = [d.task_id for d in (*record.pending.values(), *record.late.values())]
+            if task.task_id not in held and task.task_id not in record.applied:
+                missing.append(mid)
+            continue
+        version = core.version(mid)
+        if version is None or base is None:
+            missing.append(mid)
+        elif version == base and task.path not in core.reported(mid):
+            missing.append(mid)
+    return missing
+
+
+def record_done(
+    core: CoordinatorBase, task: Task, peer_id: str, tokens: int, losses: list[float]
+) -> None:
+    core.done.add((task.path, task.round))
+    core.scheduler.finish(task.task_id)
+    peer = core.peers.setdefault(peer_id, {"tasks_done": 0, "tokens": 0, "task": None})
+    peer["tasks_done"] = peer.get("tasks_done", 0) + 1
+    peer["tokens"] = peer.get("tokens", 0) + tokens
+    peer["task"] = None
+    core.metrics(
+        {
+            "event": "delta",
+            "task": task.task_id,
+            "peer": peer_id,
+            "path": task.path,
+            "round": task.round,
+            "tokens": tokens,
+            "step_offset": core.step_offset + task.round * core.inner_steps,
+            "train_losses": losses,
+        }
+    )
+
+
+def free_paths(core: CoordinatorBase) -> set[int]:
+    """The open paths no live lease holds: what an in-process adapter (Flower's ServerApp)
+    may plan tasks for; the claim itself still goes through the service."""
+    with core.lock:
+        return set(open_paths(core)) - core.scheduler.leased_paths()

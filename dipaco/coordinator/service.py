@@ -1,0 +1,124 @@
+"""The bytes layer: a signed request in, a signed reply out. It opens the envelope, refuses
+replays, admits the key (bans, rate limits, size), decodes the message, runs the operation under
+the coordinator's lock for that caller, and counts every refusal once.
+
+Functions of the coordinator (bound as its methods in core.py).
+"""
+
+import logging
+
+from dipaco.coordinator.base import CoordinatorBase
+from dipaco.errors import DipacoError, RejectedError
+from dipaco.protocols import auth
+from dipaco.protocols import messages as m
+from dipaco.protocols.reasons import Reason
+
+log = logging.getLogger(__name__)
+
+
+OPS = {
+    m.Hello: "hello",
+    m.ClaimTask: "claim",
+    m.FetchModules: "fetch",
+    m.Heartbeat: "heartbeat",
+    m.SubmitDelta: "submit",
+    m.ReleaseTask: "release",
+    m.GetStatus: "status",
+    m.TaskDone: "task_done",
+    m.GetOwners: "get_owners",
+    m.FetchReleases: "fetch_releases",
+    m.FetchFile: "fetch_file",
+    m.OwnerReport: "owner_report",
+    m.HandOver: "hand_over",
+    m.ConfirmOwnership: "confirm_ownership",
+}
+
+
+def handle(core: CoordinatorBase, data: bytes) -> bytes:
+    """Open the signed request, admit its key, run the operation, sign the reply.
+
+    Every refusal is an Error reply with its reason, counted once (per peer id when the
+    message names one, else per key) and against the key's ban budget.
+    """
+    nonce, key, who = "", None, "unknown"
+    try:
+        nonce = auth.peek_nonce(data)
+        signed = auth.open_request(data)
+        nonce, key, who = signed.nonce, signed.key, f"key:{auth.fingerprint(signed.key)}"
+        with core.lock:  # replays first: a replayed request costs its signer nothing
+            core.guard.check(signed)
+        core.access.reload()
+        core.access.admit(key)
+        if len(signed.body) > core.max_request_bytes:
+            raise RejectedError(
+                f"a request of {len(signed.body)} bytes exceeds this coordinator's limit "
+                f"of {core.max_request_bytes}",
+                reason=Reason.TOO_LARGE,
+            )
+        req = m.decode_message(signed.body)
+        who = getattr(req, "peer_id", None) or getattr(req, "owner_id", None) or who
+        reply = perform(core, key, req)
+    except DipacoError as exc:
+        if not exc.counted:
+            with core.lock:
+                core._caller = key
+                try:
+                    core._count(who, exc.reason)
+                finally:
+                    core._caller = None
+        log.info("rejected %s: %s (%s)", who, exc, exc.reason)
+        reply = m.Error(reason=exc.reason, message=str(exc))
+    sealed = auth.seal_reply(core.identity, nonce, m.encode_message(reply))
+    with core.lock:  # bytes moved, for the dashboard and `dipaco status`
+        peer = core.peers.get(who)
+        if peer is not None:
+            peer["bytes_in"] = peer.get("bytes_in", 0) + len(data)
+            peer["bytes_out"] = peer.get("bytes_out", 0) + len(sealed)
+    return sealed
+
+
+def act_for(core: CoordinatorBase, key: str, req: m.Message) -> m.Message:
+    """Run ``req`` as the holder of ``key`` would, without an envelope: for a transport that
+    runs in this process and has authenticated the key itself (the Flower ServerApp claims
+    and fetches for its nodes, whose keys it learned from their signed Hello). The key is
+    admitted, rate-limited and bound to the request's name exactly as in :meth:`handle`;
+    a refusal raises :class:`RejectedError`, counted once."""
+    try:
+        core.access.reload()
+        core.access.admit(key)
+        return perform(core, key, req)
+    except DipacoError as exc:
+        if not exc.counted:
+            who = getattr(req, "peer_id", None) or f"key:{auth.fingerprint(key)}"
+            with core.lock:
+                core._caller = key
+                try:
+                    core._count(who, exc.reason)
+                finally:
+                    core._caller = None
+            exc.counted = True
+        raise
+
+
+def refuse(core: CoordinatorBase, who: str, reason: str, message: str) -> None:
+    """Count a refusal a transport made before the core saw the request (a malformed
+    Flower reply, say), as :meth:`handle` counts its own."""
+    with core.lock:
+        core._count(who, reason)
+    log.info("rejected %s: %s (%s)", who, message, reason)
+
+
+def perform(core: CoordinatorBase, key: str, req: m.Message) -> m.Message:
+    name = getattr(req, "peer_id", None) or getattr(req, "owner_id", None)
+    op = OPS.get(type(req))
+    if op is None:
+        raise RejectedError(f"{type(req).__name__} is not a request", reason=Reason.BAD_MESSAGE)
+    with core.lock:
+        core._caller = key
+        try:
+            if name:
+                core.access.bind(name, key)
+            core._tick()
+            return getattr(core, op)(req)
+        finally:
+            core._caller = None

@@ -1,0 +1,110 @@
+"""The status snapshot (GetStatus): modules, leases, peers, owners, refusals and access, as the
+dashboard, ``dipaco status`` and /metrics show them.
+
+Functions of the coordinator (bound as its methods in core.py).
+"""
+
+import logging
+from typing import Any
+
+from dipaco.coordinator.base import CoordinatorBase
+from dipaco.protocols import auth
+from dipaco.protocols import messages as m
+
+log = logging.getLogger(__name__)
+
+
+def status(core: CoordinatorBase, req: m.GetStatus | None = None) -> m.Status:
+    now = core.clock()
+    modules = {
+        mid: {
+            "version": r.version,
+            "pending": sorted(r.pending),
+            "late": sorted(r.late),
+            "hash": r.hash,
+            "owner": core.owner_id,
+        }
+        for mid, r in core.store.modules.items()
+    }
+    for mid, info in core.remote.items():
+        if not core.owns(mid):
+            modules[mid] = {**info, "owner": core.owners.get(mid)}
+    return m.Status(
+        state={
+            "run_id": core.run_id,
+            "owner_id": core.owner_id,
+            "scheduler": core.is_scheduler,
+            "round": core.round,
+            "rounds": core.rounds,
+            "phase": max(core.phases, default=0),
+            "finished": core.finished,
+            "modules": modules,
+            "leases": {
+                t: {
+                    "path": lease.path,
+                    "round": lease.round,
+                    "peer": lease.peer_id,
+                    "steps": lease.steps,
+                    "deadline_in": round(lease.deadline - now, 1),
+                }
+                for t, lease in core.scheduler.leases.items()
+            },
+            "expired_leases": core.scheduler.expired,
+            "task_deadline": core.scheduler.task_deadline(),
+            "overdue": sorted(core.overdue),
+            "peers": peer_rows(core, now),
+            "owners": owner_rows(core, now),
+            "evaluation": core.eval_note,
+            "rejections": dict(core.rejections),
+            "rejections_by_peer": {p: dict(c) for p, c in core.rejections_by_peer.items()},
+            "access": core.access.summary(),
+            "key_scores": {auth.fingerprint(k): v for k, v in core.key_scores.summary().items()},
+        }
+    )
+
+
+def peer_rows(core: CoordinatorBase, now: float) -> dict[str, dict[str, Any]]:
+    """Peers as ``status`` shows them: module owners are not peers; a peer's task is the one
+    it holds a lease for now; ``state`` is training, idle, or gone (silent longer than a
+    lease: it left, or died)."""
+    owners = set(core.owners.values()) | set(core.owner_seen)
+    current = {lease.peer_id: t for t, lease in core.scheduler.leases.items()}
+    rows = {}
+    for pid, info in core.peers.items():
+        if pid in owners or info.get("device") == "coordinator":  # an owner's Hello
+            continue
+        seen_ago = now - info["last_seen"]
+        state = (
+            "training"
+            if pid in current
+            else "gone"
+            if seen_ago > core.scheduler.lease_seconds
+            else "idle"
+        )
+        rows[pid] = {k: v for k, v in info.items() if k != "last_seen"} | {
+            "seen_ago": round(seen_ago, 1),
+            "task": current.get(pid),
+            "state": state,
+        }
+    return rows
+
+
+def owner_rows(core: CoordinatorBase, now: float) -> dict[str, dict[str, Any]]:
+    """Every coordinator that owns modules of the run, this one included."""
+    rows: dict[str, dict[str, Any]] = {}
+    for mid, owner in sorted(core.owners.items()):
+        row = rows.setdefault(
+            owner,
+            {
+                "modules": [],
+                "addresses": core.addresses.get(owner, []),
+                "scheduler": owner == core.owner_id and core.is_scheduler,
+                "seen_ago": 0.0
+                if owner == core.owner_id
+                else round(now - core.owner_seen[owner], 1)
+                if owner in core.owner_seen
+                else None,
+            },
+        )
+        row["modules"].append(mid)
+    return rows

@@ -1,0 +1,275 @@
+"""Opening the module store on a start, after a clean stop or a crash: each module's head.json
+checked field by field, its version and momentum verified against their checksums (falling back to
+the version before a corrupt head), the files of a half-done outer step rolled back, and its
+acknowledged deltas read back, a corrupt one quarantined (``*.corrupt``) so that its path is
+trained again. store.py's docstring has the layout and the commit protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dipaco.errors import CorruptFileError
+from dipaco.fileio import write_json_atomic
+from dipaco.protocols.wire import read_tensor_file, tensors_sha256
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+KEEP_VERSIONS = 2
+APPLIED_KEPT = 512  # task ids remembered per module (many rounds' worth)
+REPORTED_KEPT = 8  # versions for which the paths that reported on time are remembered
+
+
+@dataclass
+class PendingDelta:
+    path: int
+    weight: float  # the path's shard size in tokens (DiPaCo eq. 2-3)
+    task_id: str
+    peer_id: str
+    file: Path
+    base_version: int = -1
+    voter: str = ""  # the key that sent it (one vote per key in a robust combiner); "": peer_id
+
+    @property
+    def vote(self) -> str:
+        return self.voter or self.peer_id
+
+
+@dataclass
+class ModuleRecord:
+    version: int
+    hash: str
+    params: Tensors
+    momentum: Tensors | None
+    applied: list[str] = field(default_factory=list)  # task ids of the last outer steps
+    reported: dict[int, list[int]] = field(default_factory=dict)  # base version -> on-time paths
+    pending: dict[int, PendingDelta] = field(default_factory=dict)  # on time: base == version
+    late: dict[int, PendingDelta] = field(default_factory=dict)  # late: base < version, damped
+
+
+def _version_of(name: str) -> int:
+    """3 for "v3" or "m3"; -1 (never newer, always old) for a name that is not ours."""
+    match = re.fullmatch(r"[vm](\d+)", name)
+    return int(match.group(1)) if match else -1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _checked_head(head: object) -> dict:
+    """A head.json object with its fields checked (ValueError names the bad one)."""
+    if not isinstance(head, dict):
+        raise ValueError("not a JSON object")
+    version, applied = head.get("version"), head.get("applied", [])
+    reported = head.get("reported", {})
+    if not _is_int(version) or version < 0 or not isinstance(head.get("hash"), str):
+        raise ValueError("missing version or hash")
+    if not isinstance(applied, list) or not all(isinstance(t, str) for t in applied):
+        raise ValueError("'applied' is not a list of task ids")
+    if not isinstance(reported, dict) or not all(
+        isinstance(b, str)
+        and b.isdecimal()
+        and isinstance(ps, list)
+        and all(_is_int(p) for p in ps)
+        for b, ps in reported.items()
+    ):
+        raise ValueError("'reported' is not {version: [paths]}")
+    head["reported"] = {int(b): list(ps) for b, ps in reported.items()}
+    head["applied"] = list(applied)
+    return head
+
+
+def head_fields(record: ModuleRecord) -> dict:
+    """head.json's fields for ``record``'s committed version (without a "previous")."""
+    return {
+        "version": record.version,
+        "hash": record.hash,
+        "applied": list(record.applied),
+        "reported": {str(b): list(ps) for b, ps in record.reported.items()},
+    }
+
+
+def _head_fields_of(head: dict) -> dict:
+    """A checked head (``reported`` keyed by int) as head.json stores it, without "previous"."""
+    fields = {k: head[k] for k in ("version", "hash", "applied")}
+    return fields | {"reported": {str(b): ps for b, ps in head["reported"].items()}}
+
+
+def _check_like(file: Path, tensors: Tensors, params: Tensors) -> None:
+    """CorruptFileError unless ``tensors`` (momentum, a delta) has the parameters' names,
+    shapes and dtypes, and finite values: the outer step combines them element by element."""
+    if set(tensors) != set(params):
+        raise CorruptFileError(
+            f"{file}: tensors {sorted(tensors)[:4]} do not match the module's {sorted(params)[:4]}"
+        )
+    for name, t in tensors.items():
+        ref = params[name]
+        if t.shape != ref.shape or t.dtype != ref.dtype:
+            raise CorruptFileError(
+                f"{file}: {name} is {list(t.shape)} {t.dtype}, expected {list(ref.shape)} "
+                f"{ref.dtype}"
+            )
+        if not bool(torch.isfinite(t).all()):
+            raise CorruptFileError(f"{file}: {name} holds NaN or infinity")
+
+
+class StoreOpener:
+    """Reads modules back from a store folder, and keeps what it had to repair for the log."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.quarantined: list[str] = []  # corrupt files moved aside (for the log)
+        self.rolled_back: dict[str, tuple[int, int]] = {}  # module -> (bad version, used one)
+
+    def open(self, mid: str) -> ModuleRecord:
+        """Open each module at its committed head, verifying every checksum.
+
+        A head whose version or momentum file is corrupt or missing falls back to the version
+        before it (kept in head.json under "previous", with its files and deltas), so the step
+        is redone on start; the bad files are moved aside as ``*.corrupt`` and named in the log.
+        """
+        folder = self.root / "modules" / mid
+        head = self._read_head(folder / "head.json")
+        try:
+            params, momentum = self._read_version(folder, head)
+        except CorruptFileError as exc:
+            previous = head.get("previous")
+            if previous is None:
+                raise
+            bad, head = head["version"], previous
+            log.error(
+                "module %s: %s; falling back to the last good version v%d",
+                mid,
+                exc,
+                head["version"],
+            )
+            params, momentum = self._read_version(folder, head)
+            for name in (f"v{bad}.dpt", f"m{bad}.dpt"):
+                if (folder / name).exists():
+                    self._quarantine(mid, folder / name, "rolled back")
+            write_json_atomic(folder / "head.json", _head_fields_of(head))
+            self.rolled_back[mid] = (bad, head["version"])
+        v = head["version"]
+        record = ModuleRecord(v, head["hash"], params, momentum, head["applied"], head["reported"])
+        self._discard_uncommitted(mid, folder, v)
+        record.pending, record.late = self._load_pending(mid, v, params)
+        return record
+
+    @staticmethod
+    def _read_version(folder: Path, head: dict) -> tuple[Tensors, Tensors | None]:
+        """The parameters and momentum of the version ``head`` names, checked against it."""
+        v = head["version"]
+        params = read_tensor_file(folder / f"v{v}.dpt").tensors
+        if tensors_sha256(params) != head["hash"]:
+            raise CorruptFileError(f"{folder / f'v{v}.dpt'}: content hash differs from head.json")
+        momentum = read_tensor_file(folder / f"m{v}.dpt").tensors if v > 0 else None
+        if momentum is not None:
+            _check_like(folder / f"m{v}.dpt", momentum, params)
+        return params, momentum
+
+    @staticmethod
+    def _read_head(path: Path) -> dict:
+        """head.json, checked field by field: ``applied`` and ``reported`` come back as the
+        record holds them (a list of task ids; base version -> paths), so that a damaged head
+        is refused here instead of breaking a later submission or outer step. A damaged
+        "previous" (the fallback version) is dropped with a warning: the head itself is fine."""
+        try:
+            head = _checked_head(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise CorruptFileError(f"{path}: missing (module was never initialised?)") from None
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise CorruptFileError(f"{path}: unreadable module head: {exc}") from None
+        previous = head.get("previous")
+        if previous is not None:
+            try:
+                head["previous"] = _checked_head(previous)
+                if head["previous"]["version"] >= head["version"]:
+                    raise ValueError("it is not older than the head")
+            except (ValueError, RecursionError) as exc:
+                log.warning("%s: ignoring its damaged 'previous' version: %s", path, exc)
+                head["previous"] = None
+        return head
+
+    def _discard_uncommitted(self, mid: str, folder: Path, version: int) -> None:
+        """Files of a half-done outer step (newer than the head), temporary files a crash left
+        behind, and deltas older than the last step's go away."""
+        for f in folder.glob("*.dpt"):
+            if _version_of(f.stem) > version:
+                log.warning("module %s: rolling back uncommitted %s", mid, f.name)
+                f.unlink()
+        deltas = self.root / "deltas" / mid
+        for d in deltas.glob("v*"):
+            if _version_of(d.name) < version - 1:
+                shutil.rmtree(d, ignore_errors=True)
+        # AtomicFile's temporary names start with a dot: a crash before the rename left them.
+        for tmp in [*folder.glob(".*"), *deltas.glob("v*/.*")]:
+            log.info("module %s: removing %s, left by an interrupted write", mid, tmp)
+            tmp.unlink(missing_ok=True)
+
+    def _quarantine(self, mid: str, file: Path, why: str) -> None:
+        """Move a bad file aside (``*.corrupt``, kept for inspection), log it and count it."""
+        aside = file.with_name(file.name + ".corrupt")
+        file.replace(aside)
+        log.error("module %s: %s: %s; moved aside to %s", mid, file, why, aside.name)
+        self.quarantined.append(str(aside))
+
+    def _load_pending(
+        self, mid: str, version: int, params: Tensors
+    ) -> tuple[dict[int, PendingDelta], dict[int, PendingDelta]]:
+        """The acknowledged deltas waiting for this version's step, each checked now: a bad
+        one found only at the step would stop the module for good. A corrupt or truncated one
+        is quarantined rather than stopping the start: its path is then open again, so the
+        task is trained once more (or its peer's retry is stored afresh)."""
+        pending, late = {}, {}
+        for f in sorted((self.root / "deltas" / mid / f"v{version}").glob("P*.dpt")):
+            try:
+                path, delta = self._read_pending(f, version, params)
+                table = pending if delta.base_version == version else late
+                if path in table:
+                    raise CorruptFileError(f"{f}: a second delta of path {path} for v{version}")
+            except CorruptFileError as exc:
+                self._quarantine(mid, f, str(exc).removeprefix(f"{f}: "))
+                continue
+            table[path] = delta
+        return pending, late
+
+    @staticmethod
+    def _read_pending(f: Path, version: int, params: Tensors) -> tuple[int, PendingDelta]:
+        frame = read_tensor_file(f)
+        fields = frame.fields
+        base = fields.get("base_version", version)
+        path, weight = fields.get("path"), fields.get("weight")
+        if not (
+            _is_int(path)
+            and path >= 0
+            and _is_int(base)
+            and 0 <= base <= version
+            and isinstance(weight, int | float)
+            and not isinstance(weight, bool)
+            and math.isfinite(weight)
+            and weight > 0
+            and isinstance(fields.get("task_id"), str)
+            and isinstance(fields.get("peer_id"), str)
+            and isinstance(fields.get("voter", ""), str)
+        ):
+            raise CorruptFileError(f"{f}: delta metadata is damaged: {fields!r:.200}")
+        _check_like(f, frame.tensors, params)
+        return path, PendingDelta(
+            path,
+            float(weight),
+            fields["task_id"],
+            fields["peer_id"],
+            f,
+            base,
+            fields.get("voter", ""),
+        )

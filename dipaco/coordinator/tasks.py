@@ -1,0 +1,270 @@
+"""The peer's operations on the scheduler and the owners, but the delta: hello, claim a task
+(lease, quota and signed ticket), fetch a path's modules (signed releases), heartbeat, release,
+fetch a run file; and the task a request acts for, from its ticket or the lease table.
+
+Functions of the coordinator (bound as its methods in core.py).
+"""
+
+import logging
+
+import torch
+
+from dipaco.coordinator import tickets
+from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.records import Task
+from dipaco.coordinator.scheduler import Lease
+from dipaco.protocols import auth
+from dipaco.protocols import messages as m
+from dipaco.protocols.reasons import Reason
+
+FILE_CHUNK = 4 << 20
+
+log = logging.getLogger(__name__)
+
+
+def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
+    core._seen(req.peer_id, device=req.device, capabilities=req.capabilities)
+    return m.Welcome(
+        run_id=core.run_id,
+        config=core.peer_config,
+        signature=auth.sign_payload(core.identity, "manifest", core.peer_config),
+    )
+
+
+def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
+    need_scheduler(core, req.peer_id)
+    core._seen(req.peer_id)
+    if core.finished:
+        return m.NoTask(reason="run finished", retry_after=0.0, finished=True)
+    for held in core.scheduler.leases_of(req.peer_id):
+        # A peer back from a restart gets its task again, unless its round has moved on
+        # without it: then the task cannot be trained from its base any more; drop it.
+        if any(core.version(mid) != v for mid, v in held.module_versions.items()):
+            core.scheduler.release(held.task_id, req.peer_id)
+            core.metrics({"event": "task_dropped", "task": held.task_id, "peer": req.peer_id})
+    # A path-parallel peer names the tasks it holds already: it asks for one more.
+    fresh = all(lease.task_id in req.holding for lease in core.scheduler.leases_of(req.peer_id))
+    if fresh and core._caller is not None and not core.access.is_owner(core._caller):
+        held = [
+            lease
+            for lease in core.scheduler.leases.values()
+            if core.access.names.get(lease.peer_id) == core._caller
+        ]
+        if len(held) >= core.security.max_tasks_per_key:
+            core._reject(
+                req.peer_id,
+                Reason.QUOTA,
+                f"this key already holds {len(held)} live tasks "
+                f"(at most {core.security.max_tasks_per_key})",
+            )
+    lease = core.scheduler.claim(
+        req.peer_id, core.open_paths(), req.prefer_path, core.inner_steps, req.holding
+    )
+    if lease is None:
+        return m.NoTask(
+            reason="every open path is leased or waiting for its modules",
+            retry_after=0.5,
+            finished=False,
+        )
+    if fresh:
+        lease.module_versions = {
+            mid: core.version(mid) for mid in core.topology.path_modules(lease.path)
+        }
+        core.metrics(
+            {
+                "event": "task_issued",
+                "task": lease.task_id,
+                "peer": req.peer_id,
+                "path": lease.path,
+                "round": lease.round,
+                "steps": lease.steps,
+                "phase": core.phase_of(lease.round),
+            }
+        )
+    core.peers[req.peer_id]["task"] = lease.task_id
+    step_offset = core.step_offset + lease.round * core.inner_steps
+    phase = core.phases[core.phase_of(lease.round)]
+    task = Task.of_lease(lease, core._weight(lease.path, lease.round), core._caller)
+    return m.TaskOffer(
+        task_id=lease.task_id,
+        path=lease.path,
+        round=lease.round,
+        module_versions=lease.module_versions,
+        inner_steps=lease.steps,
+        step_offset=step_offset,
+        total_steps=core.total_steps,
+        lease_seconds=core.scheduler.lease_seconds,
+        seed=core.seed,
+        ticket=tickets.sign_ticket(core.identity, task.ticket_payload()),
+        owners={mid: core.owners[mid] for mid in lease.module_versions},
+        codec=core.codec,
+        shard=phase.shard(lease.path),
+        shard_files=phase.shard_files(lease.path),
+    )
+
+
+def fetch(core: CoordinatorBase, req: m.FetchModules) -> m.Modules:
+    core._seen(req.peer_id)
+    task = task_of(core, req.peer_id, req.task_id, req.ticket)
+    versions, hashes, tensors, signatures = {}, {}, {}, {}
+    for mid in core.topology.path_modules(task.path):
+        if not core.owns(mid):
+            continue
+        record = core.store.modules[mid]
+        versions[mid], hashes[mid] = record.version, record.hash
+        signatures[mid] = core.release_signature(mid, record.version, record.hash)
+        if req.have.get(mid) != record.version:
+            tensors.update({f"{mid}/{k}": v for k, v in record.params.items()})
+    return m.Modules(versions=versions, hashes=hashes, tensors=tensors, signatures=signatures)
+
+
+def fetch_releases(core: CoordinatorBase, req: m.FetchReleases) -> m.Modules:
+    """Every named module this coordinator owns, at its latest version, signed as a release;
+    modules it does not own are left out (the caller asks their owners)."""
+    unknown = sorted(set(req.modules) - set(core.topology.module_ids()))
+    if unknown:
+        core._reject(req.peer_id, Reason.BAD_MESSAGE, f"this run has no modules {unknown[:8]}")
+    versions, hashes, tensors, signatures = {}, {}, {}, {}
+    for mid in dict.fromkeys(req.modules):
+        if not core.owns(mid):
+            continue
+        record = core.store.modules[mid]
+        versions[mid], hashes[mid] = record.version, record.hash
+        signatures[mid] = core.release_signature(mid, record.version, record.hash)
+        tensors.update({f"{mid}/{k}": v for k, v in record.params.items()})
+    return m.Modules(versions=versions, hashes=hashes, tensors=tensors, signatures=signatures)
+
+
+def release_signature(core: CoordinatorBase, mid: str, version: int, digest: str) -> str:
+    """This owner's signature of a module release, which peers check before training."""
+    release = {"run": core.run_id, "module": mid, "version": version, "hash": digest}
+    return auth.sign_payload(core.identity, "release", release)
+
+
+def heartbeat(core: CoordinatorBase, req: m.Heartbeat) -> m.HeartbeatAck:
+    need_scheduler(core, req.peer_id)
+    core._seen(req.peer_id, step=req.step)
+    if req.task_id is None:
+        return m.HeartbeatAck(lease_ok=False, deadline_in=0.0)
+    lease = core.scheduler.heartbeat(req.task_id, req.peer_id, req.step)
+    if lease is None:
+        return m.HeartbeatAck(lease_ok=False, deadline_in=0.0)
+    return m.HeartbeatAck(lease_ok=True, deadline_in=lease.deadline - core.clock())
+
+
+def release(core: CoordinatorBase, req: m.ReleaseTask) -> m.Ok:
+    need_scheduler(core, req.peer_id)
+    core._seen(req.peer_id)
+    if core.scheduler.release(req.task_id, req.peer_id):
+        core.metrics({"event": "task_released", "task": req.task_id, "peer": req.peer_id})
+        core._save_state()  # the ticket is void, and stays so after a restart
+    return m.Ok()
+
+
+def fetch_file(core: CoordinatorBase, req: m.FetchFile) -> m.FileChunk:
+    core._seen(req.peer_id)
+    path = core.files.get(req.name)
+    if path is None:
+        core._reject(
+            req.peer_id, Reason.UNKNOWN_FILE, f"{req.name!r} is not one of the run's files"
+        )
+    size = path.stat().st_size
+    if req.offset < 0 or req.offset > size or not 0 < req.length <= FILE_CHUNK:
+        core._reject(
+            req.peer_id,
+            Reason.BAD_RANGE,
+            f"{req.name}: range {req.offset}+{req.length} outside 0..{size} "
+            f"(chunks of at most {FILE_CHUNK} bytes)",
+        )
+    with open(path, "rb") as f:
+        f.seek(req.offset)
+        data = f.read(req.length)
+    return m.FileChunk(
+        name=req.name,
+        size=size,
+        sha256=core.peer_config.get("files", {}).get(req.name, {}).get("sha256", ""),
+        offset=req.offset,
+        tensors={"data": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+        if data
+        else {"data": torch.zeros(0, dtype=torch.uint8)},
+    )
+
+
+def task_of(core: CoordinatorBase, peer_id: str, task_id: str, ticket: str) -> Task:
+    """The task a request acts for: from its ticket, or (scheduler) from the lease table.
+    A task whose lease was released or expired acts for nothing any more."""
+    ended = core.scheduler.ended if core.is_scheduler else core.void
+    if task_id in ended:
+        core._reject(
+            peer_id,
+            Reason.LEASE_ENDED,
+            f"task {task_id} was released or its lease expired; claim a new task",
+        )
+    if ticket:
+        payload = tickets.read_ticket(core.scheduler_key, ticket)
+        task = None if payload is None else Task.of_ticket(payload)
+        if task is None:
+            core._reject(peer_id, Reason.BAD_TICKET, f"task {task_id}: ticket does not verify")
+        if task.task_id != task_id:
+            core._reject(
+                peer_id, Reason.BAD_TICKET, f"the ticket is for another task than {task_id}"
+            )
+        if task.peer != peer_id or (
+            core._caller is not None and task.key not in (None, core._caller)
+        ):
+            core._reject(peer_id, Reason.NOT_YOUR_TASK, f"task {task_id} is leased to another peer")
+        return task
+    if not core.is_scheduler:
+        core._reject(peer_id, Reason.BAD_TICKET, f"task {task_id}: owners need the task's ticket")
+    lease = issued_to(core, task_id, peer_id)
+    return Task.of_lease(lease, core._weight(lease.path, lease.round))
+
+
+def need_scheduler(core: CoordinatorBase, who: str) -> None:
+    if not core.is_scheduler:
+        core._reject(
+            who, Reason.NOT_SCHEDULER, "this coordinator owns modules but does not lease tasks"
+        )
+
+
+def issued_to(core: CoordinatorBase, task_id: str, peer_id: str) -> Lease:
+    lease = core.scheduler.issued.get(task_id)
+    if lease is None:
+        core._reject(
+            peer_id, Reason.UNKNOWN_TASK, f"task {task_id} was not issued by this coordinator"
+        )
+    if lease.peer_id != peer_id:
+        core._reject(peer_id, Reason.NOT_YOUR_TASK, f"task {task_id} is leased to another peer")
+    return lease
+
+
+def expired(core: CoordinatorBase, lease: Lease) -> None:
+    log.warning(
+        "lease %s of peer %s expired; path P%d is open again",
+        lease.task_id,
+        lease.peer_id,
+        lease.path,
+    )
+    core.metrics(
+        {
+            "event": "lease_expired",
+            "task": lease.task_id,
+            "peer": lease.peer_id,
+            "path": lease.path,
+        }
+    )
+
+
+def keep_alive(core: CoordinatorBase, held: list[tuple[str, str]]) -> None:
+    """Renew the leases of ``(task id, peer id)`` pairs, as their peers' heartbeats would: for an
+    in-process adapter that waits for its nodes' replies (Flower's ServerApp)."""
+    with core.lock:
+        for task_id, peer_id in held:
+            core.scheduler.heartbeat(task_id, peer_id)
+
+
+def run_file(core: CoordinatorBase, name: str) -> bytes | None:
+    """The bytes of one of the run's files (tokenizer, shards) by its manifest name; None if the
+    run has no such file."""
+    path = core.files.get(name)
+    return None if path is None else path.read_bytes()

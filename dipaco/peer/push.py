@@ -1,0 +1,142 @@
+"""Pushing a task's deltas: each module's delta to its owner, then ``TaskDone`` to the scheduler.
+
+A module's delta is what it was fetched as minus what the task trained it to
+(``module_deltas``; DiPaCo Algorithm 1, line 9). Deltas go out through the run's codec with
+error feedback kept per path (the residual of what the codec dropped is added to the path's next
+delta). Each owner gets one ``SubmitDelta`` with its modules, retried until acknowledged: an
+owner that restarts keeps what it acknowledged, and acknowledges a retried delta again. When no
+owner's acknowledgement told the scheduler the task is done, the peer says so itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dipaco.errors import RejectedError
+from dipaco.peer.links import OwnerLinks
+from dipaco.protocols import codecs
+from dipaco.protocols import messages as m
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, dict[str, torch.Tensor]]  # module id -> parameter name -> tensor
+
+
+def module_deltas(base: Tensors, trained: Tensors) -> Tensors:
+    """Each module's delta: its tensors as fetched (``base``) minus as trained, contiguous."""
+    return {
+        mid: {name: (base[mid][name] - trained[mid][name]).contiguous() for name in base[mid]}
+        for mid in base
+    }
+
+
+class Pusher:
+    """Encodes a task's deltas (with error feedback) and pushes them until acknowledged."""
+
+    def __init__(
+        self,
+        links: OwnerLinks,
+        feedback: codecs.ErrorFeedback,
+        peer_id: str,
+        on_ack: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.links = links
+        self.feedback = feedback
+        self.peer_id = peer_id
+        self.on_ack = on_ack
+
+    def push(
+        self,
+        task: m.TaskOffer,
+        delta: Tensors,
+        tokens: int,
+        losses: list[float],
+        before_send: Callable[[], None] | None = None,
+    ) -> None:
+        """Each module's delta to its owner, until every owner has acknowledged; then TaskDone.
+
+        ``before_send`` runs once the deltas are encoded (error-feedback residuals updated) and
+        before anything is sent. Should the push fail, the residuals are as they were before.
+        """
+        links = self.links
+        codec = task.codec or "lossless"
+        log.info(
+            "peer %s: pushing the deltas of %s (%s) to %d owner(s)",
+            self.peer_id,
+            task.task_id,
+            codec,
+            len(links.by_owner(list(delta))),
+        )
+        before = self.feedback.state_tensors()
+        wire = self.feedback.compress(
+            codec,
+            f"P{task.path}",
+            {f"{mid}/{n}": t for mid, ts in delta.items() for n, t in ts.items()},
+        )
+        try:
+            if before_send is not None:
+                before_send()
+            remaining = list(delta)
+            scheduler_done = False
+            while remaining:
+                owner, mids = next(iter(links.by_owner(remaining).items()))
+                try:
+                    ack = links.ask(
+                        owner,
+                        lambda mids=mids: m.SubmitDelta(
+                            peer_id=self.peer_id,
+                            task_id=task.task_id,
+                            path=task.path,
+                            base_versions=task.module_versions,
+                            tokens=tokens,
+                            losses=losses,
+                            tensors={k: v for k, v in wire.items() if k.partition("/")[0] in mids},
+                            ticket=task.ticket,
+                            codec=codec,
+                        ),
+                    )
+                except RejectedError as exc:
+                    if exc.reason != "not-owner":
+                        raise
+                    links.refresh()  # a module moved: regroup and push again
+                    continue
+                remaining = [mid for mid in remaining if mid not in mids]
+                for mid in mids:
+                    self.on_ack(
+                        {
+                            "module": mid,
+                            "base_version": task.module_versions[mid],
+                            "path": task.path,
+                            "task": task.task_id,
+                            "owner": owner,
+                            "unacked": len(remaining),  # modules of the task still to push
+                        }
+                    )
+                scheduler_done |= ack.task_done
+            if not scheduler_done:
+                self._task_done(task, tokens, losses, list(delta))
+        except BaseException:
+            self.feedback.load_state_tensors(before)  # nothing was sent for good: keep residuals
+            raise
+
+    def _task_done(
+        self, task: m.TaskOffer, tokens: int, losses: list[float], modules: list[str]
+    ) -> None:
+        self.links.patience.call(
+            lambda: self.links.transport.request(
+                m.TaskDone(
+                    peer_id=self.peer_id,
+                    task_id=task.task_id,
+                    ticket=task.ticket,
+                    tokens=tokens,
+                    losses=losses,
+                    modules=modules,
+                )
+            ),
+            # The scheduler learns another owner's acknowledgement from its next report.
+            reasons=("not-acked",),
+        )

@@ -1,0 +1,318 @@
+"""One task's training on the peer: its path's model and optimizer, data slice and inner steps.
+
+DiPaCo Algorithm 1, lines 6-8, for one task: the path's model is built from the fetched modules,
+its inner AdamW continues the path's own state (or the task's checkpoint, when a restarted peer
+resumes the task), the task's data slice is drawn from its shard, and each inner step is issued
+(on the task's own CUDA stream in a path-parallel batch) then counted, reported and, every
+``checkpoint_seconds``, checkpointed. ``PathTrainer.finish`` takes the per-module deltas and
+pushes them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dipaco.data.shards import TokenShard, shard_name, window_batches
+from dipaco.errors import DataError
+from dipaco.faults import fault_point
+from dipaco.model.optim import (
+    InnerSettings,
+    make_optimizer,
+    param_names_in_optimizer_order,
+    train_step,
+)
+from dipaco.model.topology import Topology
+from dipaco.model.transformer import ModelConfig
+from dipaco.peer.device import fit_micro_batch
+from dipaco.peer.modules import Cache, TaskAborted
+from dipaco.peer.push import Tensors, module_deltas
+from dipaco.peer.state import InnerState, TaskCheckpoint
+from dipaco.protocols import messages as m
+
+
+@dataclass(eq=False)
+class TaskRun:
+    """A task between its setup and its finish (``PathTrainer.open``, ``PathTrainer.step`` and
+    ``PathTrainer.stepped`` per inner step, ``PathTrainer.deltas``): what its steps and its
+    deltas need."""
+
+    task: m.TaskOffer
+    modules: Tensors  # as fetched: the base its deltas are taken from
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    names: list[str]  # parameter names in the optimizer's order (its state files)
+    settings: InnerSettings
+    batches: Iterator[torch.Tensor]  # the task's data slice
+    forward: Callable[[torch.Tensor], torch.Tensor] | None  # torch.compile'd model, or None
+    progress: dict[str, Any]  # "step" (the heartbeats send it), "saved" (last checkpoint)
+    lease_lost: threading.Event  # set by the heartbeats
+    losses: list[float]  # the training loss of each step done
+    step: int = 0  # inner steps done (a resumed task starts at its checkpoint's)
+    began: float = 0.0  # when its steps began (on_progress's "elapsed")
+    checkpoints: bool = True  # snapshot every checkpoint_seconds (off in path-parallel batches)
+    stream: Any = None  # its own CUDA stream in a path-parallel batch on a GPU
+
+    @property
+    def finished(self) -> bool:
+        return self.step >= self.task.inner_steps
+
+
+def on_stream(stream: Any) -> AbstractContextManager:
+    """Issue the block's kernels on ``stream`` (a CUDA stream), or as usual when it is None."""
+    return nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+@contextmanager
+def timed(timings: dict[str, float], what: str) -> Iterator[None]:
+    """Add the time spent in the ``with`` block to ``timings[what]``."""
+    began = time.monotonic()
+    try:
+        yield
+    finally:
+        timings[what] += time.monotonic() - began
+
+
+class PathTrainer:
+    """Trains tasks with the run's model and training settings (from its manifest, ``config``)
+    and this device's features, in micro-batches that fit the device (``memory_bytes``
+    replaces the probe of its free memory).
+
+    ``timings`` is the peer's (its "train" entry grows here); ``checkpoint`` and ``inner`` are
+    the peer's task state files; ``on_progress`` hears of every step; ``stop`` aborts a task at
+    its next step. Shards come from ``shard_source`` (name, files), else from ``shards_dir``.
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        *,
+        device: str,
+        features: dict[str, Any],
+        memory_bytes: int | None,
+        timings: dict[str, float],
+        checkpoint: TaskCheckpoint,
+        inner: InnerState,
+        checkpoint_seconds: float,
+        on_progress: Callable[[dict[str, Any]], None],
+        stop: threading.Event,
+        shard_source: Callable[[str, dict[str, Any]], TokenShard] | None = None,
+    ) -> None:
+        self.model_cfg = ModelConfig(**config["model"])
+        self.topology = Topology.from_dict(config["topology"])
+        self.train_cfg = config["train"]
+        self.shards_dir = config.get("shards_dir")
+        self.device, self.features = device, features
+        self.micro_batch = fit_micro_batch(self.model_cfg, self.train_cfg, device, memory_bytes)
+        self.timings = timings
+        self.checkpoint, self.inner = checkpoint, inner
+        self.checkpoint_seconds = checkpoint_seconds
+        self.on_progress = on_progress
+        self.stop = stop
+        self.shard_source = shard_source
+
+    def build(self, task: m.TaskOffer, modules: Tensors, cache: Cache) -> torch.nn.Module:
+        """The path's model on this device, from copies of the fetched modules; ``TaskAborted``
+        when the modules do not fit the model (they leave ``cache`` then)."""
+        try:
+            return self.topology.build_path(
+                self.model_cfg,
+                task.path,
+                {
+                    mid: {k: v.clone() for k, v in tensors.items()}
+                    for mid, tensors in modules.items()
+                },
+            ).to(self.device)
+        except DataError as exc:  # the owners served modules that do not fit the model
+            for mid in modules:
+                cache.pop(mid, None)
+            raise TaskAborted(str(exc)) from None
+
+    def open(
+        self,
+        task: m.TaskOffer,
+        modules: Tensors,
+        model: torch.nn.Module,
+        progress: dict,
+        lease_lost: threading.Event,
+        *,
+        resume: bool = True,
+        stream: Any = None,
+    ) -> TaskRun:
+        """The task ready to step: ``model`` in training mode, its optimizer with the path's
+        inner state (or the task's checkpoint, with ``resume``), its data slice (past the windows
+        a resumed task trained on already)."""
+        model.train()
+        tc = self.train_cfg
+        settings = InnerSettings(
+            lr=tc["lr"],
+            warmup_steps=tc["warmup_steps"],
+            total_steps=task.total_steps,
+            min_lr_ratio=tc["min_lr_ratio"],
+            weight_decay=tc["weight_decay"],
+            grad_clip=tc["grad_clip"],
+        )
+        optimizer = make_optimizer(model, settings)
+        names = param_names_in_optimizer_order(model)
+        done_steps, losses = (
+            self.checkpoint.resume(task.task_id, model, optimizer, names) if resume else (0, [])
+        )
+        if done_steps == 0:
+            self.inner.load(task.path, task.round, optimizer, names)
+        # The task's data slice: windows drawn by a generator seeded by (run seed, path, round).
+        batches = window_batches(
+            self.shard(task),
+            [task.seed, task.path, task.round],
+            tc["batch_size"],
+            tc["seq_len"],
+            self.device,
+        )
+        for _ in range(done_steps):  # a resumed task skips the windows it already trained on
+            next(batches)
+        progress.update(step=done_steps, saved=time.monotonic())
+        return TaskRun(
+            task=task,
+            modules=modules,
+            model=model,
+            optimizer=optimizer,
+            names=names,
+            settings=settings,
+            batches=batches,
+            forward=torch.compile(model) if self.features["compile"] else None,
+            progress=progress,
+            lease_lost=lease_lost,
+            losses=losses,
+            step=done_steps,
+            began=time.monotonic(),
+            checkpoints=resume,
+            stream=stream,
+        )
+
+    def shard(self, task: m.TaskOffer) -> TokenShard:
+        """The task's shard: named by the offer (routing phases re-shard), else the path's; from
+        ``shard_source``, else from the run folder next to the manifest's ``shards_dir``."""
+        name = task.shard or shard_name(task.path)
+        if self.shard_source is not None:
+            return self.shard_source(name, task.shard_files)
+        return TokenShard(Path(self.shards_dir).parent / name)
+
+    def step(self, run: TaskRun) -> torch.Tensor:
+        """Issue one inner step of ``run`` (on its CUDA stream, if it has one); returns its loss,
+        not read, so that no device sync happens here."""
+        with timed(self.timings, "train"), on_stream(run.stream):
+            return train_step(
+                run.model,
+                run.optimizer,
+                next(run.batches),
+                run.settings,
+                step=run.task.step_offset + run.step,
+                micro_batch=self.micro_batch,
+                autocast=self.features["autocast"],
+                forward=run.forward,
+            )
+
+    def stepped(self, run: TaskRun, loss: torch.Tensor) -> None:
+        """After a step: abort if the peer stops or the lease was lost; else count the step,
+        report it (``on_progress``) and checkpoint the task when it is time to."""
+        with timed(self.timings, "train"):
+            with on_stream(run.stream):  # the loss is written on the task's stream
+                value = loss.item()
+            if self.stop.is_set():
+                raise TaskAborted("peer is stopping")
+            if run.lease_lost.is_set():
+                raise TaskAborted("lease lost")
+            run.step += 1
+            run.progress["step"] = run.step
+            run.losses.append(value)
+            self.on_progress(
+                {
+                    "task": run.task.task_id,
+                    "path": run.task.path,
+                    "step": run.step,
+                    "steps": run.task.inner_steps,
+                    "loss": value,
+                    "elapsed": time.monotonic() - run.began,
+                    "tokens_per_step": self.train_cfg["batch_size"] * self.train_cfg["seq_len"],
+                }
+            )
+            if (
+                run.checkpoints
+                and time.monotonic() - run.progress["saved"] > self.checkpoint_seconds
+            ):
+                self.checkpoint.save(
+                    run.task.task_id, run.model, run.optimizer, run.names, run.step, run.losses
+                )
+                run.progress["saved"] = time.monotonic()
+
+    def train(self, run: TaskRun) -> None:
+        """Every inner step of ``run`` left to do."""
+        while not run.finished:
+            self.stepped(run, self.step(run))
+
+    def interleave(
+        self, runs: list[TaskRun], dropped: Callable[[TaskRun, TaskAborted], None]
+    ) -> None:
+        """Train ``runs`` together: step i of each before step i + 1 of any (on a GPU, each on
+        its stream, so that their kernels overlap; all synchronised at the end). A run whose
+        lease is lost leaves ``runs`` and goes to ``dropped``; the others train on. A stopping
+        peer's ``TaskAborted`` is raised."""
+        began = time.monotonic()
+        for run in runs:
+            run.began = began
+            if run.stream is not None:  # models, moments and windows were made on this stream
+                run.stream.wait_stream(torch.cuda.current_stream(self.device))
+        active = list(runs)
+        while active:
+            # Step i of every task is issued before any is read: on a GPU they run at once.
+            losses = [self.step(run) for run in active]
+            for run, loss in zip(active, losses, strict=True):
+                try:
+                    self.stepped(run, loss)
+                except TaskAborted as exc:
+                    if self.stop.is_set():
+                        raise
+                    runs.remove(run)  # its lease was lost: drop it, the others train on
+                    dropped(run, exc)
+            active = [run for run in active if run in runs and not run.finished]
+        if str(self.device).startswith("cuda") and torch.cuda.is_available():
+            with timed(self.timings, "train"):
+                torch.cuda.synchronize(self.device)
+
+    def finish(self, run: TaskRun, push: Callable[..., None]) -> int:
+        """Push the task's deltas (``push``, as ``Peer.push``), its inner state saved just before
+        they are sent, then drop its checkpoint; the tokens it trained."""
+        task, tc = run.task, self.train_cfg
+        delta = self.deltas(run)
+        tokens = task.inner_steps * tc["batch_size"] * tc["seq_len"]
+        fault_point("peer.before_push")
+        with timed(self.timings, "push"):
+            # The inner state is written before the first delta is sent: once the owners
+            # acknowledge, the round may close and another peer sharing this state folder may
+            # take the path's next round at once, and it must find this round's state.
+            push(
+                task,
+                delta,
+                tokens,
+                run.losses,
+                before_send=lambda: self.inner.save(
+                    task.path, task.round, run.optimizer, run.names
+                ),
+            )
+        with timed(self.timings, "save"):
+            self.checkpoint.drop()
+        return tokens
+
+    def deltas(self, run: TaskRun) -> Tensors:
+        """The task's per-module deltas (fetched minus trained), on the CPU."""
+        with timed(self.timings, "train"):
+            trained = self.topology.split_path_state(
+                run.task.path, {k: v.detach().cpu() for k, v in run.model.state_dict().items()}
+            )
+            return module_deltas(run.modules, trained)

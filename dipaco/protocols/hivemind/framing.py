@@ -1,0 +1,81 @@
+"""The wire form of one hivemind transfer: headers, 1 MiB pieces, and a byte-rate cap.
+
+One stream-in, stream-out RPC per request; opaque bytes, nothing is pickled:
+
+* request: ``ExpertRequest`` messages. The first one carries a JSON header in ``uid``
+  (``{"v": 1, "size": N, "sha256": HEX}``); every message carries up to 1 MiB of the payload in
+  ``metadata``.
+* reply: ``ExpertResponse`` messages. The first one is a JSON header in ``metadata``: either
+  ``{"v": 1, "size": N, "sha256": HEX}`` followed by the payload in 1 MiB chunks, or
+  ``{"v": 1, "error": REASON, "message": TEXT}`` when the server refused the transfer.
+
+Both sides check the size and the SHA-256 at the end: a stream whose sender died can end early
+without any error, and this is the only way to notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+CHUNK = 1 << 20
+WIRE_VERSION = 1
+MAX_HEADER_CHARS = 4096
+
+
+class TokenBucket:
+    """A token bucket in bytes; ``consume`` sleeps while the bucket is in debt."""
+
+    def __init__(self, mbps: float, burst: int = CHUNK) -> None:
+        if mbps <= 0:
+            raise ValueError(f"max_mbps must be positive, got {mbps}")
+        self.rate = mbps * 1e6 / 8  # bytes per second
+        self.burst = burst
+        self.tokens = 0.0
+        self.stamp = time.monotonic()
+
+    async def consume(self, n: int) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate) - n
+        self.stamp = now
+        if self.tokens < 0:
+            await asyncio.sleep(-self.tokens / self.rate)
+
+
+def pieces(data: bytes) -> Iterator[bytes]:
+    """The payload in CHUNK-sized pieces (one copy per piece: protobuf needs bytes)."""
+    if len(data) <= CHUNK and isinstance(data, bytes):
+        yield data
+        return
+    view = memoryview(data)
+    for offset in range(0, max(len(view), 1), CHUNK):
+        yield bytes(view[offset : offset + CHUNK])
+
+
+def size_header(size: int, digest: str) -> str:
+    """The header announcing a payload of ``size`` bytes with SHA-256 ``digest`` (hex)."""
+    return json.dumps({"v": WIRE_VERSION, "size": size, "sha256": digest})
+
+
+def error_header(reason: str, message: str) -> bytes:
+    """The reply header of a refused transfer."""
+    return json.dumps({"v": WIRE_VERSION, "error": reason, "message": message}).encode()
+
+
+def parse_header(raw: str | bytes) -> dict:
+    """A transfer header, or ValueError with what is wrong with it."""
+    if len(raw) > MAX_HEADER_CHARS:
+        raise ValueError(f"header of {len(raw)} bytes is too long")
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    if "error" in header:
+        return header
+    size, digest = header.get("size"), header.get("sha256")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ValueError(f"bad size {size!r}")
+    if not isinstance(digest, str) or len(digest) != 64:
+        raise ValueError(f"bad sha256 {digest!r}")
+    return header

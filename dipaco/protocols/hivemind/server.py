@@ -1,0 +1,176 @@
+"""The serving side of the hivemind transport: one ``bytes -> bytes`` handler as a stream RPC.
+
+The server refuses a header size above its limit before reading any more, checks the size and
+the SHA-256 of what arrived, and runs the handler in a thread pool, never on the event loop. A
+refusal is a reply header with a reason (see :mod:`.framing`); the server then keeps reading what
+the caller still sends (bounded), so that the refusal arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from typing import AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator hints
+
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from dipaco.protocols.hivemind.framing import error_header, parse_header, pieces, size_header
+from dipaco.protocols.transport import Handler
+
+log = logging.getLogger(__name__)
+
+DRAIN_SECONDS = 10.0  # how long a refusing server keeps reading, so its refusal arrives
+
+
+class _Reject(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class _ByteServicer(ServicerBase):
+    """Serves one ``bytes -> bytes`` handler as the ``rpc_call`` stream RPC.
+
+    The class name is part of the wire: hivemind names the handler ``_ByteServicer.rpc_call``.
+    ``record(key, n)`` and ``reject(reason)`` count into the node's stats.
+    """
+
+    def __init__(
+        self,
+        record: Callable[[str, int], None],
+        reject: Callable[[str], None],
+        handler: Handler,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        max_request_bytes: int,
+        read_timeout: float,
+    ) -> None:
+        self._record = record
+        self._reject = reject
+        self._handler = handler
+        self._executor = executor
+        self._max = max_request_bytes
+        self._read_timeout = read_timeout
+
+    def _job(self, chunks: list[bytes], size: int, digest: str) -> tuple[bytes, str]:
+        """Runs in the pool: assemble and check the request, call the handler, hash the reply."""
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        if len(data) != size:  # cannot happen: the reader counts bytes; kept as a guard
+            raise _Reject("truncated", f"request truncated: got {len(data)} of {size} bytes")
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise _Reject("hash-mismatch", f"request of {size} bytes fails its SHA-256 check")
+        self._record("handler_calls", 1)
+        try:
+            reply = self._handler(data)
+        except Exception as exc:
+            log.exception("hivemind transport: handler failed")
+            raise _Reject("handler-error", f"handler failed: {type(exc).__name__}: {exc}") from None
+        if not isinstance(reply, bytes | bytearray | memoryview):
+            raise _Reject("handler-error", f"handler returned {type(reply).__name__}, not bytes")
+        reply = bytes(reply) if not isinstance(reply, bytes) else reply
+        return reply, hashlib.sha256(reply).hexdigest()
+
+    async def _next(self, stream: AsyncIterator[runtime_pb2.ExpertRequest]):
+        try:
+            return await asyncio.wait_for(stream.__anext__(), self._read_timeout)
+        except TimeoutError:
+            raise _Reject(
+                "timeout", f"no request data for {self._read_timeout:.0f} s; transfer dropped"
+            ) from None
+
+    async def _receive(
+        self, stream: AsyncIterator[runtime_pb2.ExpertRequest]
+    ) -> tuple[list[bytes], int, str]:
+        try:
+            first = await self._next(stream)
+        except StopAsyncIteration:
+            raise _Reject("bad-header", "empty request stream") from None
+        try:
+            header = parse_header(first.uid)
+            if "error" in header:
+                raise ValueError("a request header cannot carry an error")
+        except ValueError as exc:
+            raise _Reject("bad-header", f"bad request header: {exc}") from None
+        size, digest = header["size"], header["sha256"]
+        if size > self._max:
+            raise _Reject(
+                "too-large", f"request of {size} bytes exceeds the limit of {self._max} bytes"
+            )
+        chunks: list[bytes] = []
+        got = 0
+        msg = first
+        while True:
+            piece = msg.metadata
+            if piece:
+                got += len(piece)
+                self._record("bytes_in", len(piece))
+                if got > size:
+                    raise _Reject("overrun", f"request overruns its header: {got} > {size} bytes")
+                chunks.append(piece)
+            try:
+                msg = await self._next(stream)
+            except StopAsyncIteration:
+                if got < size:
+                    raise _Reject(
+                        "truncated", f"request truncated: got {got} of {size} bytes"
+                    ) from None
+                # The sender has finished writing: a reply cannot collide with its writes.
+                return chunks, size, digest
+
+    async def _drain(self, stream: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
+        """Read and drop what the caller still sends, until it ends or hangs up (bounded).
+
+        A reply written while the caller is still writing can be lost: when the server closes the
+        stream, the caller's next write fails and that error also ends its read side.
+        """
+        deadline = time.monotonic() + DRAIN_SECONDS
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                await asyncio.wait_for(stream.__anext__(), left)
+        except (StopAsyncIteration, TimeoutError):
+            pass
+
+    async def rpc_call(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        self._record("requests", 1)
+        remote = context.remote_id.to_base58() if context.remote_id is not None else "?"
+        stream = requests.__aiter__()
+        try:
+            chunks, size, digest = await self._receive(stream)
+            loop = asyncio.get_running_loop()
+            reply, reply_digest = await loop.run_in_executor(
+                self._executor, self._job, chunks, size, digest
+            )
+        except _Reject as rej:
+            self._reject(rej.reason)
+            log.debug("hivemind transport: rejected a request from %s: %s", remote, rej)
+            yield runtime_pb2.ExpertResponse(metadata=error_header(rej.reason, str(rej)))
+            await self._drain(stream)
+            return
+        except asyncio.CancelledError:
+            # The caller went away (killed, or cancelled its call) mid-transfer.
+            self._reject("aborted")
+            log.debug("hivemind transport: a request from %s was aborted", remote)
+            raise
+        self._record("handled", 1)
+        handed = 0  # reply bytes handed to hivemind to send
+        try:
+            yield runtime_pb2.ExpertResponse(
+                metadata=size_header(len(reply), reply_digest).encode()
+            )
+            for piece in pieces(reply):
+                if piece:
+                    handed += len(piece)
+                    self._record("bytes_out", len(piece))
+                    yield runtime_pb2.ExpertResponse(metadata=piece)
+        finally:
+            # hivemind stops pulling from (and then closes) this generator when the caller hangs up
+            if handed < len(reply):
+                self._reject("reply-aborted")
+                log.debug("hivemind transport: %s hung up before the whole reply", remote)

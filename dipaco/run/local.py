@@ -1,0 +1,129 @@
+"""The local run: in-process peers for a coordinator on this machine.
+
+This is the one place where the coordinator and the peer meet outside the protocols: each local
+peer talks to the coordinator through ``LocalTransport(coordinator.handle)``, as a remote one
+does through its transport. ``LocalRun`` starts them, waits for the run and stops them:
+
+    with LocalRun(coordinator, prep, n_peers) as local:
+        local.wait()
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from types import TracebackType
+
+from dipaco.coordinator.core import Coordinator
+from dipaco.errors import DipacoError
+from dipaco.peer.peer import Peer
+from dipaco.prepare.folder import PreparedRun
+from dipaco.protocols.auth import Identity
+from dipaco.protocols.transport import LocalTransport
+
+# How long stopping waits for each local peer's thread, in seconds.
+JOIN_SECONDS = 30
+
+
+def run_local_peers(
+    coordinator: Coordinator,
+    prep: PreparedRun,
+    n_peers: int,
+    *,
+    stop: threading.Event,
+    on_progress: Callable[[dict], None] | None = None,
+    device: str = "cpu",
+    parallel: int = 1,
+) -> list[threading.Thread]:
+    """Start ``n_peers`` peers in threads over the local transport; they stop when the run ends.
+
+    Local peers share one state folder, so a path's inner optimizer state follows the path,
+    whichever local peer trains it: results then do not depend on thread timing.
+
+    ``parallel`` > 1 makes each peer path-parallel (``Peer.run_batch``): it claims up to that
+    many tasks of a round and trains them together on its device, step-interleaved (each path on
+    its own CUDA stream on a GPU). Meant for ``n_peers=1``: one peer that trains every path of a
+    round at once, with module parameters equal, bit for bit on a CPU, to one sequential peer's.
+    The coordinator's task quota per key is raised to ``parallel`` if it is lower.
+    """
+    if parallel > coordinator.security.max_tasks_per_key:
+        # The local peer holds a whole batch of leases on its one key: let it.
+        coordinator.security = coordinator.security.model_copy(
+            update={"max_tasks_per_key": parallel}
+        )
+    threads = []
+    for i in range(n_peers):
+        peer = Peer(
+            # Each local peer is its own party, with its own key (and its own task quota), kept
+            # so that a resumed run knows it again.
+            LocalTransport(coordinator.handle).authenticate(
+                Identity.load_or_create(prep.root / "peers" / "keys" / f"local-{i}.key")
+            ),
+            f"local-{i}",
+            prep.root / "peers",
+            stop=stop,
+            on_progress=on_progress,
+            device=device,
+            parallel=parallel,
+        )
+        t = threading.Thread(target=peer.run, name=f"peer-{i}", daemon=True)
+        t.start()
+        threads.append(t)
+    return threads
+
+
+class LocalRun:
+    """``n_peers`` in-process peers (``run_local_peers``) for the length of a ``with`` block.
+
+    Entering starts them (none when ``n_peers`` is 0); :meth:`wait` waits until the run
+    finishes; leaving the block, by any way, tells them to stop and waits for each for up to
+    ``JOIN_SECONDS``. The keyword arguments are ``run_local_peers``'s.
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        prep: PreparedRun,
+        n_peers: int,
+        *,
+        on_progress: Callable[[dict], None] | None = None,
+        device: str = "cpu",
+        parallel: int = 1,
+    ) -> None:
+        self.coordinator, self.prep, self.n_peers = coordinator, prep, n_peers
+        self.on_progress, self.device, self.parallel = on_progress, device, parallel
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def __enter__(self) -> LocalRun:
+        if self.n_peers:
+            self.threads = run_local_peers(
+                self.coordinator,
+                self.prep,
+                self.n_peers,
+                stop=self.stop,
+                on_progress=self.on_progress,
+                device=self.device,
+                parallel=self.parallel,
+            )
+        return self
+
+    def wait(
+        self,
+        stopped_early: str = "every local peer stopped before the run finished (see the log above)",
+    ) -> None:
+        """Until the coordinator's run finishes; ``DipacoError(stopped_early)`` if every local
+        peer stops first. (A failed run finishes too: the caller reads ``coordinator.failure``.)"""
+        while not self.coordinator.finished_event.wait(0.5):
+            if not any(t.is_alive() for t in self.threads):
+                raise DipacoError(stopped_early)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(JOIN_SECONDS)
