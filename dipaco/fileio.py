@@ -107,3 +107,21 @@ def file_info(path: str | Path) -> dict[str, Any]:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return {"size": Path(path).stat().st_size, "sha256": digest.hexdigest()}
+
+
+def write_private(path: str | Path, data: bytes | str) -> None:
+    """Write a secret (a key, a token) crash-safely, readable by its owner only (mode 0600) from
+    the first byte on: a temporary file made by ``mkstemp`` (0600), fsynced, renamed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    os.chmod(path, 0o600)

@@ -24,7 +24,6 @@ a crash or Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import time
 from pathlib import Path
@@ -36,10 +35,12 @@ from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.gather import gather_at_end, remote_fetcher, wait_gathered
 from dipaco.coordinator.ticker import Ticker
 from dipaco.errors import ConfigError, DipacoError, RejectedError
+from dipaco.fileio import write_private
 from dipaco.net import hivemind
 from dipaco.prepare.pipeline import prepare
 from dipaco.protocols.addresses import check_port_free, split_hostport
 from dipaco.protocols.auth import Identity
+from dipaco.protocols.reasons import Reason
 from dipaco.protocols.transport import LoopbackServer
 from dipaco.run.factory import build_coordinator, build_owner
 from dipaco.run.local import LocalRun
@@ -49,10 +50,7 @@ from dipaco.run.metrics_log import MetricsLog
 def secret_file(path: Path) -> tuple[bytes, Path]:
     """A 32-byte secret kept in ``path`` with owner-only access, created on first use."""
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
+        write_private(path, secrets.token_hex(32))
     try:
         return bytes.fromhex(path.read_text().strip()), path
     except ValueError:
@@ -189,7 +187,7 @@ def start_owner(args: argparse.Namespace) -> int:
         try:
             moved = take_over(coordinator, scheduler, owns)
         except RejectedError as exc:
-            if exc.reason == "not-an-owner":
+            if exc.reason == Reason.NOT_AN_OWNER:
                 raise ConfigError(
                     f"the scheduler does not know this owner's key; on the scheduler run: "
                     f"dipaco-coordinator allow --owner {me.public_key} --run-dir RUN_DIR"

@@ -28,7 +28,6 @@ from dipaco.cli.common import (
 from dipaco.cli.init import add_init_command
 from dipaco.cli.use import add_owner_dir, add_use_commands, gatherer
 from dipaco.cli.watch import add_status_command
-from dipaco.coordinator.report import plot_run, results_markdown, results_table
 from dipaco.errors import DipacoError
 from dipaco.fileio import write_json_atomic
 from dipaco.model.topology import Topology
@@ -39,6 +38,7 @@ from dipaco.run.evaluate import evaluate_modules
 from dipaco.run.factory import build_coordinator
 from dipaco.run.local import LocalRun
 from dipaco.run.metrics_log import MetricsLog
+from dipaco.run.report import plot_run, results_markdown, results_table
 
 
 def _progress() -> Progress | LineProgress:

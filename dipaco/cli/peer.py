@@ -19,7 +19,6 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from dipaco.cli.common import command_parser, console, dispatch, one_line, say
 from dipaco.cli.doctor import add_doctor_command
 from dipaco.errors import ConfigError, TransportError
 from dipaco.fileio import write_json_atomic
+from dipaco.net import hivemind
 from dipaco.peer.checks import check_device
 from dipaco.peer.identity import coordinator_trust, stable_peer_id
 from dipaco.peer.metrics import PeerMetrics
@@ -80,10 +80,25 @@ def cmd_join(args: argparse.Namespace) -> int:
     me = Identity.load_or_create(state_dir / "signing.key")
     trust = coordinator_trust(state_dir, args.address, args.coordinator_key, _trusted_first)
     stop = threading.Event()
-    extra: dict[str, Any] = {}
-    node = None
+    join: hivemind.HivemindJoin | None = None
     if kind == "hivemind":
-        transport, node, extra = _hivemind(args, peer_id, state_dir, me, trust)
+        join = hivemind.join_run(
+            args.address,
+            run=args.run,
+            peer_id=peer_id,
+            state_dir=state_dir,
+            me=me,
+            trust=trust,
+            device=args.device,
+            memory_gb=args.memory_gb,
+            max_mbps=args.max_mbps,
+            patience=args.patience,
+            on_wait=say,
+        )
+        transport = join.scheduler
+        console.print(
+            f"run {join.run_id}: manifest verified (sha256 {join.manifest_sha256[:12]}...)"
+        )
     else:
         try:
             key = bytes.fromhex(Path(args.authkey_file).read_text().strip())
@@ -134,22 +149,19 @@ def cmd_join(args: argparse.Namespace) -> int:
     said: dict[str, float] = {}  # task -> when its last progress line was printed (plain output)
 
     def traffic() -> tuple[int, int]:
-        links = extra.get("links") or []
-        return sum(t.bytes_sent for t in links), sum(t.bytes_received for t in links)
+        return join.traffic() if join is not None else (0, 0)
 
     def totals() -> str:
         """Tasks done, and the traffic where the transport counts it (hivemind links)."""
         out = f"{len(acked_tasks)} tasks done"
-        links = extra.get("links")
-        if links:
-            up = sum(t.bytes_sent for t in links) / 1e6
-            down = sum(t.bytes_received for t in links) / 1e6
-            out += f", {up:.1f} MB up, {down:.1f} MB down"
+        if join is not None and join.links:
+            up, down = join.traffic()
+            out += f", {up / 1e6:.1f} MB up, {down / 1e6:.1f} MB down"
         return out
 
     def on_progress(info: dict) -> None:
-        if "announce" in extra:  # what the DHT shows of this peer: its task and progress
-            extra["announce"].update(
+        if join is not None:  # what the DHT shows of this peer: its task and progress
+            join.announce.update(
                 task=info["task"], step=info["step"], steps=info["steps"], loss=info["loss"]
             )
         if info["task"] not in current:
@@ -216,11 +228,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         identity=me,
         precision=args.precision,
         compile=args.compile,
-        **{
-            k: v
-            for k, v in extra.items()
-            if k in ("connect", "shard_source", "manifest_sha256", "run_over")
-        },
+        **(join.peer_options() if join is not None else {}),
     )
     console.print(f"peer {peer_id} ({peer.device}) joined {args.address}")
     if args.metrics_port is not None:
@@ -240,12 +248,10 @@ def cmd_join(args: argparse.Namespace) -> int:
         transport.close()
         if meter is not None:
             meter.close()
-        if node is not None:
-            sent = sum(t.bytes_sent for t in extra["links"])
-            received = sum(t.bytes_received for t in extra["links"])
+        if join is not None:
+            sent, received = join.traffic()
             console.print(f"traffic: {sent / 1e6:.1f} MB up, {received / 1e6:.1f} MB down")
-            extra["publisher"].close()
-            node.shutdown()
+            join.close()
     if peer.run_finished:
         say(f"the run has finished; peer {peer_id} trained {done} tasks in this session")
     else:
@@ -388,90 +394,6 @@ def _trusted_first(seen: str) -> None:
         "to check it against what the run's operator published)",
         soft_wrap=True,
     )
-
-
-def start_node(address: str, patience: float) -> Any:
-    """A client hivemind node bootstrapped from ``address``, retried for ``patience`` seconds
-    (the coordinator may be restarting); then a TransportError that points to ``doctor``."""
-    from dipaco.protocols.hivemind import HivemindNode
-
-    began = time.monotonic()
-    while True:
-        try:
-            return HivemindNode(initial_peers=[address], client_mode=True)
-        except TransportError as exc:
-            why = one_line(exc).removeprefix("cannot start a hivemind node: ")
-            left = patience - (time.monotonic() - began)
-            if left <= 0:
-                raise TransportError(
-                    f"cannot reach the run at {address} ({why}) after {patience:.0f} s of "
-                    f"retries; check it with: dipaco-peer doctor {address}"
-                ) from None
-            say(f"cannot reach {address} yet ({why}); retrying for {left:.0f} s more")
-            time.sleep(min(2.0, max(left, 0.1)))
-
-
-def _hivemind(
-    args: argparse.Namespace,
-    peer_id: str,
-    state_dir: Path,
-    me: Identity,
-    trust: tuple[str | None, Callable[[str], None]],
-):
-    """Join the run's DHT in client mode; the scheduler's transport and the Peer's extras."""
-    from dipaco.peer.download import RunFiles
-    from dipaco.protocols import discovery
-
-    node = start_node(args.address, args.patience)
-    try:
-        run_id, entry, manifest = discovery.find_run(node, args.run)
-        links = []
-
-        def connect(owner: str, addresses: list[str]):
-            link = node.transport(owner, addresses, max_mbps=args.max_mbps)
-            links.append(link)
-            return link
-
-        scheduler = connect(entry["scheduler"], entry.get("addresses", [])).authenticate(me, *trust)
-        files = RunFiles(scheduler, peer_id, manifest["files"], state_dir / "runs" / run_id)
-        files.get("tokenizer.model")
-        info = {
-            "peer": peer_id,
-            "device": args.device,
-            "memory_gb": args.memory_gb,
-            "max_mbps": args.max_mbps,
-            "client_mode": True,
-        }
-        publisher = discovery.Publisher(
-            node, lambda: [(discovery.key(run_id, "peers"), info, peer_id)], interval=10.0
-        )
-        publisher.start()
-        run_over = threading.Event()
-
-        def watch_progress() -> None:  # the DHT says when the run is over, even if no one answers
-            while not run_over.wait(2.0):
-                try:
-                    progress = node.get(discovery.key(run_id, "progress"))
-                except Exception:  # the DHT is best effort
-                    continue
-                if isinstance(progress, dict) and progress.get("finished"):
-                    run_over.set()
-
-        threading.Thread(target=watch_progress, name="dipaco-progress", daemon=True).start()
-    except BaseException:
-        node.shutdown()
-        raise
-    console.print(f"run {run_id}: manifest verified (sha256 {entry['manifest'][:12]}...)")
-    extra = {
-        "connect": connect,
-        "shard_source": files.shard,
-        "links": links,
-        "publisher": publisher,
-        "manifest_sha256": entry["manifest"],
-        "announce": info,
-        "run_over": run_over,
-    }
-    return scheduler, node, extra
 
 
 def main(argv: list[str] | None = None) -> None:

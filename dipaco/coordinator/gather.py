@@ -144,7 +144,7 @@ def _ask(
 def _signed(reply: m.Modules, mid: str, run_id: str, key: str | None) -> Tensors | None:
     """``mid``'s tensors in ``reply`` if its owner's release signature and its hash verify."""
     version, digest = reply.versions.get(mid), reply.hashes.get(mid)
-    release = {"run": run_id, "module": mid, "version": version, "hash": digest}
+    release = auth.release_payload(run_id, mid, version, digest)
     if not auth.check_payload(key or "", reply.signatures.get(mid, ""), "release", release):
         return None
     tensors = {k.partition("/")[2]: t for k, t in reply.tensors.items() if k.startswith(f"{mid}/")}

@@ -137,7 +137,7 @@ def fetch_releases(core: CoordinatorBase, req: m.FetchReleases) -> m.Modules:
 
 def release_signature(core: CoordinatorBase, mid: str, version: int, digest: str) -> str:
     """This owner's signature of a module release, which peers check before training."""
-    release = {"run": core.run_id, "module": mid, "version": version, "hash": digest}
+    release = auth.release_payload(core.run_id, mid, version, digest)
     return auth.sign_payload(core.identity, "release", release)
 
 

@@ -30,7 +30,7 @@ from flwr.app import RecordDict
 
 from dipaco.data.shards import shard_name
 from dipaco.errors import ConfigError, CorruptFileError, DipacoError, TransportError, WireError
-from dipaco.fileio import write_json_atomic
+from dipaco.fileio import write_json_atomic, write_private
 from dipaco.flower import forward
 from dipaco.flower import records as rec
 from dipaco.peer.download import RunFiles
@@ -309,12 +309,8 @@ class NodeTrainer:
         self.config = dict(node_config)
         self.on_task = on_task or (lambda info: None)
         self.key_file = Path(str(node_config["state-dir"])) / "flower" / "trainer.key"
-        self.key_file.parent.mkdir(parents=True, exist_ok=True)
         key = secrets.token_bytes(32)
-        fd = os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(key.hex())
-        os.chmod(self.key_file, 0o600)
+        write_private(self.key_file, key.hex())
         self.lock = threading.Lock()
         self.served = 0  # messages answered
         self.server = LoopbackServer(self._handle, key, host="127.0.0.1", port=0)

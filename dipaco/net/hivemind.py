@@ -1,6 +1,7 @@
-"""A run on the hivemind DHT, for coordinators: the records they publish (the run's entry, its
+"""A run on the hivemind DHT. For coordinators: the records they publish (the run's entry, its
 manifest, its progress, each owner's modules and addresses), the node key that keeps a
 coordinator's address across restarts, and an owner's first contact with the scheduler it joins.
+For peers: joining a run (``join_run``), with everything a ``Peer`` needs to reach its owners.
 
 docs/protocol.md section 5 has the records' keys and fields; ``discovery.Publisher`` keeps them
 fresh in the DHT.
@@ -8,11 +9,16 @@ fresh in the DHT.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dipaco.coordinator.core import Coordinator
-from dipaco.errors import ConfigError
+from dipaco.errors import ConfigError, TransportError
+from dipaco.peer.download import RunFiles
 from dipaco.protocols import discovery
 from dipaco.protocols import messages as m
 from dipaco.protocols.auth import Identity, check_payload
@@ -92,3 +98,129 @@ def contact_scheduler(
     ):
         raise ConfigError("the scheduler's manifest is not signed by the scheduler's key")
     return run_id, manifest, scheduler
+
+
+@dataclass
+class HivemindJoin:
+    """A peer's place in a run found through the DHT: its client node, the scheduler's
+    transport, every link it opened (for the traffic counts), its DHT record and publisher, and
+    an event the DHT sets when the run has finished."""
+
+    node: Any
+    run_id: str
+    scheduler: Any
+    manifest_sha256: str
+    files: Any  # peer.download.RunFiles: the run's files, fetched and checked on demand
+    announce: dict[str, Any]  # what the DHT shows of this peer (its task and progress too)
+    publisher: Any
+    run_over: threading.Event
+    links: list[Any] = field(default_factory=list)
+    max_mbps: float | None = None
+
+    def connect(self, owner: str, addresses: list[str]) -> Any:
+        """A transport to a module owner (counted in ``links``)."""
+        link = self.node.transport(owner, addresses, max_mbps=self.max_mbps)
+        self.links.append(link)
+        return link
+
+    def peer_options(self) -> dict[str, Any]:
+        """The ``Peer`` keywords for a peer joined this way."""
+        return {
+            "connect": self.connect,
+            "shard_source": self.files.shard,
+            "manifest_sha256": self.manifest_sha256,
+            "run_over": self.run_over,
+        }
+
+    def traffic(self) -> tuple[int, int]:
+        """Bytes sent and received over every link so far."""
+        return sum(t.bytes_sent for t in self.links), sum(t.bytes_received for t in self.links)
+
+    def close(self) -> None:
+        self.run_over.set()
+        self.publisher.close()
+        self.node.shutdown()
+
+
+def start_node(address: str, patience: float, on_wait: Callable[[str], None]) -> Any:
+    """A client hivemind node bootstrapped from ``address``, retried for ``patience`` seconds
+    (the coordinator may be restarting), saying why through ``on_wait``; then a TransportError
+    that points to ``dipaco-peer doctor``."""
+    from dipaco.protocols.hivemind import HivemindNode
+
+    began = time.monotonic()
+    while True:
+        try:
+            return HivemindNode(initial_peers=[address], client_mode=True)
+        except TransportError as exc:
+            why = str(exc).splitlines()[0].removeprefix("cannot start a hivemind node: ")
+            left = patience - (time.monotonic() - began)
+            if left <= 0:
+                raise TransportError(
+                    f"cannot reach the run at {address} ({why}) after {patience:.0f} s of "
+                    f"retries; check it with: dipaco-peer doctor {address}"
+                ) from None
+            on_wait(f"cannot reach {address} yet ({why}); retrying for {left:.0f} s more")
+            time.sleep(min(2.0, max(left, 0.1)))
+
+
+def join_run(
+    address: str,
+    *,
+    run: str | None,
+    peer_id: str,
+    state_dir: Path,
+    me: Identity,
+    trust: tuple[str | None, Callable[[str], None]],
+    device: str,
+    memory_gb: float | None,
+    max_mbps: float | None,
+    patience: float,
+    on_wait: Callable[[str], None],
+) -> HivemindJoin:
+    """Join a run's DHT in client mode: find the run, authenticate its scheduler (``trust``:
+    the pinned or given coordinator key, and what to do on first use), fetch the tokenizer,
+    publish this peer's record, and watch the DHT for the run's end."""
+    node = start_node(address, patience, on_wait)
+    try:
+        run_id, entry, manifest = discovery.find_run(node, run)
+        info = {
+            "peer": peer_id,
+            "device": device,
+            "memory_gb": memory_gb,
+            "max_mbps": max_mbps,
+            "client_mode": True,
+        }
+        publisher = discovery.Publisher(
+            node, lambda: [(discovery.key(run_id, "peers"), info, peer_id)], interval=10.0
+        )
+        join = HivemindJoin(
+            node, run_id, None, entry["manifest"], None, info, publisher, threading.Event(),
+            max_mbps=max_mbps,
+        )  # fmt: skip
+        join.scheduler = join.connect(entry["scheduler"], entry.get("addresses", []))
+        join.scheduler.authenticate(me, *trust)
+        join.files = RunFiles(
+            join.scheduler, peer_id, manifest["files"], state_dir / "runs" / run_id
+        )
+        join.files.get("tokenizer.model")
+        publisher.start()
+        threading.Thread(
+            target=_watch_progress, args=(node, run_id, join.run_over), name="dipaco-progress",
+            daemon=True,
+        ).start()  # fmt: skip
+    except BaseException:
+        node.shutdown()
+        raise
+    return join
+
+
+def _watch_progress(node: Any, run_id: str, run_over: threading.Event) -> None:
+    """Set ``run_over`` when the DHT says the run has finished, even if no one answers."""
+    while not run_over.wait(2.0):
+        try:
+            progress = node.get(discovery.key(run_id, "progress"))
+        except Exception:  # the DHT is best effort
+            continue
+        if isinstance(progress, dict) and progress.get("finished"):
+            run_over.set()

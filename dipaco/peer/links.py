@@ -24,13 +24,14 @@ from typing import Any
 from dipaco.errors import DipacoError, RejectedError, TransportError
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
+from dipaco.protocols.reasons import Reason
 from dipaco.protocols.transport import Transport
 
 log = logging.getLogger(__name__)
 
 Connect = Callable[[str, list[str]], Transport]
 # An owner is busy handing modules over, or its disk is full for now: try again shortly.
-RETRIABLE = {"handover", "disk-full"}
+RETRIABLE = {Reason.HANDOVER, Reason.DISK_FULL}
 # A leased task, its progress ("step", sent with each heartbeat) and the event set once the
 # scheduler no longer knows the lease as this peer's.
 Lease = tuple[m.TaskOffer, dict, threading.Event]

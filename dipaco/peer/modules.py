@@ -95,7 +95,7 @@ def check_releases(server_key: str | None, reply: m.Modules, run_id: str | None)
     key that signed the reply, which the scheduler vouched for), or the task is not trained."""
     for mid, version in reply.versions.items():
         digest = reply.hashes.get(mid, "")
-        release = {"run": run_id, "module": mid, "version": version, "hash": digest}
+        release = auth.release_payload(run_id, mid, version, digest)
         if not auth.check_payload(
             server_key or "", reply.signatures.get(mid, ""), "release", release
         ):

@@ -50,12 +50,13 @@ from dipaco.peer.state import InnerState, TaskCheckpoint
 from dipaco.peer.training import PathTrainer, TaskRun, timed
 from dipaco.protocols import auth, codecs
 from dipaco.protocols import messages as m
+from dipaco.protocols.reasons import Reason
 from dipaco.protocols.transport import Transport
 
 log = logging.getLogger(__name__)
 
 # Refusals of a delta for what it holds (docs/security.md): the task is handed back, not retried.
-JUDGED = frozenset({"huge-norm", "worse-heldout", "low-score"})
+JUDGED = frozenset({Reason.HUGE_NORM, Reason.WORSE_HELDOUT, Reason.LOW_SCORE})
 # Where a peer's time goes, in seconds (``Peer.timings``): "claim" (asking for work, and waiting
 # for it or for a round to close, retries), "fetch", "train" (building the path's model and
 # optimizer, the inner steps), "push", and "save" (inner state, checkpoints dropped).
@@ -180,7 +181,10 @@ class Peer:
             offers, reply = self._claim_batch()
             if offers or not isinstance(reply, DipacoError):
                 last_contact = time.monotonic()
-            if isinstance(reply, RejectedError) and reply.reason not in ("rate-limited", "quota"):
+            if isinstance(reply, RejectedError) and reply.reason not in (
+                Reason.RATE_LIMITED,
+                Reason.QUOTA,
+            ):
                 raise reply  # revoked, banned, not on the allow-list...: the user must act
             if offers:
                 one = len(offers) == 1

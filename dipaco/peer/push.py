@@ -20,6 +20,7 @@ from dipaco.errors import RejectedError
 from dipaco.peer.links import OwnerLinks
 from dipaco.protocols import codecs
 from dipaco.protocols import messages as m
+from dipaco.protocols.reasons import Reason
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class Pusher:
                         ),
                     )
                 except RejectedError as exc:
-                    if exc.reason != "not-owner":
+                    if exc.reason != Reason.NOT_OWNER:
                         raise
                     links.refresh()  # a module moved: regroup and push again
                     continue
@@ -138,5 +139,5 @@ class Pusher:
                 )
             ),
             # The scheduler learns another owner's acknowledgement from its next report.
-            reasons=("not-acked",),
+            reasons=(Reason.NOT_ACKED,),
         )

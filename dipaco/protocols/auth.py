@@ -29,7 +29,6 @@ import base64
 import binascii
 import hashlib
 import json
-import os
 import secrets
 import stat
 import struct
@@ -45,7 +44,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from dipaco import faults
 from dipaco.errors import ConfigError, RejectedError, WireError
-from dipaco.fileio import AtomicFile
+from dipaco.fileio import write_private
 from dipaco.protocols.reasons import Reason
 from dipaco.protocols.wire import loads_checked
 
@@ -151,12 +150,8 @@ class Identity:
         return identity
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         seed = self._private.private_bytes_raw()
-        with AtomicFile(path) as f:
-            os.fchmod(f._file.fileno(), 0o600)
-            f.write(f"ed25519-private:{_b64(seed)}\n".encode())
+        write_private(path, f"ed25519-private:{_b64(seed)}\n")
 
     def sign(self, data: bytes) -> str:
         return _b64(self._private.sign(data))
@@ -336,3 +331,9 @@ def check_payload(public_key: str, signature: str, purpose: str, payload: Any) -
     return isinstance(signature, str) and verify(
         public_key, signature, purpose.encode() + b"\n" + canonical(payload)
     )
+
+
+def release_payload(run_id: str | None, mid: str, version: int | None, digest: str | None) -> dict:
+    """What an owner signs (purpose "release") for one module version it serves, and what a
+    peer, an owner or a gathering scheduler checks: the run, the module, its version, its hash."""
+    return {"run": run_id, "module": mid, "version": version, "hash": digest}

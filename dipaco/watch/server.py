@@ -15,7 +15,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import os
 import secrets
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,7 +26,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dipaco.errors import ConfigError
-from dipaco.fileio import write_atomic
+from dipaco.fileio import write_atomic, write_private
 from dipaco.watch.snapshot import Series, json_safe, snapshot
 
 log = logging.getLogger(__name__)
@@ -128,11 +127,7 @@ class Dashboard:
         if self.token is None and not is_loopback(host):
             self.token = secrets.token_urlsafe(18)
         if self.token is not None:
-            path = self.run_dir / "coordinator" / "dashboard.token"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(self.token + "\n")
+            write_private(self.run_dir / "coordinator" / "dashboard.token", self.token + "\n")
         self.registry = CollectorRegistry()
         self.registry.register(RunCollector(self))
         self._page = resources.files("dipaco.watch").joinpath("dashboard.html").read_bytes()

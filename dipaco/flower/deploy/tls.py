@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,23 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from dipaco.errors import ConfigError
-from dipaco.fileio import write_atomic
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write a secret crash-safely with mode 0600 from the first byte on."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mkstemp: 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    os.chmod(path, 0o600)
+from dipaco.fileio import write_atomic, write_private
 
 
 @dataclass
@@ -129,7 +112,7 @@ def make_tls(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost")) ->
             .add_extension(ski, critical=False)
             .sign(ca_key, hashes.SHA256())
         )
-        _write_private(
+        write_private(
             ca_key_pem,
             ca_key.private_bytes(
                 serialization.Encoding.PEM,
@@ -173,7 +156,7 @@ def make_tls(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost")) ->
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    _write_private(
+    write_private(
         key_pem,
         key.private_bytes(
             serialization.Encoding.PEM,
@@ -214,7 +197,7 @@ def make_node_key(path: Path) -> str:
             os.chmod(path, 0o600)
     else:
         key = ec.generate_private_key(ec.SECP384R1())
-        _write_private(
+        write_private(
             path,
             key.private_bytes(
                 serialization.Encoding.PEM,
