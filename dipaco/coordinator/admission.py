@@ -7,6 +7,8 @@ and leaves no trace in the store.
 Functions of the coordinator (bound as its methods in core.py).
 """
 
+from __future__ import annotations
+
 import errno
 import logging
 import math

@@ -3,12 +3,16 @@ their versions, the rounds done; and counting a refusal. The operations live in 
 core.py) and act on this state.
 """
 
+from __future__ import annotations
+
 import json
 import logging
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,7 @@ import torch
 from dipaco.config import SchedulerSection, SecuritySection, ValidationSection
 from dipaco.coordinator.access import AccessPolicy
 from dipaco.coordinator.outer import OuterSettings
-from dipaco.coordinator.records import Phase
+from dipaco.coordinator.records import PeerInfo, Phase, ReportedModule
 from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.validation import KeyScores, NormTracker
@@ -26,6 +30,23 @@ from dipaco.model.topology import Topology
 from dipaco.protocols import auth
 
 log = logging.getLogger(__name__)
+
+
+# The key of the request being handled, set by the service (service.py) for the operation it
+# runs: a context variable, so each server thread sees its own request's caller. None outside a
+# request, and for in-process calls without a key (the local transport's tests, the ticker).
+_CALLER: ContextVar[str | None] = ContextVar("dipaco_caller", default=None)
+
+
+@contextmanager
+def acting_for(key: str | None) -> Iterator[None]:
+    """Run the ``with`` block as the request of ``key``: quotas, ticket keys, robust-aggregation
+    votes and ban counts are charged to it."""
+    token = _CALLER.set(key)
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
 
 
 class CoordinatorBase:
@@ -81,7 +102,7 @@ class CoordinatorBase:
         self.clock = clock
         self.rejections: Counter[str] = Counter()
         self.rejections_by_peer: dict[str, Counter[str]] = defaultdict(Counter)
-        self.peers: dict[str, dict[str, Any]] = {}
+        self.peers: dict[str, PeerInfo] = {}
         self.epoch = 0
         self.finished_event = threading.Event()
         self.failure: str | None = None  # set when the run cannot go on (finished_event too)
@@ -104,13 +125,12 @@ class CoordinatorBase:
         )
         self.guard = auth.ReplayGuard(self.security.clock_skew_seconds)
         self.owner_keys: dict[str, str] = {owner_id: self.identity.public_key}
-        self._caller: str | None = None  # the key of the request being handled (under the lock)
         self.max_request_bytes = 64 << 20  # set from the modules' size by start()
         if is_scheduler:
             self.peer_config["coordinator_key"] = self.identity.public_key
         self.owners: dict[str, str] = {}
         self.addresses: dict[str, list[str]] = {}  # owner id -> how peers reach it
-        self.remote: dict[str, dict[str, Any]] = {}  # other owners' modules, from their reports
+        self.remote: dict[str, ReportedModule] = {}  # other owners' modules, from their reports
         # scheduler: remote modules it holds a checked copy of at their final version (gathered
         # after the run); owner: what the scheduler's last ReportAck said of ours
         self.gathered: set[str] = set()
@@ -174,12 +194,13 @@ class CoordinatorBase:
         if self.owns(mid):
             return self.store.version(mid)
         info = self.remote.get(mid)
-        return info["version"] if info else None
+        return info.version if info else None
 
     def reported(self, mid: str) -> set[int]:
         if self.owns(mid):
             return set(self.store.modules[mid].pending)
-        return set(self.remote.get(mid, {}).get("pending", []))
+        info = self.remote.get(mid)
+        return set(info.pending) if info else set()
 
     def path_round(self, path: int) -> int:
         return min(self.version(mid) or 0 for mid in self.topology.path_modules(path))
@@ -200,12 +221,18 @@ class CoordinatorBase:
         exc.counted = True  # handle() must not count it again
         raise exc
 
+    @property
+    def _caller(self) -> str | None:
+        """The key of the request being handled (:func:`acting_for`), if any."""
+        return _CALLER.get()
+
     def _count(self, peer_id: str, reason: str) -> None:
         self.rejections[reason] += 1
         self.rejections_by_peer[peer_id][reason] += 1
         self.access.offence(self._caller, reason)
 
     def _seen(self, peer_id: str, **info: Any) -> None:
-        peer = self.peers.setdefault(peer_id, {"tasks_done": 0, "tokens": 0, "task": None})
-        peer["last_seen"] = self.clock()
-        peer.update(info)
+        peer = self.peers.setdefault(peer_id, PeerInfo())
+        peer.last_seen = self.clock()
+        for name, value in info.items():
+            setattr(peer, name, value)

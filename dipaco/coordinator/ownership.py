@@ -5,6 +5,8 @@ proof that an owner's request is signed by a key the operator allowed.
 Functions of the coordinator (bound as its methods in core.py).
 """
 
+from __future__ import annotations
+
 import logging
 from typing import Any
 
@@ -12,6 +14,7 @@ import torch
 
 from dipaco.coordinator import tickets
 from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.records import ReportedModule
 from dipaco.errors import CorruptFileError
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
@@ -53,16 +56,22 @@ def get_owners(core: CoordinatorBase, req: m.GetOwners) -> m.Owners:
 def owner_report(core: CoordinatorBase, req: m.OwnerReport) -> m.ReportAck:
     core._need_scheduler(req.owner_id)
     owner_proof(core, req.owner_id, req.proof, "report", req.modules)
-    for mid, info in req.modules.items():
+    for mid in req.modules:
         if core.owners.get(mid) != req.owner_id:
             core._reject(
                 req.owner_id,
                 Reason.NOT_OWNER,
                 f"{req.owner_id} reports {mid}, which it does not own",
             )
-        if not isinstance(info, dict) or not isinstance(info.get("version"), int):
-            core._reject(req.owner_id, Reason.BAD_MESSAGE, f"report for {mid} lacks a version")
-    core.remote.update(req.modules)
+    reported = {mid: ReportedModule.of(info) for mid, info in req.modules.items()}
+    for mid, module in reported.items():
+        if module is None:
+            core._reject(
+                req.owner_id,
+                Reason.BAD_MESSAGE,
+                f"report for {mid} is not {{version, hash, pending paths}}",
+            )
+    core.remote.update(reported)
     core.owner_seen[req.owner_id] = core.clock()
     if req.addresses:
         core.addresses[req.owner_id] = list(req.addresses)
@@ -120,11 +129,9 @@ def confirm_ownership(core: CoordinatorBase, req: m.ConfirmOwnership) -> m.Ok:
         record = core.store.modules.pop(mid)
         del core.handing[mid]
         core.owners[mid] = req.owner_id
-        core.remote[mid] = {
-            "version": record.version,
-            "hash": record.hash,
-            "pending": sorted(record.pending),
-        }
+        core.remote[mid] = ReportedModule(
+            record.version, record.hash, tuple(sorted(record.pending))
+        )
         log.info("module %s now owned by %s", mid, req.owner_id)
         core.metrics({"event": "owner_changed", "module": mid, "owner": req.owner_id})
     core._save_state()

@@ -5,6 +5,8 @@ shards available, and a path's outer-step weight (its shard's tokens in that pha
 Functions of the coordinator (bound as its methods in core.py).
 """
 
+from __future__ import annotations
+
 import json
 import logging
 from pathlib import Path

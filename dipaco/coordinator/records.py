@@ -1,8 +1,9 @@
-"""The coordinator's records, typed: a task as a request acts for it, and a routing phase."""
+"""The coordinator's records, typed: a task as a request acts for it, a routing phase, a peer as
+the coordinator has seen it, and another owner's module as its last report gave it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dipaco.coordinator.scheduler import Lease
@@ -81,6 +82,51 @@ class Phase:
     def shard_files(self, path: int) -> dict[str, dict[str, Any]]:
         shard = self.shard(path)
         return {k: v for k, v in self.files.items() if k.startswith(shard + ".")}
+
+
+@dataclass
+class PeerInfo:
+    """A peer (or an owner saying Hello) as this coordinator has seen it, for ``status``."""
+
+    tasks_done: int = 0  # tasks whose deltas every owner acknowledged
+    tokens: int = 0  # tokens those tasks trained
+    task: str | None = None  # the task it was last given
+    last_seen: float = 0.0  # the coordinator's clock at its last request
+    device: str | None = None  # from its Hello ("coordinator" for a module owner)
+    capabilities: dict[str, Any] | None = None
+    step: int | None = None  # from its last heartbeat
+    bytes_in: int = 0  # request bytes received from it
+    bytes_out: int = 0  # reply bytes sent to it
+
+    def row(self) -> dict[str, Any]:
+        """Its fields for ``status``, without the clock reading and without what it never said."""
+        out = asdict(self)
+        del out["last_seen"]
+        return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class ReportedModule:
+    """Another owner's module as its last signed report (or the hand-over) gave it."""
+
+    version: int
+    hash: str
+    pending: tuple[int, ...] = ()  # paths whose deltas it holds for this version
+
+    @classmethod
+    def of(cls, info: Any) -> ReportedModule | None:
+        """From a report entry or coordinator.json; None when a field has the wrong type."""
+        if not isinstance(info, dict) or not _count(info.get("version")):
+            return None
+        digest, pending = info.get("hash", ""), info.get("pending", [])
+        if not isinstance(digest, str) or not isinstance(pending, list | tuple):
+            return None
+        if not all(_count(p) for p in pending):
+            return None
+        return cls(info["version"], digest, tuple(pending))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "hash": self.hash, "pending": list(self.pending)}
 
 
 def _count(v: Any) -> bool:

@@ -5,13 +5,15 @@ leases, and what follows a finished round or task.
 Functions of the coordinator (bound as its methods in core.py).
 """
 
+from __future__ import annotations
+
 import logging
 import math
 from dataclasses import replace
 
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.outer import OuterSettings
-from dipaco.coordinator.records import Task
+from dipaco.coordinator.records import PeerInfo, Task
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
 
@@ -183,10 +185,10 @@ def record_done(
 ) -> None:
     core.done.add((task.path, task.round))
     core.scheduler.finish(task.task_id)
-    peer = core.peers.setdefault(peer_id, {"tasks_done": 0, "tokens": 0, "task": None})
-    peer["tasks_done"] = peer.get("tasks_done", 0) + 1
-    peer["tokens"] = peer.get("tokens", 0) + tokens
-    peer["task"] = None
+    peer = core.peers.setdefault(peer_id, PeerInfo())
+    peer.tasks_done += 1
+    peer.tokens += tokens
+    peer.task = None
     core.metrics(
         {
             "event": "delta",

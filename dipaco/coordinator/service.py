@@ -5,9 +5,11 @@ the coordinator's lock for that caller, and counts every refusal once.
 Functions of the coordinator (bound as its methods in core.py).
 """
 
+from __future__ import annotations
+
 import logging
 
-from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.base import CoordinatorBase, acting_for
 from dipaco.errors import DipacoError, RejectedError
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
@@ -60,20 +62,16 @@ def handle(core: CoordinatorBase, data: bytes) -> bytes:
         reply = perform(core, key, req)
     except DipacoError as exc:
         if not exc.counted:
-            with core.lock:
-                core._caller = key
-                try:
-                    core._count(who, exc.reason)
-                finally:
-                    core._caller = None
+            with core.lock, acting_for(key):
+                core._count(who, exc.reason)
         log.info("rejected %s: %s (%s)", who, exc, exc.reason)
         reply = m.Error(reason=exc.reason, message=str(exc))
     sealed = auth.seal_reply(core.identity, nonce, m.encode_message(reply))
     with core.lock:  # bytes moved, for the dashboard and `dipaco status`
         peer = core.peers.get(who)
         if peer is not None:
-            peer["bytes_in"] = peer.get("bytes_in", 0) + len(data)
-            peer["bytes_out"] = peer.get("bytes_out", 0) + len(sealed)
+            peer.bytes_in += len(data)
+            peer.bytes_out += len(sealed)
     return sealed
 
 
@@ -90,12 +88,8 @@ def act_for(core: CoordinatorBase, key: str, req: m.Message) -> m.Message:
     except DipacoError as exc:
         if not exc.counted:
             who = getattr(req, "peer_id", None) or f"key:{auth.fingerprint(key)}"
-            with core.lock:
-                core._caller = key
-                try:
-                    core._count(who, exc.reason)
-                finally:
-                    core._caller = None
+            with core.lock, acting_for(key):
+                core._count(who, exc.reason)
             exc.counted = True
         raise
 
@@ -113,12 +107,8 @@ def perform(core: CoordinatorBase, key: str, req: m.Message) -> m.Message:
     op = OPS.get(type(req))
     if op is None:
         raise RejectedError(f"{type(req).__name__} is not a request", reason=Reason.BAD_MESSAGE)
-    with core.lock:
-        core._caller = key
-        try:
-            if name:
-                core.access.bind(name, key)
-            core._tick()
-            return getattr(core, op)(req)
-        finally:
-            core._caller = None
+    with core.lock, acting_for(key):
+        if name:
+            core.access.bind(name, key)
+        core._tick()
+        return getattr(core, op)(req)

@@ -4,6 +4,8 @@ scheduler the owners, remote modules, addresses, owner keys and ended leases), c
 Functions of the coordinator (bound as its methods in core.py); they call other parts through it.
 """
 
+from __future__ import annotations
+
 import json
 import logging
 from collections.abc import Callable
@@ -13,6 +15,7 @@ from typing import Any
 import torch
 
 from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.records import ReportedModule
 from dipaco.errors import CorruptFileError
 from dipaco.fileio import write_json_atomic
 from dipaco.protocols.reasons import Reason
@@ -41,7 +44,7 @@ def start(
         core.owners = saved.get("owners") or dict.fromkeys(
             core.topology.module_ids(), core.owner_id
         )
-        core.remote = saved.get("remote", {})
+        core.remote = {mid: ReportedModule.of(v) for mid, v in saved.get("remote", {}).items()}
         core.addresses.update(saved.get("addresses", {}))
         core.owner_keys.update(saved.get("owner_keys", {}))
         core.scheduler.ended.update(saved.get("ended", {}))
@@ -110,7 +113,7 @@ def write_state(core: CoordinatorBase) -> None:
     if core.is_scheduler:
         state.update(
             owners=core.owners,
-            remote=core.remote,
+            remote={mid: r.to_json() for mid, r in core.remote.items()},
             addresses=core.addresses,
             owner_keys=core.owner_keys,
             ended=core.scheduler.ended,
@@ -146,10 +149,8 @@ def _check_state(path: Path, saved: Any, module_ids: list[str]) -> None:
         saved.get("owners") and set(saved["owners"]) != set(module_ids)
     ):
         problem = "'owners' does not map each of the run's modules to an owner"
-    elif not mapping(
-        saved.get("remote", {}), lambda v: isinstance(v, dict) and count(v.get("version"))
-    ):
-        problem = "'remote' is not {module: report with a version}"
+    elif not mapping(saved.get("remote", {}), lambda v: ReportedModule.of(v) is not None):
+        problem = "'remote' is not {module: {version, hash, pending paths}}"
     elif not mapping(
         saved.get("addresses", {}),
         lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),

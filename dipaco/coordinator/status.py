@@ -4,6 +4,8 @@ dashboard, ``dipaco status`` and /metrics show them.
 Functions of the coordinator (bound as its methods in core.py).
 """
 
+from __future__ import annotations
+
 import logging
 from typing import Any
 
@@ -28,7 +30,7 @@ def status(core: CoordinatorBase, req: m.GetStatus | None = None) -> m.Status:
     }
     for mid, info in core.remote.items():
         if not core.owns(mid):
-            modules[mid] = {**info, "owner": core.owners.get(mid)}
+            modules[mid] = {**info.to_json(), "owner": core.owners.get(mid)}
     return m.Status(
         state={
             "run_id": core.run_id,
@@ -71,9 +73,9 @@ def peer_rows(core: CoordinatorBase, now: float) -> dict[str, dict[str, Any]]:
     current = {lease.peer_id: t for t, lease in core.scheduler.leases.items()}
     rows = {}
     for pid, info in core.peers.items():
-        if pid in owners or info.get("device") == "coordinator":  # an owner's Hello
+        if pid in owners or info.device == "coordinator":  # an owner's Hello
             continue
-        seen_ago = now - info["last_seen"]
+        seen_ago = now - info.last_seen
         state = (
             "training"
             if pid in current
@@ -81,7 +83,7 @@ def peer_rows(core: CoordinatorBase, now: float) -> dict[str, dict[str, Any]]:
             if seen_ago > core.scheduler.lease_seconds
             else "idle"
         )
-        rows[pid] = {k: v for k, v in info.items() if k != "last_seen"} | {
+        rows[pid] = info.row() | {
             "seen_ago": round(seen_ago, 1),
             "task": current.get(pid),
             "state": state,

@@ -5,6 +5,8 @@ fetch a run file; and the task a request acts for, from its ticket or the lease 
 Functions of the coordinator (bound as its methods in core.py).
 """
 
+from __future__ import annotations
+
 import logging
 
 import torch
@@ -81,7 +83,7 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
                 "phase": core.phase_of(lease.round),
             }
         )
-    core.peers[req.peer_id]["task"] = lease.task_id
+    core.peers[req.peer_id].task = lease.task_id
     step_offset = core.step_offset + lease.round * core.inner_steps
     phase = core.phases[core.phase_of(lease.round)]
     task = Task.of_lease(lease, core._weight(lease.path, lease.round), core._caller)

@@ -551,7 +551,7 @@ def test_hand_over_moves_a_module_with_its_pending_delta(tmp_path):
     assert moved.pending[0].file.exists() and tmp_path / "b" in moved.pending[0].file.parents
     assert moved.pending[0].weight == SHARDS[0] and moved.pending[0].task_id == task0.task_id
     assert primary.owners["L1.M0"] == "b" and "L1.M0" not in primary.store.modules
-    assert primary.remote["L1.M0"]["pending"] == [0]
+    assert primary.remote["L1.M0"].pending == (0,)
     assert [e for e in events if e["event"] == "owner_changed"] == [
         {"event": "owner_changed", "module": "L1.M0", "owner": "b"}
     ]
