@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 # Refusals of a delta for what it holds (docs/security.md): the task is handed back, not retried.
 JUDGED = frozenset({Reason.HUGE_NORM, Reason.WORSE_HELDOUT, Reason.LOW_SCORE})
+# Refusals of a claim that pass by themselves: the peer waits and asks again.
+PASSING = frozenset({Reason.RATE_LIMITED, Reason.QUOTA})
 # Where a peer's time goes, in seconds (``Peer.timings``): "claim" (asking for work, and waiting
 # for it or for a round to close, retries), "fetch", "train" (building the path's model and
 # optimizer, the inner steps), "push", and "save" (inner state, checkpoints dropped).
@@ -181,10 +183,7 @@ class Peer:
             offers, reply = self._claim_batch()
             if offers or not isinstance(reply, DipacoError):
                 last_contact = time.monotonic()
-            if isinstance(reply, RejectedError) and reply.reason not in (
-                Reason.RATE_LIMITED,
-                Reason.QUOTA,
-            ):
+            if isinstance(reply, RejectedError) and reply.reason not in PASSING:
                 raise reply  # revoked, banned, not on the allow-list...: the user must act
             if offers:
                 one = len(offers) == 1
