@@ -36,37 +36,13 @@ from dipaco.cli.common import command_parser, console, dispatch, one_line, say
 from dipaco.cli.doctor import add_doctor_command
 from dipaco.errors import ConfigError, TransportError
 from dipaco.fileio import write_json_atomic
-from dipaco.net import hivemind
+from dipaco.net import joins
+from dipaco.net.joins import JoinRequest, kind_of
 from dipaco.peer.checks import check_device
 from dipaco.peer.identity import coordinator_trust, stable_peer_id
 from dipaco.peer.metrics import PeerMetrics
 from dipaco.peer.peer import Peer
-from dipaco.protocols.addresses import join_address
 from dipaco.protocols.auth import Identity, check_public_key
-from dipaco.protocols.transport import LoopbackTransport
-
-
-def dial_loopback(address: str, key: bytes, patience: float = 60.0) -> LoopbackTransport:
-    """Connect to a loopback coordinator, retrying for ``patience`` seconds: a coordinator
-    that is restarting, or a connection cut mid-handshake, must not end the peer before it
-    starts (later requests redial by themselves). A refused key fails at once."""
-    began = time.monotonic()
-    while True:
-        try:
-            return LoopbackTransport(address, key)
-        except TransportError as exc:
-            if exc.reason == "auth":
-                raise
-            if time.monotonic() - began > patience:
-                raise TransportError(
-                    f"cannot reach the run at {address} ({one_line(exc)}) after {patience:.0f} s "
-                    f"of retries; check it with: dipaco-peer doctor {address}"
-                ) from None
-            say(
-                f"{one_line(exc)}; retrying (if this goes on: dipaco-peer doctor {address} "
-                "checks the address, firewall and clock)"
-            )
-            time.sleep(1.0)
 
 
 def cmd_join(args: argparse.Namespace) -> int:
@@ -74,39 +50,31 @@ def cmd_join(args: argparse.Namespace) -> int:
         return join_flower(args)
     if not args.address:
         raise ConfigError("join needs the address dipaco-coordinator start printed (or --flower)")
-    kind = join_address(args.address, args.authkey_file)
+    kind_of(args.address, args.authkey_file)  # a wrong address is refused before any work
     state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / "peer")
     peer_id = stable_peer_id(state_dir, args.peer_id)
     me = Identity.load_or_create(state_dir / "signing.key")
     trust = coordinator_trust(state_dir, args.address, args.coordinator_key, _trusted_first)
     stop = threading.Event()
-    join: hivemind.HivemindJoin | None = None
-    if kind == "hivemind":
-        join = hivemind.join_run(
+    join = joins.join(
+        JoinRequest(
             args.address,
+            peer_id,
+            state_dir,
+            me,
+            trust,
             run=args.run,
-            peer_id=peer_id,
-            state_dir=state_dir,
-            me=me,
-            trust=trust,
+            authkey_file=args.authkey_file,
             device=args.device,
             memory_gb=args.memory_gb,
             max_mbps=args.max_mbps,
             patience=args.patience,
             on_wait=say,
         )
-        transport = join.scheduler
-        console.print(
-            f"run {join.run_id}: manifest verified (sha256 {join.manifest_sha256[:12]}...)"
-        )
-    else:
-        try:
-            key = bytes.fromhex(Path(args.authkey_file).read_text().strip())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                f"--authkey-file {args.authkey_file}: not a readable key file ({exc})"
-            ) from None
-        transport = dial_loopback(args.address, key, args.patience).authenticate(me, *trust)
+    )
+    transport = join.scheduler
+    if join.note:
+        console.print(join.note)
     # Installed once the hivemind node runs: Ctrl-C then stops the peer, which releases its task.
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -149,18 +117,18 @@ def cmd_join(args: argparse.Namespace) -> int:
     said: dict[str, float] = {}  # task -> when its last progress line was printed (plain output)
 
     def traffic() -> tuple[int, int]:
-        return join.traffic() if join is not None else (0, 0)
+        return join.traffic() if join.traffic is not None else (0, 0)
 
     def totals() -> str:
         """Tasks done, and the traffic where the transport counts it (hivemind links)."""
         out = f"{len(acked_tasks)} tasks done"
-        if join is not None and join.links:
+        if join.traffic is not None:
             up, down = join.traffic()
             out += f", {up / 1e6:.1f} MB up, {down / 1e6:.1f} MB down"
         return out
 
     def on_progress(info: dict) -> None:
-        if join is not None:  # what the DHT shows of this peer: its task and progress
+        if join.announce is not None:  # what the network shows of this peer: task, progress
             join.announce.update(
                 task=info["task"], step=info["step"], steps=info["steps"], loss=info["loss"]
             )
@@ -228,7 +196,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         identity=me,
         precision=args.precision,
         compile=args.compile,
-        **(join.peer_options() if join is not None else {}),
+        **join.peer_options,
     )
     console.print(f"peer {peer_id} ({peer.device}) joined {args.address}")
     if args.metrics_port is not None:
@@ -245,13 +213,12 @@ def cmd_join(args: argparse.Namespace) -> int:
         with progress if not console.lines else contextlib.nullcontext():
             done = peer.run()
     finally:
-        transport.close()
+        join.close()
         if meter is not None:
             meter.close()
-        if join is not None:
+        if join.traffic is not None:
             sent, received = join.traffic()
             console.print(f"traffic: {sent / 1e6:.1f} MB up, {received / 1e6:.1f} MB down")
-            join.close()
     if peer.run_finished:
         say(f"the run has finished; peer {peer_id} trained {done} tasks in this session")
     else:
