@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from dipaco.coordinator.core import Coordinator
-from dipaco.errors import ConfigError, TransportError
+from dipaco.errors import TransportError
 from dipaco.peer.download import RunFiles
+from dipaco.peer.modules import check_manifest
 from dipaco.protocols import discovery
 from dipaco.protocols import messages as m
-from dipaco.protocols.auth import Identity, check_payload
+from dipaco.protocols.auth import Identity
 
 
 def node_identity(run_dir: Path) -> Path:
@@ -91,12 +92,7 @@ def contact_scheduler(
     scheduler = node.transport(entry["scheduler"], entry.get("addresses", []))
     scheduler.authenticate(me, scheduler_key)
     welcome = scheduler.request(m.Hello(peer_id=node.peer_id, device="coordinator"))
-    if discovery.manifest_sha256(welcome.config) != entry["manifest"]:
-        raise ConfigError("the scheduler's manifest differs from the one in the DHT")
-    if welcome.config.get("coordinator_key") != scheduler.server_key or not check_payload(
-        scheduler.server_key, welcome.signature, "manifest", welcome.config
-    ):
-        raise ConfigError("the scheduler's manifest is not signed by the scheduler's key")
+    check_manifest(welcome, scheduler.server_key, entry["manifest"])  # as every peer checks it
     return run_id, manifest, scheduler
 
 

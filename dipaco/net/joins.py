@@ -112,7 +112,7 @@ def _join_loopback(r: JoinRequest) -> Joined:
 
 
 def dial_loopback(
-    address: str, key: bytes, patience: float = 60.0, on_wait: Callable[[str], None] = print
+    address: str, key: bytes, patience: float, on_wait: Callable[[str], None]
 ) -> LoopbackTransport:
     """Connect to a loopback coordinator, retrying for ``patience`` seconds: a coordinator
     that is restarting, or a connection cut mid-handshake, must not end the peer before it
