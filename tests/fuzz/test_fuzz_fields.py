@@ -266,7 +266,7 @@ def test_a_live_coordinator_answers_hostile_fields_with_a_counted_error(rig, cas
     json.dumps(status.state, allow_nan=False)  # the status page stays valid JSON
 
 
-ENVELOPE_FIELDS = ["key", "ts", "nonce", "sha256", "sig"]
+ENVELOPE_FIELDS = ["key", "ts", "nonce", "blake3", "sig"]
 
 
 @FUZZ

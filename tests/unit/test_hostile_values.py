@@ -132,12 +132,10 @@ def test_the_coordinator_answers_extreme_values_with_a_counted_refusal(coordinat
 
 def envelope(me: auth.Identity, ts_json: str, body: bytes) -> tuple[bytes, str]:
     """A request envelope with ``ts`` written as raw JSON, signed as the real one is."""
-    import hashlib
-
-    nonce, digest = "n" * 32, hashlib.sha256(body).hexdigest()
+    nonce, digest = "n" * 32, auth.body_digest(body)
     sig = me.sign(auth._request_text(me.public_key, float("nan"), nonce, digest))
     head = (
-        f'{{"key":"{me.public_key}","nonce":"{nonce}","sha256":"{digest}","sig":"{sig}",'
+        f'{{"key":"{me.public_key}","nonce":"{nonce}","blake3":"{digest}","sig":"{sig}",'
         f'"ts":{ts_json}}}'
     ).encode()
     return auth.REQUEST_MAGIC + struct.pack("<I", len(head)) + head + body, nonce
