@@ -1,12 +1,14 @@
 """The process tree, read from /proc (Linux; empty elsewhere).
 
 Used to find what a process started: the ``p2pd`` daemon a hivemind DHT process must kill when
-its parent dies, and the SuperExec that Flower starts in a session of its own.
+its parent dies, and the SuperExec that Flower starts in a session of its own; and kills what is
+left when a command stops (:func:`kill_descendants`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 
 def children_map() -> dict[int, list[int]]:
@@ -49,3 +51,34 @@ def descendants(pid: int) -> list[int]:
         out.append(p)
         todo.extend(kids.get(p, []))
     return out
+
+
+def kill_descendants(pid: int, sig: int = signal.SIGKILL) -> list[int]:
+    """Send ``sig`` to every descendant of ``pid``, and to the process group of each that runs
+    in a group of its own (Flower's programs start new sessions); ``pid``'s own group is left
+    alone. Returns the descendants found. The tree is read before anything is signalled: a
+    killed parent's children are re-parented and could no longer be found."""
+    kids = descendants(pid)
+    try:
+        own = os.getpgid(pid)
+    except OSError:
+        own = -1
+    groups = set()
+    for kid in kids:
+        try:
+            group = os.getpgid(kid)
+        except OSError:
+            continue
+        if group not in (own, 0):
+            groups.add(group)
+    for group in groups:
+        try:
+            os.killpg(group, sig)
+        except OSError:
+            pass
+    for kid in kids:
+        try:
+            os.kill(kid, sig)
+        except OSError:
+            pass
+    return kids

@@ -19,6 +19,7 @@ from rich.errors import MarkupError
 from rich.logging import RichHandler
 from rich.text import Text
 
+from dipaco.cli import stopping
 from dipaco.config import RunConfig, load_config, preset_config
 from dipaco.errors import DipacoError
 
@@ -291,4 +292,10 @@ def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
             faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
         except (OSError, ValueError):  # stderr is no file (called in-process, output captured)
             pass
-    sys.exit(run_command(lambda: args.fn(args)))
+    stopping.install()  # SIGTERM as Ctrl-C; either one ends the process within seconds
+    try:
+        code = run_command(lambda: args.fn(args))
+    finally:
+        if not stopping.requested():
+            stopping.uninstall()
+    stopping.finish(code)  # at once after a stop signal (leaving no child), else sys.exit

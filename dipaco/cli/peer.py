@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import signal
 import threading
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from dipaco.cli import stopping
 from dipaco.cli.common import command_parser, console, dispatch, one_line, say
 from dipaco.cli.doctor import add_doctor_command
 from dipaco.errors import ConfigError, TransportError
@@ -75,9 +75,9 @@ def cmd_join(args: argparse.Namespace) -> int:
     transport = join.scheduler
     if join.note:
         console.print(join.note)
-    # Installed once the hivemind node runs: Ctrl-C then stops the peer, which releases its task.
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Once the node runs, Ctrl-C (or SIGTERM) stops the peer, which releases its task; before,
+    # it interrupts the join. Either way the process ends within seconds (cli/stopping.py).
+    stopping.on_stop(stop.set)
     state_dir.mkdir(parents=True, exist_ok=True)
     acks = state_dir / "acks.jsonl"
 
@@ -309,8 +309,7 @@ def join_flower(args: argparse.Namespace) -> int:
         log_file=state_dir / "supernode.log",
     )
     stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stopping.on_stop(stop.set)
     finished = state_dir / "flower" / "finished.json"
     finished.unlink(missing_ok=True)  # a marker from an earlier run
     node.start()
@@ -346,9 +345,10 @@ def join_flower(args: argparse.Namespace) -> int:
                 )
             raise TransportError(f"the SuperNode exited with code {code}:\n{node.log_tail(20)}")
     finally:
-        node.stop()
+        quick = stopping.requested()  # Ctrl-C: everything below within the stop's deadline
+        node.stop(grace=1.5 if quick else 10.0)
         if trainer is not None:
-            trainer.close()
+            trainer.close(timeout=0.5 if quick else 10.0)
     if not finished.exists():
         say(f"node {peer_id} left")
     return 0

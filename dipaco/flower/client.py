@@ -334,5 +334,6 @@ class NodeTrainer:
         self.on_task({"op": op, "seconds": time.monotonic() - began, **reply})
         return forward.encode(op, reply, {f"blob:{k}": v for k, v in reply_blobs.items()})
 
-    def close(self) -> None:
-        self.server.close()
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop serving; a task being trained gets up to ``timeout`` seconds to finish."""
+        self.server.close(timeout)

@@ -187,29 +187,36 @@ class FlowerDeployment:
         file = self.dir / "result.json"
         return json.loads(file.read_text()) if file.exists() else None
 
-    def down(self) -> None:
-        """Stop the run's processes: flwr run, local SuperNodes, then the SuperLink."""
+    def down(self, grace: float = 10.0) -> None:
+        """Stop the run's processes, all at once: SIGTERM to flwr run's tree, the local nodes
+        (each stops its SuperNode and trainer) and the SuperLink; SIGKILL to every process group
+        of theirs, read before anything was signalled, still alive after ``grace`` seconds."""
+        running = [p for p in (self.runner, *self.nodes) if p is not None and p.poll() is None]
+        groups = set()
+        for proc in running:
+            groups |= deploy.tree_groups(proc.pid)
+        if self.superlink is not None:
+            groups |= self.superlink.groups()
         if self.runner is not None and self.runner.poll() is None:
             deploy.kill_tree(self.runner.pid, signal.SIGTERM)
-            try:
-                self.runner.wait(10)
-            except subprocess.TimeoutExpired:
-                deploy.kill_tree(self.runner.pid)
-        for node in self.nodes:  # each stops its SuperNode and trainer on SIGTERM
+        for node in self.nodes:
             if node.poll() is None:
                 node.terminate()
-        for node in self.nodes:
-            try:
-                node.wait(30)
-            except subprocess.TimeoutExpired:
-                deploy.kill_tree(node.pid)
-                node.wait(10)
         if self.superlink is not None:
-            self.superlink.stop()
+            self.superlink.send_signal(signal.SIGTERM)
+        deploy.stop_groups(groups, grace)
+        for proc in running:
+            try:
+                proc.wait(1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.superlink is not None:
+            self.superlink.stop(grace=0.5)  # reaps it, closes its log
             (self.dir / "superlink.json").unlink(missing_ok=True)
 
     def __enter__(self) -> FlowerDeployment:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.down()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # Ctrl-C: everything within 2.5 s (the command ends within seconds: cli/stopping.py)
+        self.down(grace=2.5 if exc_type is KeyboardInterrupt else 10.0)

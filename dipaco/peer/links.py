@@ -159,10 +159,10 @@ class OwnerLinks:
                 problem = exc
             if patience.run_over.is_set():
                 raise RunOver() from None
-            if time.monotonic() - began > patience.give_up_seconds:
-                raise problem
+            if time.monotonic() - began > patience.give_up_seconds or patience.stop.is_set():
+                raise problem  # a stopping peer does not retry: Ctrl-C ends it within seconds
             log.warning("peer %s: owner %s: %s; retrying", patience.peer_id, owner, problem)
-            time.sleep(patience.retry_seconds)
+            patience.stop.wait(patience.retry_seconds)
 
     def close(self) -> None:
         """Close the links to other owners (the scheduler's transport stays open)."""

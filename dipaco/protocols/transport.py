@@ -16,13 +16,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import (
-    Client,
-    Connection,
-    Listener,
-    answer_challenge,
-    deliver_challenge,
-)
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 from dipaco.errors import RejectedError, TransportError
 from dipaco.protocols import auth
@@ -33,6 +27,11 @@ log = logging.getLogger(__name__)
 Handler = Callable[[bytes], bytes]
 BACKLOG = 1024  # connections waiting to be accepted (the kernel caps it at somaxconn)
 HANDSHAKE_SECONDS = 10.0  # a connection silent this long in its handshake is dropped
+CONNECT_SECONDS = 10.0  # a client's connect and handshake, each read of it, at most
+# A request (or a reply) stalled this long in the middle of its bytes drops the connection; a
+# peer may stay quiet as long as it likes *between* requests.
+REQUEST_SECONDS = 30.0
+POLL_SECONDS = 0.5  # how often waiting threads look whether the server is closing
 
 
 def _setsockopt(conn: Connection, level: int, option: int, value: int | bytes) -> None:
@@ -60,12 +59,26 @@ def _no_delay(conn: Connection) -> None:
     _setsockopt(conn, socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def _timeval(seconds: float) -> bytes:
+    sec = int(seconds)
+    return struct.pack("ll", sec, int((seconds - sec) * 1e6))
+
+
 def _recv_timeout(conn: Connection, seconds: float) -> None:
     """Bound every read on ``conn`` to ``seconds`` (0: no bound) without making it non-blocking
-    (``settimeout`` would, for every descriptor of the socket)."""
-    sec = int(seconds)
-    timeval = struct.pack("ll", sec, int((seconds - sec) * 1e6))
-    _setsockopt(conn, socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    (``settimeout`` would, for every descriptor of the socket). A read that times out raises
+    ``BlockingIOError``."""
+    _setsockopt(conn, socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+
+
+def _send_timeout(conn: Connection, seconds: float) -> None:
+    """Bound every write on ``conn`` to ``seconds`` (0: no bound), as ``_recv_timeout``."""
+    _setsockopt(conn, socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
+
+
+def _stalled(exc: BaseException) -> bool:
+    """A read or write that ran into its time limit (SO_RCVTIMEO, SO_SNDTIMEO)."""
+    return isinstance(exc, (BlockingIOError, TimeoutError))
 
 
 class Transport(ABC):
@@ -125,30 +138,67 @@ class LoopbackTransport(Transport):
 
     A failed request drops the connection (a late reply must never answer the next request);
     the next request dials again, so a peer outlives a coordinator restart on the same address.
+    Connecting and the handshake take at most ``connect_timeout`` seconds each; a reply must
+    begin within ``timeout`` seconds, and no read or write of a request or reply may stall for
+    longer than that.
     """
 
-    def __init__(self, address: str, authkey: bytes, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        authkey: bytes,
+        timeout: float = 30.0,
+        connect_timeout: float = CONNECT_SECONDS,
+    ) -> None:
         self.address = address
         self._authkey = authkey
         self._lock = threading.Lock()
         self._timeout = timeout
+        self._connect_timeout = connect_timeout
         self._conn: Connection | None = None
         self._connect()
 
     def _connect(self) -> None:
         host, _, port = self.address.rpartition(":")
+        wait = self._connect_timeout
         try:
-            self._conn = Client((host, int(port)), authkey=self._authkey)
-            _no_delay(self._conn)
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=wait)
+        except TimeoutError:
+            raise TransportError(
+                f"cannot connect to coordinator at {self.address}: no answer within {wait:g} s"
+            ) from None
+        except (OSError, ValueError) as exc:
+            raise TransportError(
+                f"cannot connect to coordinator at {self.address}: {exc}"
+            ) from None
+        sock.settimeout(None)  # blocking; the limits below are the socket's own
+        conn = Connection(sock.detach())
+        try:
+            _no_delay(conn)
+            _recv_timeout(conn, wait)
+            _send_timeout(conn, wait)
+            answer_challenge(conn, self._authkey)  # what multiprocessing's Client does
+            deliver_challenge(conn, self._authkey)
+            _recv_timeout(conn, self._timeout)
+            _send_timeout(conn, self._timeout)
         except AuthenticationError:
+            conn.close()
             raise TransportError(
                 f"coordinator at {self.address} refused our key (wrong --authkey-file?)",
                 reason="auth",
             ) from None
-        except (OSError, ValueError, EOFError) as exc:
+        except (OSError, EOFError) as exc:
+            conn.close()
+            if _stalled(exc):
+                raise TransportError(
+                    f"coordinator at {self.address} did not answer the handshake within "
+                    f"{wait:g} s (is it a dipaco loopback coordinator?)"
+                ) from None
             raise TransportError(
-                f"cannot connect to coordinator at {self.address}: {exc}"
+                f"cannot connect to coordinator at {self.address}: "
+                f"{exc or type(exc).__name__} (in the handshake)"
             ) from None
+        self._conn = conn
 
     def _roundtrip(self, data: bytes) -> bytes:
         with self._lock:
@@ -160,9 +210,12 @@ class LoopbackTransport(Transport):
                     return self._conn.recv_bytes()
                 problem = f"no reply within {self._timeout:.0f} s"
             except (OSError, EOFError) as exc:
-                problem = f"connection to coordinator lost: {exc or type(exc).__name__}"
+                if _stalled(exc):
+                    problem = f"the connection stalled for {self._timeout:.0f} s mid-message"
+                else:
+                    problem = f"connection to coordinator lost: {exc or type(exc).__name__}"
             self.close()
-            raise TransportError(problem)
+            raise TransportError(f"{problem} ({self.address})")
 
     def close(self) -> None:
         if self._conn is not None:
@@ -171,7 +224,15 @@ class LoopbackTransport(Transport):
 
 
 class LoopbackServer:
-    """Serves a handler to many peer processes, one thread per connection."""
+    """Serves a handler to many peer processes, one thread per connection.
+
+    The accept loop only accepts: the HMAC handshake runs in each connection's own thread, each
+    read of it limited to ``handshake_seconds``, so a client that connects and says nothing
+    locks nobody out. Between requests a connection may be quiet for as long as it likes; a
+    request or reply stalled for ``request_seconds`` in the middle of its bytes drops that
+    connection only. Every waiting thread looks at least every ``POLL_SECONDS`` whether the
+    server is closing, so :meth:`close` leaves no thread serving.
+    """
 
     def __init__(
         self,
@@ -183,14 +244,20 @@ class LoopbackServer:
     ) -> None:
         self._handler = handler
         self._max = max_message_bytes
-        # multiprocessing's default backlog is 1: with many peers dialling at once, connections
-        # beyond it were dropped mid-handshake and their clients waited for the challenge forever.
-        # The HMAC handshake runs in each connection's own thread with a time limit (the
-        # Listener's own runs inline in accept(): one silent connection locked everyone out).
+        # multiprocessing's Listener listens with a backlog of 1 (with many peers dialling at
+        # once, connections beyond it were dropped mid-handshake and their clients waited for
+        # the challenge forever), and runs the handshake inline in accept() (one silent
+        # connection locked everyone out): a plain socket, and the handshake per connection.
         self._authkey = authkey
-        self._listener = Listener((host, port), backlog=BACKLOG)
+        try:
+            self._sock = socket.create_server((host, port), backlog=BACKLOG)
+        except OSError as exc:
+            raise TransportError(f"cannot listen on {host}:{port}: {exc}") from None
+        self._sock.settimeout(POLL_SECONDS)
         self.handshake_seconds = HANDSHAKE_SECONDS
+        self.request_seconds = REQUEST_SECONDS
         self.refused = 0  # connections that failed or stalled in the handshake
+        self.dropped = 0  # connections dropped for a request or reply stalled mid-way
         self._closed = threading.Event()
         self._idle = threading.Condition()
         self._inflight = 0
@@ -199,47 +266,68 @@ class LoopbackServer:
 
     @property
     def address(self) -> str:
-        host, port = self._listener.address
+        host, port = self._sock.getsockname()[:2]
         return f"{host}:{port}"
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
             try:
-                conn = self._listener.accept()
+                sock, _ = self._sock.accept()
+            except TimeoutError:
+                continue
             except OSError as exc:  # closing the listener lands here
                 if not self._closed.is_set():
                     log.warning("could not accept a connection: %s", exc)
+                    self._closed.wait(0.05)  # out of descriptors, say: no hot loop
                 continue
+            sock.setblocking(True)
+            conn = Connection(sock.detach())
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _handshake(self, conn: Connection) -> bool:
         """The HMAC challenge both ways, each read limited to ``handshake_seconds``."""
         try:
             _recv_timeout(conn, self.handshake_seconds)
+            _send_timeout(conn, self.handshake_seconds)
             deliver_challenge(conn, self._authkey)
             answer_challenge(conn, self._authkey)
-            _recv_timeout(conn, 0.0)  # a peer may be quiet for long between requests
+            # From now on, only a stall in the middle of a message is limited (waits between
+            # requests use poll, which these limits do not touch).
+            _recv_timeout(conn, self.request_seconds)
+            _send_timeout(conn, self.request_seconds)
             return True
         except Exception as exc:  # noqa: BLE001 - a wrong key, garbage, a stall: all refused
             if not self._closed.is_set():
                 self.refused += 1
-                reason = "stalled" if isinstance(exc, (BlockingIOError, TimeoutError)) else exc
+                reason = "stalled" if _stalled(exc) else exc
                 log.warning("refused a connection in its handshake: %s", reason)
             return False
+
+    def _next_request(self, conn: Connection) -> bytes | None:
+        """The next request, or None when the peer left, stalled or the server is closing."""
+        try:
+            while not conn.poll(POLL_SECONDS):
+                if self._closed.is_set():
+                    return None
+            if self._closed.is_set():
+                return None
+            return conn.recv_bytes(self._max)
+        except EOFError:
+            return None
+        except OSError as exc:  # a stall mid-request, or an oversized frame: drop the peer
+            why = str(exc)
+            if _stalled(exc):
+                self.dropped += 1
+                why = f"a request stalled for {self.request_seconds:g} s mid-way"
+            log.warning("dropped a connection: %s", why)
+            return None
 
     def _serve(self, conn: Connection) -> None:
         _no_delay(conn)
         with conn:
             if not self._handshake(conn):
                 return
-            while not self._closed.is_set():
-                try:
-                    data = conn.recv_bytes(self._max)
-                except EOFError:
-                    return
-                except OSError as exc:  # an oversized frame lands here too: drop the peer
-                    log.warning("dropped a connection: %s", exc)
-                    return
+            while (data := self._next_request(conn)) is not None:
                 with self._idle:
                     self._inflight += 1
                 try:
@@ -250,15 +338,24 @@ class LoopbackServer:
                         self._idle.notify_all()
                 try:
                     conn.send_bytes(reply)
-                except OSError:
+                except OSError as exc:
+                    if _stalled(exc):
+                        self.dropped += 1
+                        log.warning("dropped a connection: its peer read no reply for %g s",
+                                    self.request_seconds)  # fmt: skip
                     return
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop accepting, and wait up to ``timeout`` seconds for requests being handled to
         finish. One that does not is left behind (said in the log): what it made durable stays,
-        and its peer, unanswered, retries against the next coordinator on this folder."""
+        and its peer, unanswered, retries against the next coordinator on this folder. Idle
+        connections are closed within ``POLL_SECONDS``."""
         self._closed.set()
-        self._listener.close()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop at once
+        except OSError:
+            pass
+        self._sock.close()
         with self._idle:
             if not self._idle.wait_for(lambda: self._inflight == 0, timeout):
                 log.warning(

@@ -11,6 +11,7 @@ does through its transport. ``LocalRun`` starts them, waits for the run and stop
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 
@@ -21,8 +22,11 @@ from dipaco.prepare.folder import PreparedRun
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
 
-# How long stopping waits for each local peer's thread, in seconds.
+# How long leaving the block waits for the local peers' threads, in seconds, all together: after
+# the run (they stop at once) and when interrupted (Ctrl-C; a peer stops between two steps, and a
+# thread still busy is a daemon: the process does not wait for it).
 JOIN_SECONDS = 30
+STOP_SECONDS = 2
 
 
 def run_local_peers(
@@ -76,8 +80,9 @@ class LocalRun:
     """``n_peers`` in-process peers (``run_local_peers``) for the length of a ``with`` block.
 
     Entering starts them (none when ``n_peers`` is 0); :meth:`wait` waits until the run
-    finishes; leaving the block, by any way, tells them to stop and waits for each for up to
-    ``JOIN_SECONDS``. The keyword arguments are ``run_local_peers``'s.
+    finishes; leaving the block, by any way, tells them to stop and waits for them for up to
+    ``JOIN_SECONDS`` in all (``STOP_SECONDS`` when it is left by an exception: Ctrl-C). The
+    keyword arguments are ``run_local_peers``'s.
     """
 
     def __init__(
@@ -125,5 +130,6 @@ class LocalRun:
         tb: TracebackType | None,
     ) -> None:
         self.stop.set()
+        deadline = time.monotonic() + (JOIN_SECONDS if exc_type is None else STOP_SECONDS)
         for t in self.threads:
-            t.join(JOIN_SECONDS)
+            t.join(max(0.0, deadline - time.monotonic()))

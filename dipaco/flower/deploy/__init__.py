@@ -18,7 +18,9 @@ from dipaco.flower.deploy.processes import (
     flower_env,
     free_port,
     kill_tree,
+    stop_groups,
     strip_ansi,
+    tree_groups,
 )
 from dipaco.flower.deploy.superlink import (
     REFUSED_LOG_LINE,
@@ -47,8 +49,10 @@ __all__ = [
     "make_tls",
     "read_public_key",
     "register_node",
+    "stop_groups",
     "strip_ansi",
     "submit_run",
+    "tree_groups",
     "write_app",
     "write_cli_config",
 ]

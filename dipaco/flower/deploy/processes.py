@@ -122,6 +122,21 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
     _signal_groups(_pgids([pid, *descendants(pid)]) | {pid}, sig)
 
 
+def tree_groups(pid: int) -> set[int]:
+    """The process groups of ``pid`` and of all its descendants."""
+    return _pgids([pid, *descendants(pid)]) | {pid}
+
+
+def stop_groups(pgids: set[int], grace: float) -> None:
+    """Wait up to ``grace`` seconds for the groups to end (they were told to), then SIGKILL
+    what is left of them."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and _groups_alive(pgids):
+        time.sleep(0.05)
+    if _groups_alive(pgids):
+        _signal_groups(pgids, signal.SIGKILL)
+
+
 class FlowerProcess:
     """A Flower program in its own process group, logging to a file."""
 
@@ -189,6 +204,15 @@ class FlowerProcess:
             self._pgids |= _pgids(descendants(self.proc.pid))
         return set(self._pgids)
 
+    def groups(self) -> set[int]:
+        """The process groups this program and its descendants run in, as of now."""
+        return self._collect_groups() if self.proc is not None else set()
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to every group of this program and its descendants."""
+        if self.proc is not None:
+            _signal_groups(self._collect_groups(), sig)
+
     def stop(self, grace: float = 10.0) -> int | None:
         """SIGTERM to every group we started, SIGKILL whatever survives ``grace`` seconds."""
         if self.proc is None:
@@ -198,7 +222,7 @@ class FlowerProcess:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and _groups_alive(groups):
             time.sleep(0.05)
-            self.proc.poll()
+            self.proc.poll()  # reaped, its group is gone
         if _groups_alive(groups):
             _signal_groups(groups, signal.SIGKILL)
         return self._reap()

@@ -218,8 +218,10 @@ class HivemindNode:
         if self._p2p is not None:
             await self._p2p.shutdown()
 
-    def shutdown(self) -> None:
-        """Stop the loop thread, the P2P replica and the DHT process (and its p2pd). Idempotent."""
+    def shutdown(self, quick: bool = False) -> None:
+        """Stop the loop thread, the P2P replica and the DHT process (and its p2pd). Idempotent.
+        ``quick`` (Ctrl-C) keeps every wait short: about 2.5 s in all, then the DHT process is
+        killed (its p2pd dies with it)."""
         with self._close_lock:
             if self._closed:
                 return
@@ -227,11 +229,13 @@ class HivemindNode:
         loop, thread = self._loop, self._thread
         if loop is not None and thread is not None and thread.is_alive():
             try:
-                self._submit(self._aclose(), 15.0)
+                self._submit(self._aclose(), 1.0 if quick else 15.0)
             except Exception:
                 log.debug("hivemind node: closing the loop failed", exc_info=True)
             loop.call_soon_threadsafe(loop.stop)
-            thread.join(10.0)
+            thread.join(0.5 if quick else 10.0)
+        if quick:
+            self._dht.shutdown_timeout = 1.0
         if loop is not None and not loop.is_running():
             loop.close()
         if self._executor is not None:
