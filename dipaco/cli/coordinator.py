@@ -28,6 +28,7 @@ import secrets
 import time
 from pathlib import Path
 
+from dipaco.cli import stopping
 from dipaco.cli.common import choose_config, command_parser, console, dispatch, say
 from dipaco.cli.events import print_events
 from dipaco.coordinator.access import change_access
@@ -75,7 +76,8 @@ def wait_finished(
     if gather_from is not None:
         gather_from()
     # Stay a moment so that peers asking for work hear "finished" rather than a closed socket;
-    # Ctrl-C cuts it short (the run is over: nothing to resume).
+    # Ctrl-C cuts it short (the run is over: nothing to resume). The sleep is interrupted even
+    # when the kernel hands the signal to another thread (cli/stopping.py wakes this one).
     try:
         time.sleep(linger)
     except KeyboardInterrupt:
@@ -147,7 +149,7 @@ def cmd_start(args: argparse.Namespace) -> int:
                 worker.stop.set()
         if dashboard is not None:
             stop_dashboard(dashboard, run_dir)
-        node.shutdown()
+        node.shutdown(quick=stopping.requested())
     return 0
 
 
@@ -218,7 +220,7 @@ def start_owner(args: argparse.Namespace) -> int:
         for worker in (reporter, ticker, publisher):
             if worker is not None:
                 worker.stop.set()
-        node.shutdown()
+        node.shutdown(quick=stopping.requested())
     return 0
 
 
@@ -264,7 +266,9 @@ def serve_loopback(args, prep, metrics) -> int:
             wait_finished(coordinator, args.linger)
     finally:
         ticker.stop.set()
-        server.close()
+        # Requests being handled get 10 s to finish, or 1 s after Ctrl-C (the process ends
+        # within seconds: cli/stopping.py); what they made durable stays either way.
+        server.close(1.0 if stopping.requested() else 10.0)
         if dashboard is not None:
             stop_dashboard(dashboard, run_dir)
     return 0
@@ -380,6 +384,20 @@ def cmd_access(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rotate_key(args: argparse.Namespace) -> int:
+    """Give the scheduler a new key, with a statement signed by the old one naming it."""
+    from dipaco.coordinator.rotation import rotate_key
+
+    statement = rotate_key(Path(args.run_dir) / "coordinator")
+    console.print(
+        f"scheduler key rotated ({statement['seq']}): {statement['new']}\n"
+        "restart the scheduler (the same start command) to sign with it; owners and peers "
+        "that trust the old key follow the signed rotation",
+        soft_wrap=True,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser, sub = command_parser("dipaco-coordinator", __doc__)
     start = sub.add_parser("start", help="prepare (if needed) and serve a run, or own modules")
@@ -439,6 +457,11 @@ def main(argv: list[str] | None = None) -> None:
     key = sub.add_parser("key", help="print this coordinator's public key")
     key.add_argument("--run-dir", required=True)
     key.set_defaults(fn=cmd_key)
+    rotate = sub.add_parser(
+        "rotate-key", help="a new scheduler key, signed over by the old one (then restart)"
+    )
+    rotate.add_argument("--run-dir", required=True)
+    rotate.set_defaults(fn=cmd_rotate_key)
     add = sub.add_parser("add-peer", help="admit a Flower SuperNode's public key (ecdsa-...)")
     add.add_argument("key", help="the node's public key line, or a .pub file")
     add.add_argument("--run-dir", required=True)

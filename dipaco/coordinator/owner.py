@@ -8,7 +8,9 @@ and skips the hand-over.
 
 ``Reporter`` sends the owner's state to the scheduler after every change and every
 ``interval`` seconds; the scheduler answers with the overdue tasks, which let this owner close
-a round with a quorum.
+a round with a quorum. A reply signed by a key the owner does not trust (the scheduler rotated
+its key) makes it ask for the rotation statements and follow them (``rotation.follow``), or
+refuse them (``bad-rotation``, counted) and keep the key it has.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from dipaco.coordinator import tickets
+from dipaco.coordinator import rotation, tickets
 from dipaco.coordinator.core import Coordinator
-from dipaco.errors import ConfigError, DipacoError, RejectedError
+from dipaco.errors import ConfigError, DipacoError, RejectedError, WireError
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import Transport
 
@@ -84,6 +86,14 @@ class Reporter(threading.Thread):
                 log.error("the scheduler refused our report: %s (%s)", exc, exc.reason)
                 self.stop.wait(self.interval)
                 continue
+            except WireError as exc:
+                if exc.reason == "untrusted-reply" and self.follow_rotation():
+                    co.changed.set()  # report again at once, to the new key
+                    continue
+                log.warning("the scheduler's reply was refused: %s", exc)
+                self.stop.wait(self.interval)
+                co.changed.set()
+                continue
             except DipacoError as exc:
                 log.warning("cannot reach the scheduler: %s", " ".join(str(exc).split()))
                 self.stop.wait(self.interval)
@@ -95,6 +105,14 @@ class Reporter(threading.Thread):
                 co.void = dict(ack.ended)  # the scheduler's void tickets: refused here too
                 co.gathered = set(ack.gathered)  # the scheduler holds these at their final version
             co.tick()
+
+    def follow_rotation(self) -> bool:
+        """The scheduler answered with a key we do not trust: follow its signed rotation."""
+        try:
+            return rotation.follow(self.coordinator, self.scheduler)
+        except DipacoError as exc:
+            log.warning("cannot ask the scheduler for its key rotations: %s", exc)
+            return False
 
     def close(self) -> None:
         self.stop.set()

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def robust_deadline(
@@ -200,3 +201,49 @@ class Scheduler:
 
     def leases_of(self, peer_id: str) -> list[Lease]:
         return [lease for lease in self.leases.values() if lease.peer_id == peer_id]
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a restart must find again (coordinator.json ``scheduler``), in few bytes.
+
+        ``issued``: every task remembered (live leases included) as ``[task, path, round, peer,
+        steps, {module: version}]``; ``live``: each live lease's ``[seconds left, seconds since
+        issued]``: the clock is monotonic and does not survive a restart, so times are kept
+        relative to the save and rebased by :meth:`restore`; ``attempts``: ``[path, round, n]``;
+        ``durations`` and ``paces``: what deadlines and step offers are judged by.
+        """
+        now = self.clock()
+        return {
+            "issued": [
+                [t, x.path, x.round, x.peer_id, x.steps, x.module_versions]
+                for t, x in self.issued.items()
+            ],
+            "live": {
+                t: [round(x.deadline - now, 3), round(max(0.0, now - x.issued_at), 3)]
+                for t, x in self.leases.items()
+            },
+            "attempts": [[p, r, n] for (p, r), n in self.attempts.items()],
+            "durations": [round(d, 3) for d in self.durations],
+            "paces": {peer: [round(x, 4) for x in pace] for peer, pace in self.paces.items()},
+        }
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Take back a :meth:`snapshot` (already checked) after a restart.
+
+        A live lease keeps its remaining time, and at least half a lease: its peer could not
+        heartbeat while the coordinator was down, and the last save may predate its last
+        heartbeat. Its age (for the task deadline) does not count the time down either.
+        """
+        now = self.clock()
+        live = saved.get("live", {})
+        for task, path, rnd, peer, steps, versions in saved.get("issued", []):
+            lease = Lease(task, path, rnd, peer, now, steps, now, dict(versions))
+            self.issued[task] = lease
+            if task in live:
+                left, age = live[task]
+                lease.deadline = now + max(left, self.lease_seconds / 2)
+                lease.issued_at = now - age
+                self.leases[task] = lease
+        self.attempts.update({(p, r): n for p, r, n in saved.get("attempts", [])})
+        self.durations.extend(saved.get("durations", []))
+        for peer, pace in saved.get("paces", {}).items():
+            self.paces[peer] = deque(pace, maxlen=3)

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from dipaco.coordinator import tickets
+from dipaco.coordinator import rotation, tickets
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.records import Task
 from dipaco.coordinator.scheduler import Lease
@@ -30,6 +30,7 @@ def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
         run_id=core.run_id,
         config=core.peer_config,
         signature=auth.sign_payload(core.identity, "manifest", core.peer_config),
+        rotations=list(getattr(core, "key_rotations", [])),
     )
 
 
@@ -72,6 +73,10 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
         lease.module_versions = {
             mid: core.version(mid) for mid in core.topology.path_modules(lease.path)
         }
+        # The lease must be on disk before the offer goes out, so that a peer never trains a
+        # task a restarted coordinator does not know: marked here, written (group commit,
+        # durable.py) before the reply leaves the service; written now outside a request.
+        core._save_state()
         core.metrics(
             {
                 "event": "task_issued",
@@ -203,7 +208,7 @@ def task_of(core: CoordinatorBase, peer_id: str, task_id: str, ticket: str) -> T
             f"task {task_id} was released or its lease expired; claim a new task",
         )
     if ticket:
-        payload = tickets.read_ticket(core.scheduler_key, ticket)
+        payload = tickets.read_ticket_from(rotation.trusted_keys(core), ticket)
         task = None if payload is None else Task.of_ticket(payload)
         if task is None:
             core._reject(peer_id, Reason.BAD_TICKET, f"task {task_id}: ticket does not verify")

@@ -6,6 +6,10 @@ verifies against the scheduler's public key (from the run manifest) and names th
 prove themselves to the scheduler the same way (``prove``/``check``: a signature by the owner's
 key over the purpose, the owner id and the payload); the scheduler accepts only owner keys that
 its operator allowed (``dipaco-coordinator allow --owner KEY``).
+
+After a rotation of the scheduler's key (dipaco.protocols.keyrotation) a ticket verifies against
+the current key, or against a retired one if its task was issued in an epoch that key signed
+for (``read_ticket_from``): tickets already issued stay good, new ones need the new key.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
+from collections.abc import Iterable
 from typing import Any
 
 from dipaco.protocols.auth import Identity, canonical, check_payload, sign_payload, verify
@@ -39,6 +45,29 @@ def read_ticket(public_key: str, ticket: str) -> dict[str, Any] | None:
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
     return payload if isinstance(payload, dict) else None
+
+
+_EPOCH = re.compile(r"-e(\d+)-a\d+$")
+
+
+def epoch_of(task_id: Any) -> int | None:
+    """The restart epoch a scheduler task id was issued in (``P<p>-r<r>-e<epoch>-a<n>``)."""
+    match = _EPOCH.search(task_id) if isinstance(task_id, str) else None
+    return int(match.group(1)) if match else None
+
+
+def read_ticket_from(keys: Iterable[tuple[str, int | None]], ticket: str) -> dict[str, Any] | None:
+    """The payload of a ticket signed by one of ``keys``: (key, None) for the current scheduler
+    key, (key, epoch) for a retired one, good only for tasks of that epoch or earlier."""
+    for key, last_epoch in keys:
+        payload = read_ticket(key, ticket)
+        if payload is None:
+            continue
+        epoch = epoch_of(payload.get("task"))
+        if last_epoch is None or (epoch is not None and epoch <= last_epoch):
+            return payload
+        return None
+    return None
 
 
 def prove(identity: Identity, purpose: str, owner_id: str, payload: Any) -> str:

@@ -5,6 +5,11 @@ a new one, written there. The coordinator's key is the one given (``--coordinato
 Flower node's ``coordinator-key``), else the one this state folder pinned for the coordinator's
 address before (``known_coordinators.json``), else the first key seen, trusted and pinned on first
 use, like ssh's known_hosts, with a warning.
+
+When the scheduler rotates its key (``dipaco-coordinator rotate-key``), a reply signed by the new
+key is refused as ``untrusted-reply``; ``follow_rotation`` then asks for the rotation statements
+and moves the peer's trust, and its pin, to the new key only if statements signed by the key it
+trusted lead there (dipaco.protocols.keyrotation); else ``bad-rotation``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dipaco.fileio import write_json_atomic
-from dipaco.protocols.auth import check_public_key
+from dipaco.protocols import keyrotation
+from dipaco.protocols import messages as m
+from dipaco.protocols.auth import check_public_key, fingerprint
+from dipaco.protocols.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -61,3 +69,39 @@ def coordinator_trust(
         write_json_atomic(file, {**known, address: seen})
 
     return key, pin
+
+
+def follow_rotation(
+    transport: Transport, state_dir: Path, address: str, peer_id: str, run_id: str
+) -> str:
+    """Trust the scheduler's rotated key: the new key, once statements signed by the trusted
+    one lead to it; the pin in ``known_coordinators.json`` follows (if ``address`` had one).
+
+    Call it when a reply from the scheduler was refused as ``untrusted-reply``. Raises
+    :class:`~dipaco.protocols.keyrotation.RotationError` (reason ``bad-rotation``) and keeps
+    the old key when they do not.
+    """
+    identity, trusted, on_pin = transport.identity, transport.server_key, transport.on_pin
+    if trusted is None:
+        raise keyrotation.RotationError("no coordinator key is trusted yet: nothing to follow")
+    transport.authenticate(identity, None, None)
+    try:
+        welcome = transport.request(m.Hello(peer_id=peer_id))
+        seen = transport.server_key or ""
+        if not isinstance(welcome, m.Welcome):
+            raise keyrotation.RotationError("the scheduler did not answer Hello with a Welcome")
+        key, _, _ = keyrotation.follow(trusted, welcome.rotations, run_id, seen)
+    except Exception:
+        transport.authenticate(identity, trusted, on_pin)
+        raise
+    transport.authenticate(identity, key, on_pin)
+    file = state_dir / KNOWN_COORDINATORS
+    known = json.loads(file.read_text()) if file.exists() else {}
+    if known.get(address) == trusted:
+        write_json_atomic(file, {**known, address: key})
+    log.warning(
+        "the coordinator's key moved from %s to %s (a signed rotation)",
+        fingerprint(trusted),
+        fingerprint(key),
+    )
+    return key

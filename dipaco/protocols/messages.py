@@ -170,6 +170,9 @@ class Welcome:
     run_id: str
     config: dict[str, Any]  # the run manifest; config["coordinator_key"] is the scheduler's key
     signature: str = ""  # the scheduler's Ed25519 signature of the manifest ("manifest" purpose)
+    # The scheduler's key rotations, oldest first (dipaco.protocols.keyrotation): each signed by
+    # the key it retires, so that a party trusting an older key can follow them to this one.
+    rotations: list[dict[str, Any]] = field(default_factory=list)
 
 
 @message

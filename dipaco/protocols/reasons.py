@@ -100,5 +100,7 @@ class Reason(StrEnum):
     """the coordinator's disk is full: the delta was not stored (the peer retries)"""
     IO_ERROR = "io-error"
     """the coordinator could not write the delta (the peer retries)"""
+    BAD_ROTATION = "bad-rotation"
+    """the scheduler answered with a key that no rotation statement signed by the trusted key leads to (refused and counted by the owner or peer that asked)"""
     CORRUPT_FILE = "corrupt-file"
     """a damaged file found on the coordinator's start (counted, quarantined; never sent)"""

@@ -1,10 +1,13 @@
-"""Crash recovery of the module store, and the fault points themselves (fast, in-process)."""
+"""Crash recovery of the module store, and the fault points themselves (fast, in-process); and
+the scheduler's leases across a real coordinator process killed and restarted."""
 
 import errno
 import logging
+import time
 
 import pytest
 import torch
+from fault_harness import CONFIG, check_run
 
 from dipaco import faults
 from dipaco.coordinator.outer import OuterSettings
@@ -117,9 +120,46 @@ def test_clock_skew(monkeypatch):
     monkeypatch.setenv("DIPACO_CLOCK_SKEW", "-120")
     faults.reset()
     try:
-        import time
-
         assert abs(faults.now() - (time.time() - 120)) < 1
     finally:
         monkeypatch.delenv("DIPACO_CLOCK_SKEW")
         faults.reset()
+
+
+@pytest.mark.slow
+def test_a_coordinator_killed_while_peers_hold_leases_takes_their_tasks_back(cluster):
+    """SIGKILL the coordinator while both peers are in the middle of a task, held there (SIGSTOP)
+    until the coordinator is back: their heartbeats keep their restored leases, and their
+    deltas are accepted; no path of theirs is issued again."""
+    c = cluster(config=CONFIG.replace("lease_seconds = 4.0", "lease_seconds = 8.0"))
+    held: dict[str, dict] = {}
+
+    def in_flight(events):
+        acked = {e["task"] for e in events if e["event"] == "delta_acked"}
+        issued = [e for e in events if e["event"] == "task_issued"]
+        return {e["task"]: e for e in issued if e["task"] not in acked}
+
+    def kill_while_training(c):
+        if held or {e["peer"] for e in in_flight(c.events()).values()} != {"peer0", "peer1"}:
+            return
+        c.pause_peers()
+        time.sleep(0.3)  # a request already on its way is answered
+        held.update(in_flight(c.events()))
+        c.kill_coordinator()
+        c.coordinator.wait()
+        assert not c.step()  # restarted from its folder, listening again
+        c.resume_peers()
+
+    c.run(timeout=55, during=kill_while_training)
+    assert held and c.coordinator_kills == 1
+    events = c.events()
+    acked = {e["task"] for e in events if e["event"] == "delta_acked"}
+    assert set(held) <= acked  # every task in flight was taken back after the restart
+    issued = [e for e in events if e["event"] == "task_issued"]
+    for task, e in held.items():  # and none of their paths was leased to anyone else
+        again = [x["task"] for x in issued if (x["path"], x["round"]) == (e["path"], e["round"])]
+        assert again == [task]
+    lost = {e["task"] for e in events if e["event"] in ("lease_expired", "task_dropped")}
+    assert not lost & set(held)
+    check = check_run(c.root, c.workdir / "peers")
+    assert check.ok, check
