@@ -11,6 +11,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import Any
@@ -58,12 +59,24 @@ class AtomicFile:
         for data in parts:
             self._file.write(data)
 
-    def commit(self) -> None:
+    def commit(
+        self,
+        sync_dir: bool = True,
+        replace: Callable[[Path, Path], None] = os.replace,
+        sync: bool = True,
+    ) -> None:
+        """Flush, fsync, rename into place; then fsync the folder, unless the caller moves the
+        file again (a staged delta) and syncs the folder it finally lands in. ``replace`` does
+        the rename (a writer that must not let an older snapshot replace a newer one checks
+        first, durable.py)."""
         self._file.flush()
-        os.fsync(self._file.fileno())
+        if sync:
+            os.fsync(self._file.fileno())
         self._file.close()
         fault_point("atomic.before_rename")  # a crash here leaves only the temporary file
-        os.replace(self._tmp, self.path)
+        replace(self._tmp, self.path)
+        if not sync_dir:
+            return
         # The rename itself is only durable once the directory entry is on disk.
         dir_fd = os.open(self.path.parent, os.O_RDONLY)
         try:
@@ -90,14 +103,51 @@ class AtomicFile:
             self.abort()
 
 
-def write_atomic(path: str | Path, *parts: bytes | bytearray | memoryview) -> None:
-    """Write ``parts``, concatenated, to ``path`` crash-safe: all of it appears, or nothing."""
-    with AtomicFile(path) as f:
+def write_atomic(
+    path: str | Path,
+    *parts: bytes | bytearray | memoryview,
+    sync_dir: bool = True,
+    sync: bool = True,
+) -> None:
+    """Write ``parts``, concatenated, to ``path`` crash-safe: all of it appears, or nothing.
+    ``sync=False`` skips the fsync (and the folder's): the caller syncs later (sync_files)."""
+    f = AtomicFile(path)
+    try:
         f.write(*parts)
+    except BaseException:
+        f.abort()
+        raise
+    f.commit(sync_dir=sync_dir and sync, sync=sync)
+
+
+def sync_files(*paths: str | Path) -> None:
+    """fsync each file, then each folder holding them: what ``write_atomic(..., sync=False)``
+    left undone."""
+    folders = []
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        folder = Path(path).parent
+        if folder not in folders:
+            folders.append(folder)
+    for folder in folders:
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def json_bytes(obj: object) -> bytes:
+    """A small state file's JSON, readable (indented, keys sorted)."""
+    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
 
 
 def write_json_atomic(path: str | Path, obj: object) -> None:
-    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    write_atomic(path, json_bytes(obj))
 
 
 def file_info(path: str | Path) -> dict[str, Any]:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import errno
 import logging
 import math
+from dataclasses import dataclass, field
 
 import torch
 
 from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.store import delta_meta, sync_dir
 from dipaco.coordinator.validation import delta_norm
 from dipaco.errors import WireError
 from dipaco.faults import fault_point
@@ -26,29 +28,102 @@ from dipaco.protocols.reasons import Reason
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Plan:
+    """A delta's admission planned under the lock: the modules to store it for (module, base
+    version, lateness, the module's version then), those that already hold it, and the
+    reservations (``core.inflight``) that keep another delta of the path out meanwhile."""
+
+    store: list[tuple[str, int, int, int]] = field(default_factory=list)
+    already: list[str] = field(default_factory=list)
+    keys: list[tuple[str, int, int]] = field(default_factory=list)
+
+
 def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
-    core._seen(req.peer_id)
-    task = core._task(req.peer_id, req.task_id, req.ticket)
-    path = task.path
-    if req.path != path:
-        core._reject(
-            req.peer_id, Reason.WRONG_PATH, f"task {req.task_id} is for path {path}, not {req.path}"
-        )
-    if req.tokens <= 0:
-        core._reject(
-            req.peer_id, Reason.BAD_TOKENS, f"token count must be positive, got {req.tokens}"
-        )
-    path_mids = core.topology.path_modules(path)
-    mids = [mid for mid in path_mids if core.owns(mid)]
-    deltas = split_delta(core, req, path_mids, mids)
+    """Admit a delta. Only the state transitions take the coordinator's lock: decoding, the
+    content checks and the durable write run outside it, many requests at once (DESIGN.md's
+    promise holds: a delta is durable before it is acknowledged, and never applied twice)."""
+    with core.lock:
+        core._seen(req.peer_id)
+        task = core._task(req.peer_id, req.task_id, req.ticket)
+        path = task.path
+        if req.path != path:
+            core._reject(
+                req.peer_id,
+                Reason.WRONG_PATH,
+                f"task {req.task_id} is for path {path}, not {req.path}",
+            )
+        if req.tokens <= 0:
+            core._reject(
+                req.peer_id, Reason.BAD_TOKENS, f"token count must be positive, got {req.tokens}"
+            )
+        path_mids = core.topology.path_modules(path)
+        mids = [mid for mid in path_mids if core.owns(mid)]
+    deltas = split_delta(core, req, path_mids, mids)  # decoding and finiteness: no lock
+    weight = task.weight or (core.shard_tokens[path] if core.shard_tokens else None)
+    weight = weight or req.tokens
+    for _attempt in range(8):
+        with core.lock:
+            plan = reserve(core, req, task, mids)
+        try:
+            if write(core, req, plan, dict(deltas), weight):
+                break
+        finally:
+            with core.lock:
+                for key in plan.keys:
+                    core.inflight.pop(key, None)
+                core.step_cond.notify_all()
+    else:  # the modules stepped under this delta eight times: the run is racing ahead of it
+        core._reject(req.peer_id, Reason.STALE, f"the modules of path {path} keep moving")
+    fault_point("submit.before_ack")
+    covers_path = set(mids) == set(path_mids)
+    stored = [mid for mid, _, _, _ in plan.store]
+    with core.lock:
+        if stored and covers_path and core.is_scheduler:
+            core._task_done(task, req.peer_id, req.tokens, req.losses)
+    closed = [mid for mid in mids if core._maybe_step(mid)]  # outside the lock
+    with core.lock:
+        core._save_state()
+        core._after_change()
+    return m.DeltaAck(
+        accepted=stored + plan.already,
+        closed=closed,
+        task_done=covers_path and core.is_scheduler,
+    )
+
+
+def reserve(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]) -> Plan:
+    """Check the delta against the modules' state and reserve its (module, base, path) slots.
+
+    Under the lock. A retry of a delta that is being admitted right now waits for that one's
+    outcome (then it is acknowledged as already held, or admitted afresh); a delta of the same
+    path from another task is a duplicate.
+    """
+    while True:
+        plan = check_state(core, req, task, mids)
+        taken = [k for k in plan.keys if k in core.inflight]
+        if not taken:
+            break
+        if any(core.inflight[k] != req.task_id for k in taken):
+            core._reject(
+                req.peer_id,
+                Reason.DUPLICATE,
+                f"path {task.path} is being reported for {taken[0][0]} version {taken[0][1]} "
+                "by another task",
+            )
+        core.step_cond.wait(timeout=1.0)
+    for key in plan.keys:
+        core.inflight[key] = req.task_id
+    return plan
+
+
+def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]) -> Plan:
+    path, plan = task.path, Plan()
     for mid in mids:
         if mid in core.handing:
             core._reject(
                 req.peer_id, Reason.HANDOVER, f"{mid} is moving to another owner; retry shortly"
             )
-    weight = task.weight or (core.shard_tokens[path] if core.shard_tokens else None)
-    weight = weight or req.tokens
-    plan, already = [], []
     for mid in mids:
         record = core.store.modules[mid]
         base = task.versions.get(mid)
@@ -60,7 +135,7 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
                 f"the task was issued against {base}",
             )
         if req.task_id in record.applied:
-            already.append(mid)  # applied in an earlier step; its ack was lost: ack again
+            plan.already.append(mid)  # applied in an earlier step; its ack was lost: ack again
             continue
         if record.version >= core.rounds:
             # The module made its last step without this delta: nothing would apply it, so
@@ -89,71 +164,76 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
         table = record.pending if lateness == 0 else record.late
         if path in table:
             if table[path].task_id == req.task_id:
-                already.append(mid)  # a retry of an acknowledged delta: ack it again
+                plan.already.append(mid)  # a retry of an acknowledged delta: ack it again
                 continue
             core._reject(
                 req.peer_id,
                 Reason.DUPLICATE,
                 f"path {path} already reported for {mid} version {base}",
             )
-        plan.append((mid, base, lateness))
-    norms, trust = check_content(core, req, path, deltas, [mid for mid, _, _ in plan])
-    for mid, base, lateness in plan:
-        damped = weight * trust * core.policy.stale_damping**lateness
-        try:  # a full disk refuses the delta; what was stored is acked on the retry
-            core.store.add_delta(
-                mid,
-                path,
-                damped,
-                req.task_id,
-                req.peer_id,
-                deltas[mid],
-                base_version=base,
-                voter=core.voter_of(req),
-            )
-        except OSError as exc:
-            full = exc.errno == errno.ENOSPC
-            core._reject(
-                req.peer_id, Reason.DISK_FULL if full else Reason.IO_ERROR, f"{mid}: {exc}"
-            )
+        plan.store.append((mid, base, lateness, record.version))
+        plan.keys.append((mid, base, path))
+    return plan
+
+
+def write(
+    core: CoordinatorBase,
+    req: m.SubmitDelta,
+    plan: Plan,
+    deltas: dict[str, dict[str, torch.Tensor]],
+    weight: float,
+) -> bool:
+    """Judge the planned deltas, write them durably (outside the lock), then commit them
+    (under it). False, with nothing committed, if a module stepped meanwhile: the caller
+    plans again, for the delta is now late."""
+    norms, trust = check_content(core, req, req.path, deltas, [s[0] for s in plan.store])
+    staged, folders = {}, set()
+    try:
+        for mid, base, lateness, _ in plan.store:
+            damped = weight * trust * core.policy.stale_damping**lateness
+            meta = delta_meta(req.path, damped, req.task_id, req.peer_id, base, core.voter_of(req))
+            staged[mid] = (core.store.stage_delta(mid, req.task_id, meta, deltas[mid]), meta)
+        with core.lock:
+            while any(mid in core.stepping for mid in staged):
+                core.step_cond.wait(timeout=1.0)
+            if any(core.store.version(mid) != seen for mid, _, _, seen in plan.store):
+                return False
+            folders = {core.store.commit_delta(mid, *staged.pop(mid)) for mid in list(staged)}
+            for mid, _, _, _ in plan.store:  # only now durable: the norm statistics count it
+                core.norms.record(mid, norms[mid])
+            if plan.store:
+                core.norm_file.save()
+    except OSError as exc:  # a full disk refuses the delta; what was stored is acked on the retry
+        full = exc.errno == errno.ENOSPC
+        core._reject(req.peer_id, Reason.DISK_FULL if full else Reason.IO_ERROR, str(exc))
+    finally:
+        for file, _ in staged.values():  # not committed: never acknowledged, never applied
+            file.unlink(missing_ok=True)
+    for folder in folders:
+        sync_dir(folder)
+    for mid, base, lateness, _ in plan.store:
         if lateness > 0:
             core.metrics(
                 {
                     "event": "late_delta",
                     "module": mid,
                     "task": req.task_id,
-                    "path": path,
+                    "path": req.path,
                     "late_by": lateness,
-                    "weight": damped,
+                    "weight": weight * trust * core.policy.stale_damping**lateness,
                 }
             )
-    for mid, _, _ in plan:  # only now durable: the norm statistics count it
-        core.norms.record(mid, norms[mid])
-    if plan:
-        core.norms.save()
-    for mid, base, _ in plan:
         core.metrics(
             {
                 "event": "delta_acked",
                 "module": mid,
                 "base_version": base,
-                "path": path,
+                "path": req.path,
                 "task": req.task_id,
                 "peer": req.peer_id,
             }
         )
-    fault_point("submit.before_ack")
-    covers_path = set(mids) == set(path_mids)
-    if plan and covers_path and core.is_scheduler:
-        core._task_done(task, req.peer_id, req.tokens, req.losses)
-    closed = [mid for mid in mids if core._maybe_step(mid)]
-    core._save_state()
-    core._after_change()
-    return m.DeltaAck(
-        accepted=[mid for mid, _, _ in plan] + already,
-        closed=closed,
-        task_done=covers_path and core.is_scheduler,
-    )
+    return True
 
 
 def voter_of(core: CoordinatorBase, req: m.SubmitDelta) -> str:
@@ -246,7 +326,9 @@ def check_content(
     the statistics once the delta is durable, and the factor of the delta's weight (its
     key's trust; 1 without the held-out check).
     """
-    judged = {mid: core.norms.judge(mid, delta_norm(deltas[mid])) for mid in mids}
+    measured = {mid: delta_norm(deltas[mid]) for mid in mids}  # the arithmetic: no lock
+    with core.lock:
+        judged = {mid: core.norms.judge(mid, norm) for mid, norm in measured.items()}
     for mid, j in judged.items():
         if j.action == "reject":
             core._reject(
@@ -263,7 +345,8 @@ def check_content(
             norms[mid] = j.limit
     trust = 1.0
     if core.validation.heldout_check and core.heldout_loss is not None and mids:
-        trust = check_heldout(core, req, path, deltas, mids)
+        with core.lock:  # scores and key trust are shared state (the check is off by default)
+            trust = check_heldout(core, req, path, deltas, mids)
     for mid, j in judged.items():
         if j.action == "clip":
             core.metrics(

@@ -20,12 +20,14 @@ import torch
 
 from dipaco.config import SchedulerSection, SecuritySection, ValidationSection
 from dipaco.coordinator.access import AccessPolicy
+from dipaco.coordinator.durable import GroupWriter
 from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.records import PeerInfo, Phase, ReportedModule
 from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.validation import KeyScores, NormTracker
 from dipaco.errors import CorruptFileError, RejectedError
+from dipaco.fileio import json_bytes
 from dipaco.model.topology import Topology
 from dipaco.protocols import auth
 
@@ -98,8 +100,20 @@ class CoordinatorBase:
             p.min_step_fraction,
         )  # fmt: skip
         self.scheduler = Scheduler(lease_seconds, clock, deadline)
+        # The lock serialises the short state transitions only. Decoding, checking and the durable
+        # write of a delta run outside it (admission.py), and so does a module's outer step
+        # (rounds.py): ``stepping`` names the modules being stepped, whose new deltas wait on
+        # ``step_cond``; ``inflight`` reserves (module, base version, path) -> task id for a
+        # delta between its checks and its commit, so that two of one path never race.
         self.lock = threading.RLock()
+        self.step_cond = threading.Condition(self.lock)
+        self.stepping: set[str] = set()
+        self.inflight: dict[tuple[str, int, int], str] = {}
         self.clock = clock
+        # coordinator.json and validation.json: group commit (durable.py)
+        self.state_file = GroupWriter(
+            self.lock, lambda: self._state_bytes(), self.root / "coordinator.json"
+        )
         self.rejections: Counter[str] = Counter()
         self.rejections_by_peer: dict[str, Counter[str]] = defaultdict(Counter)
         self.peers: dict[str, PeerInfo] = {}
@@ -175,6 +189,9 @@ class CoordinatorBase:
             max_norm=v.max_norm,
             window=v.norm_window,
         )
+        self.norm_file = GroupWriter(
+            self.lock, lambda: json_bytes(self.norms.snapshot()), self.root / "validation.json"
+        )
         self.heldout_loss = heldout_loss
         self.key_scores = KeyScores(self.root / "key_scores.json", v.heldout_tolerance)
         # "auto" aggregation with the held-out check: the modules whose every delta is scored
@@ -216,7 +233,8 @@ class CoordinatorBase:
         return self.round >= self.rounds
 
     def _reject(self, peer_id: str, reason: str, message: str):
-        self._count(peer_id, reason)
+        with self.lock:  # admission refuses outside the lock too
+            self._count(peer_id, reason)
         exc = RejectedError(message, reason=reason)
         exc.counted = True  # handle() must not count it again
         raise exc

@@ -41,6 +41,8 @@ class Coordinator(CoordinatorBase):
     # state.py
     start = state.start
     _save_state = state.save_state
+    _state_bytes = state.state_bytes
+    flush_state = state.flush_state
     save_counts = state.save_counts
 
     # phases.py
@@ -54,6 +56,7 @@ class Coordinator(CoordinatorBase):
     free_paths = rounds.free_paths
     tick = rounds.tick
     _tick = rounds.tick_now
+    step_due = rounds.step_due
     _maybe_step = rounds.maybe_step
     _after_change = rounds.after_change
     outer_settings_of = rounds.outer_settings_of

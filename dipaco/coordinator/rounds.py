@@ -35,12 +35,16 @@ def open_paths(core: CoordinatorBase) -> dict[int, int]:
 
 
 def tick(core: CoordinatorBase) -> None:
-    """Expire leases and close overdue rounds; servers call this every second or so."""
+    """Expire leases and close overdue rounds; servers call this every second or so. The
+    outer steps run outside the lock."""
     with core.lock:
-        tick_now(core)
+        tick_now(core, step=False)
+    step_due(core)
 
 
-def tick_now(core: CoordinatorBase) -> None:
+def tick_now(core: CoordinatorBase, step: bool = True) -> None:
+    """The ticker's bookkeeping under the caller's lock (every request runs it, ``step=False``:
+    the steps it makes due are the ticker's)."""
     gone = core.scheduler.expire()
     for lease in gone:
         core._expired(lease)
@@ -54,39 +58,78 @@ def tick_now(core: CoordinatorBase) -> None:
     if core.is_scheduler:
         # Once overdue, a (path, round) stays skipped until the round is over everywhere: a
         # module that closed without it must not leave the path's other modules waiting.
-        core.overdue |= core.scheduler.overdue()
-        core.overdue = {(p, r) for p, r in core.overdue if r >= core.round}
-    if not core.overdue and not core.unstepped:
-        return
+        late = core.scheduler.overdue() - core.overdue
+        core.overdue = {(p, r) for p, r in core.overdue | late if r >= core.round}
+        if late & core.overdue:
+            core._save_state()  # the skip survives a restart: the round does not wait again
+    if step:
+        step_due(core)
+
+
+def step_due(core: CoordinatorBase) -> None:
+    """Step every module a quorum with overdue paths (or a failed step) has made due."""
+    with core.lock:
+        if not core.overdue and not core.unstepped:
+            return
+        mids = [mid for mid in core.owned_modules() if mid not in core.handing]
     stepped = False
-    for mid in core.owned_modules():
-        if mid not in core.handing:
-            stepped |= maybe_step(core, mid)
+    for mid in mids:
+        stepped |= maybe_step(core, mid)
     if stepped:
-        core._save_state()
-        after_change(core)
+        with core.lock:
+            core._save_state()
+            after_change(core)
 
 
 def maybe_step(core: CoordinatorBase, mid: str) -> bool:
-    """Step when every path has reported, or when the missing ones are overdue (a quorum)."""
-    record = core.store.modules[mid]
-    if record.version >= core.rounds:
-        return False
-    paths = set(core.topology.paths_through(mid))
-    if set(record.pending) != paths:
-        missing = {(p, record.version) for p in paths - set(record.pending)}
-        need = math.ceil(core.policy.quorum * len(paths))
-        if not (missing <= core.overdue and len(record.pending) >= need):
+    """Step when every path has reported, or when the missing ones are overdue (a quorum).
+
+    The decision and the result's installation take the coordinator's lock; the step itself
+    (reading the deltas, the arithmetic, the durable writes) runs outside it, with ``mid`` in
+    ``core.stepping``, so that the other modules go on admitting deltas meanwhile. A caller
+    that holds the lock (a test, the start) steps under it, as before.
+    """
+    with core.lock:
+        if mid in core.stepping or not due(core, mid):
             return False
+        plan = core.store.begin_step(mid)
+        core.stepping.add(mid)
+        settings = core.outer_settings_of(mid)
+    result = None
     try:
-        info = core.store.outer_step(mid, core.outer_settings_of(mid))
+        # A large module's step is written on a background thread (store.py run_step), except
+        # its last: the run's result is on disk when the run finishes.
+        last = plan.record.version + 1 >= core.rounds
+        size = sum(t.numel() * t.element_size() for t in plan.record.params.values())
+        background = not last and size >= core.store.background_bytes
+        paths = set(core.topology.paths_through(mid))
+        result = core.store.run_step(
+            plan, settings, background, on_disk=lambda info: announce(core, info, paths)
+        )
     except OSError as exc:  # a full disk: nothing was committed; the ticker tries again
-        if mid not in core.unstepped:
-            log.error("outer step of %s failed: %s; retrying every second", mid, exc)
-            core.metrics({"event": "outer_step_failed", "module": mid, "error": str(exc)})
-        core.unstepped.add(mid)
+        with core.lock:
+            if mid not in core.unstepped:
+                log.error("outer step of %s failed: %s; retrying every second", mid, exc)
+                core.metrics({"event": "outer_step_failed", "module": mid, "error": str(exc)})
+            core.unstepped.add(mid)
         return False
-    core.unstepped.discard(mid)
+    finally:
+        with core.lock:
+            if result is not None:
+                core.store.finish_step(result)
+            core.stepping.discard(mid)
+            core.step_cond.notify_all()
+    with core.lock:
+        core.unstepped.discard(mid)
+        core.changed.set()
+    return True
+
+
+def announce(core: CoordinatorBase, info: dict, paths: set[int]) -> None:
+    """Log an outer step once it is committed on disk (store.py calls this, on the thread that
+    wrote it). Without the coordinator's lock: a thread holding it may be waiting for this
+    write (the metrics sinks are thread-safe, as admission logs outside the lock too)."""
+    mid = info["module"]
     info["closed_by"] = "deadline" if set(info["paths"]) != paths else "all"
     core.metrics({"event": "outer_step", **info})
     for clipped in info.get("clipped", []):  # robust aggregation scaled a delta down
@@ -99,7 +142,19 @@ def maybe_step(core: CoordinatorBase, mid: str) -> bool:
         info["late_paths"],
         info["closed_by"],
     )
-    core.changed.set()
+
+
+def due(core: CoordinatorBase, mid: str) -> bool:
+    """Whether ``mid`` should step now: every path reported, or a quorum with the rest overdue."""
+    record = core.store.modules[mid]
+    if record.version >= core.rounds:
+        return False
+    paths = set(core.topology.paths_through(mid))
+    if set(record.pending) != paths:
+        missing = {(p, record.version) for p in paths - set(record.pending)}
+        need = math.ceil(core.policy.quorum * len(paths))
+        if not (missing <= core.overdue and len(record.pending) >= need):
+            return False
     return True
 
 

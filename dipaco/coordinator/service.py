@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from dipaco.coordinator.base import CoordinatorBase, acting_for
+from dipaco.coordinator.durable import deferring
 from dipaco.errors import DipacoError, RejectedError
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
@@ -102,13 +103,26 @@ def refuse(core: CoordinatorBase, who: str, reason: str, message: str) -> None:
     log.info("rejected %s: %s (%s)", who, message, reason)
 
 
+# Operations that take the coordinator's lock themselves, for their short state transitions
+# only: a delta's decoding, checks and durable write run while other requests are served.
+SELF_LOCKING = {"submit"}
+
+
 def perform(core: CoordinatorBase, key: str, req: m.Message) -> m.Message:
     name = getattr(req, "peer_id", None) or getattr(req, "owner_id", None)
     op = OPS.get(type(req))
     if op is None:
         raise RejectedError(f"{type(req).__name__} is not a request", reason=Reason.BAD_MESSAGE)
-    with core.lock, acting_for(key):
-        if name:
-            core.access.bind(name, key)
-        core._tick()
-        return getattr(core, op)(req)
+    try:
+        with acting_for(key), deferring():
+            with core.lock:
+                if name:
+                    core.access.bind(name, key)
+                core._tick(step=False)
+                reply = getattr(core, op)(req) if op not in SELF_LOCKING else None
+            if reply is None:
+                reply = getattr(core, op)(req)
+        core.step_due()  # the outer steps a deadline made due: outside the lock
+    finally:  # what the request changed is on disk before its reply (or refusal) goes out
+        core.flush_state()
+    return reply

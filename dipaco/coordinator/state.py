@@ -1,5 +1,7 @@
 """Saving and resuming the coordinator: ``coordinator.json`` (epoch, refusal counts, and on the
-scheduler the owners, remote modules, addresses, owner keys and ended leases), checked before use.
+scheduler the owners, remote modules, addresses, owner keys, ended leases, the scheduler's
+leases and issued tasks (``scheduler``, see ``Scheduler.snapshot``) and the overdue tasks; on
+another owner the scheduler key rotations it accepted), checked before use.
 
 Functions of the coordinator (bound as its methods in core.py); they call other parts through it.
 """
@@ -8,16 +10,18 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dipaco.coordinator import rotation
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.records import ReportedModule
 from dipaco.errors import CorruptFileError
-from dipaco.fileio import write_json_atomic
+from dipaco.protocols import keyrotation
 from dipaco.protocols.reasons import Reason
 
 log = logging.getLogger(__name__)
@@ -48,8 +52,15 @@ def start(
         core.addresses.update(saved.get("addresses", {}))
         core.owner_keys.update(saved.get("owner_keys", {}))
         core.scheduler.ended.update(saved.get("ended", {}))
+        # Leases in flight, the tasks issued and the overdue skips survive the restart: a
+        # peer training a task goes on with it, and a round waiting on an overdue task does
+        # not wait again from zero.
+        core.scheduler.restore(saved.get("scheduler", {}))
+        core.overdue = {(p, r) for p, r in saved.get("overdue", [])}
     else:
         core.owners = dict.fromkeys(core.store.owned_on_disk(), core.owner_id)
+        core.saved_rotations = saved.get("scheduler_rotations", [])
+    rotation.load(core)
     mine = core.owned_modules()
     if initial_modules is not None:
         core.store.initialize({mid: initial_modules[mid] for mid in mine})
@@ -75,18 +86,41 @@ def start(
 def save_state(core: CoordinatorBase, required: bool = False) -> None:
     """Write coordinator.json. Outside ``start`` a failure (a full disk) is logged, not
     raised: the file holds counters and ownership, which the next save brings up to date,
-    and raising would drop the reply to a request whose deltas are already durable."""
+    and raising would drop the reply to a request whose deltas are already durable.
+
+    Inside a request this only marks the file changed: the service writes it (one write for
+    many concurrent requests, durable.py) after the operation, outside the lock, before the
+    reply goes out."""
     try:
-        write_state(core)
+        if required:
+            write_state(core)
+        else:
+            core.state_file.save()
     except OSError as exc:
         if required:
             raise
         log.error("cannot save %s: %s", core.root / "coordinator.json", exc)
 
 
+def flush_state(core: CoordinatorBase) -> None:
+    """Write what the request marked (coordinator.json, the norm statistics), if anything."""
+    try:
+        core.state_file.flush()
+    except OSError as exc:
+        log.error("cannot save %s: %s", core.root / "coordinator.json", exc)
+    try:
+        core.norm_file.flush()
+    except OSError as exc:
+        log.error("cannot save %s: %s", core.norms.path, exc)
+
+
 def save_counts(core: CoordinatorBase) -> None:
     """Write the state now, the refusal counts with it (at shutdown: refusals since the last
-    change would otherwise be lost)."""
+    change would otherwise be lost), and every outer step's files with them."""
+    try:
+        core.store.sync_all()
+    except OSError as exc:  # the next start redoes the step from its deltas
+        log.error("cannot write the last outer step: %s", exc)
     with core.lock:
         save_state(core)
 
@@ -103,22 +137,40 @@ def report_repairs(core: CoordinatorBase) -> None:
 
 
 def write_state(core: CoordinatorBase) -> None:
-    state: dict[str, Any] = {
-        "epoch": core.epoch,
-        "rejections": dict(core.rejections),
-        "rejections_by_peer": {p: dict(c) for p, c in core.rejections_by_peer.items()},
-        "run_id": core.run_id,
-        "owner_id": core.owner_id,
-    }
-    if core.is_scheduler:
-        state.update(
-            owners=core.owners,
-            remote={mid: r.to_json() for mid, r in core.remote.items()},
-            addresses=core.addresses,
-            owner_keys=core.owner_keys,
-            ended=core.scheduler.ended,
-        )
-    write_json_atomic(core.root / "coordinator.json", state)
+    """Write coordinator.json now (at the start: the epoch must be on disk)."""
+    core.state_file.write_now()
+
+
+def state_bytes(core: CoordinatorBase) -> bytes:
+    """coordinator.json's content now, encoded under the coordinator's lock (the file and the
+    state it holds must be one moment's: leases change under that lock). Compact JSON: the
+    C encoder, ten times faster than an indented file for a scheduler's thousands of tasks."""
+    with core.lock:
+        return json.dumps(snapshot_state(core), sort_keys=True, separators=(",", ":")).encode()
+
+
+def snapshot_state(core: CoordinatorBase) -> dict[str, Any]:
+    with core.lock:
+        state: dict[str, Any] = {
+            "epoch": core.epoch,
+            "rejections": dict(core.rejections),
+            "rejections_by_peer": {p: dict(c) for p, c in core.rejections_by_peer.items()},
+            "run_id": core.run_id,
+            "owner_id": core.owner_id,
+        }
+        if core.is_scheduler:
+            state.update(
+                owners=core.owners,
+                remote={mid: r.to_json() for mid, r in core.remote.items()},
+                addresses=core.addresses,
+                owner_keys=core.owner_keys,
+                ended=core.scheduler.ended,
+                scheduler=core.scheduler.snapshot(),
+                overdue=sorted([p, r] for p, r in core.overdue),
+            )
+        elif getattr(core, "key_rotations", None):
+            state["scheduler_rotations"] = core.key_rotations
+        return state
 
 
 def _check_state(path: Path, saved: Any, module_ids: list[str]) -> None:
@@ -160,5 +212,69 @@ def _check_state(path: Path, saved: Any, module_ids: list[str]) -> None:
         problem = "'owner_keys' is not {owner: key}"
     elif not mapping(saved.get("ended", {}), count):
         problem = "'ended' is not {task: round}"
+    elif not _pairs(saved.get("overdue", []), 2):
+        problem = "'overdue' is not [[path, round]]"
+    elif not isinstance(saved.get("scheduler_rotations", []), list) or not all(
+        keyrotation.well_formed(x) for x in saved.get("scheduler_rotations", [])
+    ):
+        problem = "'scheduler_rotations' is not a list of key rotation statements"
+    else:
+        problem = _scheduler_problem(saved.get("scheduler", {}))
     if problem is not None:
         raise CorruptFileError(f"{path}: damaged coordinator state: {problem}")
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _seconds(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _pairs(value: Any, n: int) -> bool:
+    """A list of lists of ``n`` counts."""
+    return isinstance(value, list) and all(
+        isinstance(x, list) and len(x) == n and all(_count(c) for c in x) for x in value
+    )
+
+
+def _scheduler_problem(saved: Any) -> str | None:
+    """What is wrong with ``coordinator.json`` ``scheduler`` (``Scheduler.snapshot``), if any."""
+
+    def issued(x: Any) -> bool:
+        return (
+            isinstance(x, list)
+            and len(x) == 6
+            and isinstance(x[0], str)
+            and _count(x[1])
+            and _count(x[2])
+            and isinstance(x[3], str)
+            and _count(x[4])
+            and isinstance(x[5], dict)
+            and all(isinstance(k, str) and _count(v) for k, v in x[5].items())
+        )
+
+    if not isinstance(saved, dict):
+        return "'scheduler' is not an object"
+    tasks = saved.get("issued", [])
+    if not isinstance(tasks, list) or not all(issued(x) for x in tasks):
+        return "'scheduler.issued' is not [[task, path, round, peer, steps, {module: version}]]"
+    live = saved.get("live", {})
+    known = {x[0] for x in tasks}
+    if not isinstance(live, dict) or not all(
+        k in known and isinstance(v, list) and len(v) == 2 and all(_seconds(t) for t in v)
+        for k, v in live.items()
+    ):
+        return "'scheduler.live' is not {issued task: [seconds left, seconds since issued]}"
+    if not _pairs(saved.get("attempts", []), 3):
+        return "'scheduler.attempts' is not [[path, round, attempts]]"
+    durations = saved.get("durations", [])
+    if not isinstance(durations, list) or not all(_seconds(d) and d >= 0 for d in durations):
+        return "'scheduler.durations' is not a list of seconds"
+    paces = saved.get("paces", {})
+    if not isinstance(paces, dict) or not all(
+        isinstance(v, list) and all(_seconds(x) and x >= 0 for x in v) for v in paces.values()
+    ):
+        return "'scheduler.paces' is not {peer: [seconds per step]}"
+    return None

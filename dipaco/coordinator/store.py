@@ -12,22 +12,37 @@ Layout under the store folder, per module id ``mid``::
     modules/<mid>/m<v>.dpt           outer momentum after producing version v (absent for v0)
     deltas/<mid>/v<v>/P<p>.dpt       a path's delta against version v, durable before it is acked
     deltas/<mid>/v<v>/P<p>-b<b>.dpt  a late delta (against an older version b), damped, waiting for v
+    deltas/<mid>/incoming/<task>.dpt a delta written by admission outside the coordinator's lock,
+                                     moved under one of the names above when it is committed
+                                     (never acknowledged before; removed on start)
 
-An outer step writes v+1 and m(v+1) (temp, fsync, rename), then rewrites head.json: a crash
-before the head moves leaves version v and its deltas in place, so the step is redone on start.
-The new head keeps the old one under "previous", and the step's deltas stay until the next step:
-if v+1 or m(v+1) is later found corrupt or missing, load falls back to v and the step is redone
-(the bad files are moved aside as ``*.corrupt``). Files are checksummed; a corrupt pending delta
-is quarantined the same way, and its path is trained again. docs/reliability.md has the whole
+Admission writes a delta in two parts (``stage_delta`` outside the coordinator's lock, with its
+fsync; ``commit_delta`` under it, a rename), so that many deltas are written at once. An outer
+step runs in three (``begin_step`` under the lock, ``run_step`` outside it, ``finish_step``
+under it again): while one module steps, others admit deltas. The step computes v+1 in memory;
+then (on a background thread, except for a run's last step) it writes v+1 and m(v+1) without
+fsync, rewrites head.json with fsync, deletes the fallback of the step before, and fsyncs v+1 and
+m(v+1); the module's next step waits for that. A crash before the head moves leaves version v and
+its deltas in place, so the step is redone on start, and yields the same v+1. The new head keeps
+the old one under "previous", and the step's deltas stay until the next step: if v+1 or m(v+1)
+is later found corrupt or missing, load falls back to v and the step is redone (the bad files
+are moved aside as ``*.corrupt``). Files are checksummed (XXH3); a corrupt pending delta is
+quarantined the same way, and its path is trained again. docs/reliability.md has the whole
 crash-safety design.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import shutil
 import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,7 +58,7 @@ from dipaco.coordinator.store_open import (
     head_fields,
 )
 from dipaco.faults import fault_point
-from dipaco.fileio import write_json_atomic
+from dipaco.fileio import sync_files, write_json_atomic
 from dipaco.protocols.wire import (
     Frame,
     read_tensor_file,
@@ -52,6 +67,81 @@ from dipaco.protocols.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    """An outer step begun: the module, its record then, and the deltas it averages."""
+
+    mid: str
+    record: ModuleRecord
+    included: list[PendingDelta]
+
+
+@dataclass
+class StepResult:
+    plan: StepPlan
+    record: ModuleRecord  # the module at v+1, committed on disk
+    info: dict  # the outer_step metrics event
+
+
+def delta_meta(
+    path: int, weight: float, task_id: str, peer_id: str, base_version: int, voter: str
+) -> dict:
+    """A delta file's header fields."""
+    return {
+        "path": path,
+        "weight": weight,
+        "task_id": task_id,
+        "peer_id": peer_id,
+        "base_version": base_version,
+        "voter": voter,
+    }
+
+
+def sync_dir(folder: Path) -> None:
+    """Make the entries of ``folder`` (a rename into it) durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Job:
+    """A function run on its own thread (file writes, syncs and hashing release the GIL), or
+    on the caller's when it asks for the result (``start=False``)."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, start: bool = True) -> None:
+        self._fn, self._args = fn, args
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="dipaco-store")
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn(*self._args)
+            self._args = ()  # drop the tensors it held: the store reuses their buffers
+        except BaseException as exc:  # handed to whoever waits for the result
+            self._error = exc
+
+    def result(self) -> Any:
+        if self._thread is None:
+            self.run_here()
+        else:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def run_here(self) -> None:
+        """Run the function (again) on this thread; its error is raised."""
+        self._thread, self._error = threading.current_thread(), None
+        self._value = self._fn(*self._args)
+        self._args = ()
 
 
 class ModuleStore:
@@ -63,10 +153,14 @@ class ModuleStore:
         self.quarantined = self.opener.quarantined
         self.rolled_back = self.opener.rolled_back
         # The version before the head, per module, whose buffers the next outer step writes
-        # into (see _spare_buffers). Off, every step allocates its results afresh: half the
+        # into (see spare_buffers). Off, every step allocates its results afresh: half the
         # memory, and on 2 CPU cores about three times slower for large modules (page faults).
         self.reuse_buffers = True
         self._spare: dict[str, tuple[Tensors, Tensors | None]] = {}
+        self._syncing: dict[str, _Job] = {}  # module -> the sync of its last step's files
+        # Modules of at least this many bytes have their steps written in the background (the
+        # coordinator's choice, rounds.py); smaller ones write in milliseconds, in line.
+        self.background_bytes = int(os.environ.get("DIPACO_BACKGROUND_STEP_BYTES", 16 << 20))
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def initialize(self, modules: dict[str, Tensors]) -> None:
@@ -86,6 +180,10 @@ class ModuleStore:
         """Open each module at its committed head, verifying every checksum (store_open.py)."""
         for mid in module_ids:
             self.modules[mid] = self.opener.open(mid)
+            # The head's files may be a step's that a crashed process never synced.
+            folder, v = self.root / "modules" / mid, self.modules[mid].version
+            files = [f for f in (folder / f"v{v}.dpt", folder / f"m{v}.dpt") if f.exists()]
+            self._syncing[mid] = _Job(sync_files, *files)
 
     # ---- reads --------------------------------------------------------------------------------
     def version(self, mid: str) -> int:
@@ -114,23 +212,35 @@ class ModuleStore:
         (``base_version``) is late: it joins the current version's step with the (already damped)
         ``weight`` but does not count as the path's report for this version.
         """
+        base = self.modules[mid].version if base_version is None else base_version
+        meta = delta_meta(path, weight, task_id, peer_id, base, voter)
+        staged = self.stage_delta(mid, task_id, meta, delta)
+        sync_dir(self.commit_delta(mid, staged, meta))
+
+    def stage_delta(self, mid: str, task_id: str, meta: dict, delta: Tensors) -> Path:
+        """Write a delta durably under a private name (``deltas/<mid>/incoming``); it joins no
+        step until :meth:`commit_delta`. Safe outside the coordinator's lock."""
+        name = f"{task_id}-{secrets.token_hex(4)}.dpt"
+        file = self.root / "deltas" / mid / "incoming" / name
+        write_tensor_file(file, Frame("Delta", meta, delta), sync_dir=False)
+        return file
+
+    def commit_delta(self, mid: str, staged: Path, meta: dict) -> Path:
+        """Move a staged delta under its name for the module's current version and count it
+        pending. Returns the folder whose entry must reach the disk (:func:`sync_dir`) before
+        the delta is acknowledged. Under the coordinator's lock: the version must not move."""
         record = self.modules[mid]
-        base = record.version if base_version is None else base_version
+        base, path = meta["base_version"], meta["path"]
         late = base != record.version
         name = f"P{path}-b{base}.dpt" if late else f"P{path}.dpt"
-        file = self.root / "deltas" / mid / f"v{record.version}" / name
-        meta = {
-            "path": path,
-            "weight": weight,
-            "task_id": task_id,
-            "peer_id": peer_id,
-            "base_version": base,
-            "voter": voter,
-        }
-        write_tensor_file(file, Frame("Delta", meta, delta))
+        folder = self.root / "deltas" / mid / f"v{record.version}"
+        folder.mkdir(parents=True, exist_ok=True)
+        file = folder / name
+        os.replace(staged, file)
         (record.late if late else record.pending)[path] = PendingDelta(
-            path, weight, task_id, peer_id, file, base, voter
+            path, meta["weight"], meta["task_id"], meta["peer_id"], file, base, meta["voter"]
         )
+        return folder
 
     def adopt(
         self,
@@ -166,19 +276,48 @@ class ModuleStore:
         """Module ids this store holds a committed head for."""
         return sorted(p.parent.name for p in (self.root / "modules").glob("*/head.json"))
 
-    def outer_step(self, mid: str, settings: OuterSettings) -> dict:
+    def outer_step(self, mid: str, settings: OuterSettings, background: bool = False) -> dict:
         """Average the pending deltas (in path order, for determinism), step, commit version v+1.
 
         With a robust ``settings.aggregation`` the result also names the combiner used and the
-        deltas the clipped mean scaled down ("clipped": path, task, factor).
+        deltas the clipped mean scaled down ("clipped": path, task, factor). ``background``:
+        see :meth:`run_step`.
         """
+        return self.finish_step(self.run_step(self.begin_step(mid), settings, background))
+
+    def begin_step(self, mid: str) -> StepPlan:
+        """What the step of ``mid`` will average: its pending and late deltas now. Under the
+        coordinator's lock; no delta may be committed to ``mid`` until :meth:`finish_step`."""
         record = self.modules[mid]
-        folder = self.root / "modules" / mid
         included = [p for _, p in sorted(record.pending.items())]
         included += [p for _, p in sorted(record.late.items())]
+        return StepPlan(mid, record, included)
+
+    def run_step(
+        self,
+        plan: StepPlan,
+        settings: OuterSettings,
+        background: bool = False,
+        on_disk: Callable[[dict], None] | None = None,
+    ) -> StepResult:
+        """The step's work: read the deltas, average and step; then write v+1 and its momentum
+        and move the head (:meth:`_persist`), on a background thread if ``background``.
+
+        Outside the coordinator's lock: it reads and writes only this module's files and the
+        buffers of the version before the head, which nobody else sees. With ``background``
+        the module is at v+1 in memory (peers may fetch it) before head.json says so. That is
+        safe because the step is a function of version v and its deltas, which stay on disk
+        until v+1 is (docs/reliability.md, "Outer steps"): a crash before the head moves
+        makes the start redo the step, which yields the same v+1, and the deltas acknowledged
+        against v+1 meanwhile are read back after it. ``on_disk(info)`` is called once the
+        step is committed on disk (the coordinator logs the outer step then: a step that a
+        crash undid is never logged).
+        """
+        mid, record, included = plan.mid, plan.record, plan.included
+        self._synced(mid)  # the step before this one is on disk (or fails again, here)
         deltas = [(read_tensor_file(p.file).tensors, p.weight) for p in included]
         how: dict = {}
-        out = self._spare_buffers(mid, record.params)
+        out = spare_buffers(self._spare.pop(mid, None), record.params)
         params, momentum, norm = apply_round(
             deltas,
             record.params,
@@ -188,44 +327,22 @@ class ModuleStore:
             out,
             voters=[p.vote for p in included],
         )
+        del deltas
         v = record.version + 1
-        write_tensor_file(
-            folder / f"v{v}.dpt", Frame("ModuleRelease", {"module": mid, "version": v}, params)
-        )
-        fault_point("outer_step.params_written")
-        write_tensor_file(
-            folder / f"m{v}.dpt", Frame("OuterMomentum", {"module": mid, "version": v}, momentum)
-        )
-        fault_point("outer_step.momentum_written")
-        digest = tensors_sha256(params)
         applied = (record.applied + [p.task_id for p in included])[-APPLIED_KEPT:]
-        reported = {**record.reported, record.version: sorted(record.pending)}
+        on_time = sorted(p.path for p in included if p.base_version == record.version)
+        reported = {**record.reported, record.version: on_time}
         reported = {b: ps for b, ps in reported.items() if b > record.version - REPORTED_KEPT}
-        write_json_atomic(
-            folder / "head.json",
-            {
-                "version": v,
-                "hash": digest,
-                "applied": applied,
-                "reported": {str(b): ps for b, ps in reported.items()},
-                "previous": head_fields(record),  # the fallback if v+1 is found corrupt
-            },
-        )
-        fault_point("outer_step.committed")
-        # This step's deltas stay one step longer: a corrupt v+1 is redone from v and them.
-        old_deltas = self.root / "deltas" / mid / f"v{record.version - 1}"
-        paths, late = sorted(record.pending), sorted(record.late)
-        self.modules[mid] = ModuleRecord(v, digest, params, momentum, applied, reported)
-        if self.reuse_buffers:
-            self._spare[mid] = (record.params, record.momentum)
-        shutil.rmtree(old_deltas, ignore_errors=True)
-        for stale in (f"v{v - KEEP_VERSIONS}.dpt", f"m{v - KEEP_VERSIONS}.dpt"):
-            (folder / stale).unlink(missing_ok=True)
+        # The release hash (SHA-256, what peers check) on another core; readers of
+        # ``new.hash`` wait for it.
+        new = ModuleRecord(v, _Job(tensors_sha256, params), params, momentum, applied, reported)
+        if (self.root / "deltas" / mid / f"v{v}").is_dir():  # a redo after a restart (above)
+            new.pending, new.late = self.opener.pending(mid, v, params)
         info = {
             "module": mid,
             "version": v,
-            "paths": paths,
-            "late_paths": late,
+            "paths": on_time,
+            "late_paths": sorted(p.path for p in included if p.base_version != record.version),
             "tasks": [p.task_id for p in included],
             "outer_grad_norm": norm,
             "rescale": how.get("rescale", 1.0),
@@ -239,39 +356,116 @@ class ModuleStore:
                 for p, f in zip(included, factors, strict=True)
                 if f < 1.0
             ]
-        return info
+        job = _Job(self._persist, mid, record, new, info, on_disk, start=background)
+        if background:
+            self._syncing[mid] = job
+        else:
+            job.result()
+        return StepResult(plan, new, info)
 
-    def _spare_buffers(self, mid: str, like: Tensors) -> tuple[Tensors, Tensors] | None:
-        """The previous version's tensors, to be overwritten, if nothing else can see them.
+    def _persist(
+        self,
+        mid: str,
+        old: ModuleRecord,
+        new: ModuleRecord,
+        info: dict,
+        on_disk: Callable[[dict], None] | None,
+    ) -> None:
+        """Write a step's version and momentum files (not synced yet), then commit head.json
+        (synced), then delete what the step before needed as its fallback, then sync the files.
+        Each step's files are therefore on disk before the next step deletes its fallback."""
+        folder, v = self.root / "modules" / mid, new.version
+        write_tensor_file(
+            folder / f"v{v}.dpt",
+            Frame("ModuleRelease", {"module": mid, "version": v}, new.params),
+            sync=False,
+        )
+        fault_point("outer_step.params_written")
+        write_tensor_file(
+            folder / f"m{v}.dpt",
+            Frame("OuterMomentum", {"module": mid, "version": v}, new.momentum),
+            sync=False,
+        )
+        fault_point("outer_step.momentum_written")
+        write_json_atomic(
+            folder / "head.json",
+            {
+                "version": v,
+                "hash": new.hash,
+                "applied": new.applied,
+                "reported": {str(b): ps for b, ps in new.reported.items()},
+                "previous": head_fields(old),  # the fallback if v+1 is found corrupt
+            },
+        )
+        fault_point("outer_step.committed")
+        # This step's deltas stay one step longer: a corrupt v+1 is redone from v and them.
+        shutil.rmtree(self.root / "deltas" / mid / f"v{old.version - 1}", ignore_errors=True)
+        for stale in (f"v{v - KEEP_VERSIONS}.dpt", f"m{v - KEEP_VERSIONS}.dpt"):
+            (folder / stale).unlink(missing_ok=True)
+        sync_files(folder / f"v{v}.dpt", folder / f"m{v}.dpt")
+        if on_disk is not None:
+            on_disk(info)
 
-        Each must be float32, contiguous, shaped like the module, and referenced by nobody but
-        the store: no other Python reference to the tensor, no view or NumPy array on its
-        storage (a reply being encoded, an evaluation holding it). Anything less: None, and the
-        step allocates its results afresh.
-        """
-        spare = self._spare.pop(mid, None)
-        if spare is None or spare[1] is None:
-            return None
+    def finish_step(self, result: StepResult) -> dict:
+        """Make the committed step the module's state (under the coordinator's lock)."""
+        mid, old = result.plan.mid, result.plan.record
+        self.modules[mid] = result.record
+        if self.reuse_buffers:
+            self._spare[mid] = (old.params, old.momentum)
+        return result.info
+
+    def _synced(self, mid: str) -> None:
+        """Wait until ``mid``'s last step is on disk. A background write that failed (a full
+        disk) is tried again here; if it fails again the OSError is raised, and the job stays
+        to be tried at the next step (the ticker retries failed steps every second)."""
+        job = self._syncing.get(mid)
+        if job is None:
+            return
         try:
-            for tensors in spare:
-                # the tuple's reference, the loop's and getrefcount's: nobody holds the dict
-                if sys.getrefcount(tensors) > 3 or tensors.keys() != like.keys():
-                    return None
-                for name, ref in like.items():
-                    t = tensors[name]
-                    if (
-                        t.dtype != torch.float32
-                        or t.shape != ref.shape
-                        or not t.is_contiguous()
-                        or t.device != ref.device
-                        # the dict's reference, t's and getrefcount's own: nobody else's
-                        or sys.getrefcount(t) > 3
-                        or torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
-                    ):
-                        return None
-        except AttributeError:  # a torch without the storage count: never share
-            return None
-        return spare[0], spare[1]
+            job.result()
+        except OSError as exc:
+            log.error("writing the last outer step of %s failed (%s); trying again", mid, exc)
+            job.run_here()
+        del self._syncing[mid]
+
+    def sync_all(self) -> None:
+        """Wait for every background sync (at shutdown, and in the benchmarks' timings)."""
+        for mid in list(self._syncing):
+            self._synced(mid)
 
     def delta_tensors(self, delta: PendingDelta) -> Tensors:
         return read_tensor_file(delta.file).tensors
+
+
+def spare_buffers(
+    spare: tuple[Tensors, Tensors | None] | None, like: Tensors
+) -> tuple[Tensors, Tensors] | None:
+    """The previous version's tensors, to be overwritten, if nothing else can see them.
+
+    Each must be float32, contiguous, shaped like the module, and referenced by nobody but
+    the store: no other Python reference to the tensor, no view or NumPy array on its
+    storage (a reply being encoded, an evaluation holding it). Anything less: None, and the
+    step allocates its results afresh.
+    """
+    if spare is None or spare[1] is None:
+        return None
+    try:
+        for tensors in spare:
+            # the tuple's reference, the loop's and getrefcount's: nobody holds the dict
+            if sys.getrefcount(tensors) > 3 or tensors.keys() != like.keys():
+                return None
+            for name, ref in like.items():
+                t = tensors[name]
+                if (
+                    t.dtype != torch.float32
+                    or t.shape != ref.shape
+                    or not t.is_contiguous()
+                    or t.device != ref.device
+                    # the dict's reference, t's and getrefcount's own: nobody else's
+                    or sys.getrefcount(t) > 3
+                    or torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
+                ):
+                    return None
+    except AttributeError:  # a torch without the storage count: never share
+        return None
+    return spare[0], spare[1]

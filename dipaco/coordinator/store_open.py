@@ -14,6 +14,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,13 +48,20 @@ class PendingDelta:
 @dataclass
 class ModuleRecord:
     version: int
-    hash: str
+    digest: Any  # the release hash (SHA-256 hex), or the job computing it (store.py)
     params: Tensors
     momentum: Tensors | None
     applied: list[str] = field(default_factory=list)  # task ids of the last outer steps
     reported: dict[int, list[int]] = field(default_factory=dict)  # base version -> on-time paths
     pending: dict[int, PendingDelta] = field(default_factory=dict)  # on time: base == version
     late: dict[int, PendingDelta] = field(default_factory=dict)  # late: base < version, damped
+
+    @property
+    def hash(self) -> str:
+        """The release hash peers check (``tensors_sha256`` of the parameters)."""
+        if not isinstance(self.digest, str):
+            self.digest = self.digest.result()
+        return self.digest
 
 
 def _version_of(name: str) -> int:
@@ -162,7 +170,7 @@ class StoreOpener:
         v = head["version"]
         record = ModuleRecord(v, head["hash"], params, momentum, head["applied"], head["reported"])
         self._discard_uncommitted(mid, folder, v)
-        record.pending, record.late = self._load_pending(mid, v, params)
+        record.pending, record.late = self.pending(mid, v, params)
         return record
 
     @staticmethod
@@ -211,6 +219,8 @@ class StoreOpener:
         for d in deltas.glob("v*"):
             if _version_of(d.name) < version - 1:
                 shutil.rmtree(d, ignore_errors=True)
+        # Deltas staged by admission but never committed (never acknowledged) go too.
+        shutil.rmtree(deltas / "incoming", ignore_errors=True)
         # AtomicFile's temporary names start with a dot: a crash before the rename left them.
         for tmp in [*folder.glob(".*"), *deltas.glob("v*/.*")]:
             log.info("module %s: removing %s, left by an interrupted write", mid, tmp)
@@ -223,7 +233,7 @@ class StoreOpener:
         log.error("module %s: %s: %s; moved aside to %s", mid, file, why, aside.name)
         self.quarantined.append(str(aside))
 
-    def _load_pending(
+    def pending(
         self, mid: str, version: int, params: Tensors
     ) -> tuple[dict[int, PendingDelta], dict[int, PendingDelta]]:
         """The acknowledged deltas waiting for this version's step, each checked now: a bad

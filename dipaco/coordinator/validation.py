@@ -218,9 +218,11 @@ class NormTracker:
 
     def save(self) -> None:
         if self.path is not None:
-            write_json_atomic(
-                self.path, {"norms": {mid: list(xs) for mid, xs in self.norms.items()}}
-            )
+            write_json_atomic(self.path, self.snapshot())
+
+    def snapshot(self) -> dict:
+        """The statistics as saved (a copy: it may be written outside the lock)."""
+        return {"norms": {mid: list(xs) for mid, xs in self.norms.items()}}
 
     def stats(self, mid: str) -> tuple[float, float, int]:
         """Median, MAD and count of a module's recorded norms."""

@@ -43,6 +43,9 @@ class Topology:
     private_blocks_after: int = 0
     replicas: int = 1
     _segments: tuple = field(init=False, repr=False, compare=False)
+    # Answers of path_modules / module_ids / paths_through, computed once: the coordinator asks
+    # them for every path on every request.
+    _cache: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.levels or any(k < 1 for k in self.levels):
@@ -71,6 +74,7 @@ class Topology:
         if self.private_blocks_after:
             segments.append(("post", start, self.private_blocks_after))
         object.__setattr__(self, "_segments", tuple(segments))
+        object.__setattr__(self, "_cache", {})
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -176,6 +180,12 @@ class Topology:
 
     def path_modules(self, path: int) -> list[str]:
         """Module ids of a path, in model order."""
+        key = ("path_modules", path)
+        if key not in self._cache:
+            self._cache[key] = tuple(self._path_modules(path))
+        return list(self._cache[key])
+
+    def _path_modules(self, path: int) -> list[str]:
         choice = self.choices(path)
         owner = path // self.replicas  # replicas of a combination share its private parts
         mids = [self._part_id("embed", owner)]
@@ -185,6 +195,11 @@ class Topology:
         return mids
 
     def module_ids(self) -> list[str]:
+        if "module_ids" not in self._cache:
+            self._cache["module_ids"] = tuple(self._module_ids())
+        return list(self._cache["module_ids"])
+
+    def _module_ids(self) -> list[str]:
         seen: dict[str, None] = {}
         for p in range(self.num_paths):
             for mid in self.path_modules(p):
@@ -192,6 +207,12 @@ class Topology:
         return sorted(seen, key=self._sort_key)
 
     def paths_through(self, module_id: str) -> list[int]:
+        key = ("paths_through", module_id)
+        if key not in self._cache:
+            self._cache[key] = tuple(self._paths_through(module_id))
+        return list(self._cache[key])
+
+    def _paths_through(self, module_id: str) -> list[int]:
         paths = [p for p in range(self.num_paths) if module_id in self.path_modules(p)]
         if not paths:
             raise ConfigError(f"unknown module id {module_id!r} for topology {self.spec}")

@@ -8,20 +8,23 @@ The header is ``{"type": str, "fields": {...}, "tensors": [[name, dtype, shape],
 payloads follow in header order, each exactly ``prod(shape) * itemsize`` bytes. Decoding checks
 every length before it reads, allows only the dtypes in :data:`DTYPES`, and enforces size limits,
 so a malformed, truncated or oversized frame is a :class:`~dipaco.errors.WireError`, never a crash.
-The same frames are used on disk (:func:`write_tensor_file`) with a trailing SHA-256.
+The same frames are used on disk (:func:`write_tensor_file`) with a trailing checksum (XXH3).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from dipaco.errors import CorruptFileError, WireError
 from dipaco.fileio import write_atomic
@@ -70,6 +73,18 @@ class Frame:
 
 
 def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytearray:
+    head, arrays = encode_parts(frame, limits)
+    out = bytearray(len(head) + sum(a.nbytes for a in arrays))  # one copy, straight into place
+    out[: len(head)] = head
+    offset = len(head)
+    for a in arrays:
+        out[offset : offset + a.nbytes] = a
+        offset += a.nbytes
+    return out
+
+
+def encode_parts(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, list[memoryview]]:
+    """The frame as its prefix and header, then each tensor's bytes (views, not copies)."""
     specs, arrays = [], []
     for name, tensor in frame.tensors.items():
         if tensor.dtype not in _DTYPE_NAMES:
@@ -78,7 +93,7 @@ def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytearray:
             )
         t = tensor.detach().to("cpu").contiguous()
         specs.append([name, _DTYPE_NAMES[t.dtype], list(t.shape)])
-        arrays.append(t.reshape(-1).view(torch.uint8).numpy())
+        arrays.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     # What the decoder would refuse is refused here too: a frame we write is one we can read.
     _check_scalars(frame.fields, f"fields of {frame.type}")
     try:
@@ -100,17 +115,14 @@ def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytearray:
             f"message of {total} bytes exceeds the limit {limits.max_total_bytes}",
             reason="too-large",
         )
-    out = bytearray(total)  # one copy of the tensor bytes, straight into place
-    _PREFIX.pack_into(out, 0, MAGIC, VERSION, len(header))
-    offset = _PREFIX.size + len(header)
-    out[_PREFIX.size : offset] = header
-    for a in arrays:
-        out[offset : offset + a.nbytes] = a.data
-        offset += a.nbytes
-    return out
+    return _PREFIX.pack(MAGIC, VERSION, len(header)) + header, arrays
 
 
-def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Frame:
+def decode(
+    data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS, copy: bool = True
+) -> Frame:
+    """The frame in ``data``. Each tensor is a private copy, unless ``copy`` is False: then the
+    tensors are views of ``data`` (writable, and owned by the caller: a file just read)."""
     view = memoryview(data)
     if len(view) > limits.max_total_bytes:
         raise WireError(
@@ -159,7 +171,11 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
             raise WireError(
                 f"truncated message: tensor {name!r} needs {nbytes} bytes, {len(view) - offset} remain"
             )
-        raw = bytearray(view[offset : offset + nbytes])  # a private, writable copy
+        itemsize = DTYPES[dtype].itemsize
+        if copy or (_address(view) + offset) % itemsize:
+            raw = bytearray(view[offset : offset + nbytes])  # a private, writable copy
+        else:
+            raw = view[offset : offset + nbytes]
         flat = (
             torch.frombuffer(raw, dtype=DTYPES[dtype])
             if nbytes
@@ -271,24 +287,76 @@ def _check_spec(spec: Any, limits: Limits) -> tuple[str, str, list[int]]:
 # ---- crash-safe files in the same format ------------------------------------------------------
 
 
-def write_tensor_file(path: str | Path, frame: Frame) -> None:
-    data = encode(frame)
-    write_atomic(path, data, hashlib.sha256(data).digest())  # no concatenated copy
+# A file is its frame, then a checksum trailer. Files never leave this machine, so the checksum
+# only has to catch a torn or damaged write: XXH3-128 (xxHash, 35 GB/s on one core here, against
+# 2.1 GB/s for SHA-256), followed by a marker. Files written before 2026-11-25 end with the
+# frame's SHA-256 instead, and are still read.
+FILE_MARK = b"DPXXH3\x00\x01"
+_XXH3_TRAILER = 16 + len(FILE_MARK)
+
+
+def write_tensor_file(
+    path: str | Path, frame: Frame, sync: bool = True, sync_dir: bool = True
+) -> None:
+    """Write ``frame`` crash-safe (temporary name, rename) with its checksum trailer, straight
+    from the tensors' memory. ``sync=False`` leaves the fsync to the caller (store.py syncs an
+    outer step's files in the background, before the files they replace are deleted)."""
+    head, arrays = encode_parts(frame)
+    digest = xxhash.xxh3_128(head)
+    for a in arrays:
+        digest.update(a)
+    write_atomic(path, head, *arrays, digest.digest() + FILE_MARK, sync=sync, sync_dir=sync_dir)
 
 
 def read_tensor_file(path: str | Path) -> Frame:
+    """The frame in a file written by :func:`write_tensor_file`, its checksum verified; its
+    tensors are views of one buffer read from the file (no other copy), aligned."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = _aligned_read(f, size)
     except FileNotFoundError:
         raise CorruptFileError(f"{path}: file is missing") from None
-    body = memoryview(raw)[:-32]  # a view: slicing the bytes would copy them
-    if len(raw) < 32 or hashlib.sha256(body).digest() != raw[-32:]:
+    if size >= _XXH3_TRAILER and bytes(raw[-len(FILE_MARK) :]) == FILE_MARK:
+        body = raw[:-_XXH3_TRAILER]
+        ok = xxhash.xxh3_128(body).digest() == bytes(raw[-_XXH3_TRAILER : -len(FILE_MARK)])
+    else:  # written before XXH3: the frame's SHA-256
+        body = raw[:-32]
+        ok = size >= 32 and hashlib.sha256(body).digest() == bytes(raw[-32:])
+    if not ok:
         raise CorruptFileError(f"{path}: checksum mismatch (truncated or corrupt file)")
     try:
-        return decode(body)
+        return decode(body, copy=False)
     except WireError as exc:
         raise CorruptFileError(f"{path}: {exc}") from None
+
+
+def _aligned_read(f: Any, size: int) -> memoryview:
+    """The whole file in a writable buffer placed so that its tensor bytes start 64-byte
+    aligned (the frame's prefix says where they start)."""
+    prefix = f.read(_PREFIX.size)
+    f.seek(0)
+    start = size  # not a frame: no alignment to keep
+    if len(prefix) == _PREFIX.size:
+        start = _PREFIX.size + _PREFIX.unpack(prefix)[2]
+    buffer = torch.empty(size + 64, dtype=torch.uint8)
+    pad = (-(buffer.data_ptr() + start)) % 64 if start < size else 0
+    view = memoryview(buffer.numpy())[pad : pad + size]
+    got = 0
+    while got < size:
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return view[:got]
+
+
+def _address(view: memoryview) -> int:
+    """The address of a buffer's first byte (to keep zero-copy tensors aligned)."""
+    if view.readonly or not view.nbytes:
+        return 1  # never aligned: decode copies
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:

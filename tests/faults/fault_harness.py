@@ -103,7 +103,10 @@ class Cluster:
         self.peer_address = address or self.listen  # a proxy's address, if one is in between
         self.n_peers = peers
         self.coordinator_faults = list(coordinator_faults or [])
+        # Each peer's extra environment applies to its first start only: a peer restarted after
+        # its fault runs clean, so a scenario's fault happens once, whatever the timing.
         self.peer_env = peer_env or {}
+        self.peer_started: set[int] = set()
         self.restart_peers, self.peer_restart_delay = restart_peers, peer_restart_delay
         self.fault_log = workdir / "faults.jsonl"
         self.coordinator: subprocess.Popen | None = None
@@ -127,6 +130,9 @@ class Cluster:
                "--run-dir", self.root, "--no-eval", "--transport", "loopback",
                "--listen", self.listen, "--linger", "3"]  # fmt: skip
         env = self._env({"DIPACO_FAULTS": faults} if faults else {})
+        # Every outer step but a run's last written on a background thread, as large modules'
+        # are (store.py): the kills inside the outer step hit that thread.
+        env["DIPACO_BACKGROUND_STEP_BYTES"] = "0"
         self.coordinator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         self.coordinator_log = self.workdir / f"coordinator-{self.lives}.log"
@@ -148,8 +154,10 @@ class Cluster:
         cmd = [BIN / "dipaco-peer", "join", self.peer_address,
                "--authkey-file", self.root / "coordinator" / "authkey",
                "--peer-id", f"peer{i}", "--state-dir", self.workdir / "peers"]  # fmt: skip
+        extra = self.peer_env.get(i, {}) if i not in self.peer_started else {}
+        self.peer_started.add(i)
         self.peers[i] = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(self.peer_env.get(i, {}))
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env(extra)
         )
         log.close()
 
@@ -164,6 +172,19 @@ class Cluster:
         if p is not None and p.poll() is None:
             os.kill(p.pid, signal.SIGKILL)
             self._log_fault("external", f"peer{i}")
+
+    def pause_peers(self) -> None:
+        """SIGSTOP every live peer: each holds its task where it is (fetching, training,
+        pushing) until :meth:`resume_peers`, however long the coordinator is away."""
+        for i, p in enumerate(self.peers):
+            if p is not None and p.poll() is None:
+                os.kill(p.pid, signal.SIGSTOP)
+                self._log_fault("paused", f"peer{i}")
+
+    def resume_peers(self) -> None:
+        for p in self.peers:
+            if p is not None and p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
 
     def _log_fault(self, point: str, who: str) -> None:
         with open(self.fault_log, "a") as f:

@@ -139,3 +139,29 @@ def test_tensor_files_detect_corruption_and_truncation(tmp_path):
         read_tensor_file(path)
     with pytest.raises(CorruptFileError, match="missing"):
         read_tensor_file(tmp_path / "absent.dpt")
+
+
+def test_tensor_files_are_read_into_aligned_writable_tensors_and_old_files_still_read(tmp_path):
+    tensors = {
+        "odd": torch.arange(7, dtype=torch.int8),  # puts the next tensor off a 4-byte boundary
+        "w": torch.randn(5, 3),
+        "d": torch.randn(4, dtype=torch.float64),
+    }
+    write_tensor_file(tmp_path / "new.dpt", Frame("Delta", {"a": 1}, tensors))
+    assert (tmp_path / "new.dpt").read_bytes().endswith(b"DPXXH3\x00\x01")  # XXH3 trailer
+    got = read_tensor_file(tmp_path / "new.dpt").tensors
+    for name, t in tensors.items():
+        assert torch.equal(got[name], t)
+        assert got[name].data_ptr() % got[name].element_size() == 0
+    got["w"].add_(1.0)  # writable: a view of the caller's own buffer
+    # A file from before XXH3 (the frame, then its SHA-256) is still read and checked.
+    import hashlib
+
+    data = bytes(encode(Frame("Delta", {"a": 1}, tensors)))
+    (tmp_path / "old.dpt").write_bytes(data + hashlib.sha256(data).digest())
+    assert torch.equal(read_tensor_file(tmp_path / "old.dpt").tensors["w"], tensors["w"])
+    damaged = bytearray((tmp_path / "old.dpt").read_bytes())
+    damaged[-40] ^= 1
+    (tmp_path / "old.dpt").write_bytes(bytes(damaged))
+    with pytest.raises(CorruptFileError, match="checksum"):
+        read_tensor_file(tmp_path / "old.dpt")

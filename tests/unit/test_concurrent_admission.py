@@ -1,0 +1,151 @@
+"""Concurrent admission (issue 20): a delta's decoding, checks and durable write run outside the
+coordinator's lock, a module's outer step runs outside it, and the small state files are written
+by group commit. What a user would notice: one module's step does not hold up the deltas of
+others, a retried delta racing its first copy is acknowledged and applied once, and a burst of
+requests costs one state write, not one each. bench/soak.py measures the speed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import torch
+from _tiny import constant_delta, delta_message, tiny_coordinator
+
+from dipaco.coordinator.durable import GroupWriter, deferring
+from dipaco.coordinator.outer import OuterSettings
+from dipaco.coordinator.store import ModuleStore
+from dipaco.protocols import messages as m
+from dipaco.protocols.transport import LocalTransport
+
+
+def claim_all(tr):
+    tasks = {}
+    for i in range(4):
+        task = tr.request(m.ClaimTask(peer_id=f"p{i}", prefer_path=i))
+        tasks[task.path] = task
+    return tasks
+
+
+def submit(co, tr, task):
+    return tr.request(delta_message(task, f"p{task.path}", constant_delta(co, task)))
+
+
+def test_an_outer_step_does_not_hold_up_the_deltas_of_other_modules(tmp_path, monkeypatch):
+    co = tiny_coordinator(tmp_path)
+    tr = LocalTransport(co.handle)
+    tasks = claim_all(tr)
+    # L0.M0's step (paths 0 and 1 reported) is held until we let it go.
+    release, stepping = threading.Event(), threading.Event()
+    run_step = co.store.run_step
+
+    def held(plan, *args, **kwargs):
+        if plan.mid == "L0.M0":
+            stepping.set()
+            assert release.wait(30)
+        return run_step(plan, *args, **kwargs)
+
+    monkeypatch.setattr(co.store, "run_step", held)
+    assert isinstance(submit(co, tr, tasks[0]), m.DeltaAck)
+    acks = {}
+    first = threading.Thread(target=lambda: acks.update(one=submit(co, tr, tasks[1])))
+    first.start()
+    assert stepping.wait(30)
+    # Path 2 (L0.M1, L1.M0 and the shared modules) is admitted while L0.M0 steps.
+    began = time.monotonic()
+    ack = submit(co, tr, tasks[2])
+    assert isinstance(ack, m.DeltaAck) and len(ack.accepted) == 4
+    assert time.monotonic() - began < 10
+    assert first.is_alive() and co.store.version("L0.M0") == 0 and "L0.M0" in co.stepping
+    release.set()
+    first.join(30)
+    assert "L0.M0" in acks["one"].closed and co.store.version("L0.M0") == 1
+    assert isinstance(submit(co, tr, tasks[3]), m.DeltaAck)
+    assert {co.store.version(mid) for mid in co.topology.module_ids()} == {1}
+
+
+def test_a_delta_racing_its_own_retry_is_acknowledged_twice_and_applied_once(tmp_path, monkeypatch):
+    co = tiny_coordinator(tmp_path)
+    tr = LocalTransport(co.handle)
+    tasks = claim_all(tr)
+    stage = co.store.stage_delta
+
+    def slow(*args, **kwargs):  # the first copy is still being written when the second comes
+        time.sleep(0.3)
+        return stage(*args, **kwargs)
+
+    monkeypatch.setattr(co.store, "stage_delta", slow)
+    msg = delta_message(tasks[0], "p0", constant_delta(co, tasks[0]))
+    replies = []
+    threads = [threading.Thread(target=lambda: replies.append(tr.request(msg))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [type(r) for r in replies] == [m.DeltaAck, m.DeltaAck]
+    assert all(sorted(r.accepted) == sorted(co.topology.path_modules(0)) for r in replies)
+    for mid in co.topology.path_modules(0):
+        assert list(co.store.modules[mid].pending) == [0]
+        assert sorted(p.name for p in (tmp_path / "deltas" / mid / "v0").iterdir()) == ["P0.dpt"]
+        assert not list((tmp_path / "deltas" / mid / "incoming").iterdir())  # nothing left over
+    for p in (1, 2, 3):
+        submit(co, tr, tasks[p])
+    for mid in co.topology.path_modules(0):  # every module stepped with it, once
+        assert co.store.version(mid) == 1
+        assert co.store.modules[mid].applied.count(tasks[0].task_id) == 1
+
+
+def test_a_burst_of_changes_is_one_state_write(tmp_path):
+    lock, state = threading.RLock(), {"n": 0}
+    writer = GroupWriter(lock, lambda: json.dumps(state).encode(), tmp_path / "state.json")
+    ready = threading.Barrier(16)
+
+    def request():
+        with deferring():
+            with lock:
+                state["n"] += 1
+                writer.save()  # marks only, inside a request
+            ready.wait(30)
+        writer.flush()  # every change marked so far is on disk when this returns
+        assert json.loads((tmp_path / "state.json").read_text())["n"] == 16
+
+    threads = [threading.Thread(target=request) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert writer.writes == 1
+    assert json.loads((tmp_path / "state.json").read_text()) == {"n": 16}
+    writer.save()  # outside a request: written at once
+    assert writer.writes == 2
+
+
+def test_a_step_not_yet_on_disk_is_redone_the_same_with_the_deltas_acked_meanwhile(
+    tmp_path, monkeypatch
+):
+    module = {"w": torch.linspace(-1, 1, 1000), "b": torch.ones(10)}
+    store = ModuleStore(tmp_path)
+    store.initialize({"m": module})
+    for p in range(2):
+        store.add_delta(
+            "m", p, 1.0 + p, f"t0-{p}", "peer", {k: v * 0.01 * (p + 1) for k, v in module.items()}
+        )
+    settings = OuterSettings()
+    # The process dies before the step's background write: nothing of v1 reaches the disk.
+    monkeypatch.setattr(ModuleStore, "_persist", lambda self, *args: None)
+    store.outer_step("m", settings, background=True)
+    stepped = {k: v.clone() for k, v in store.params("m").items()}
+    assert store.version("m") == 1
+    # A peer fetched v1, trained, and its delta against v1 was acknowledged.
+    store.add_delta("m", 0, 1.0, "t1-0", "peer", {k: v * 0.02 for k, v in module.items()})
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "modules" / "m" / "head.json").read_text())["version"] == 0
+    again = ModuleStore(tmp_path)
+    again.load(["m"])
+    assert again.version("m") == 0 and sorted(again.modules["m"].pending) == [0, 1]
+    again.outer_step("m", settings)  # what the coordinator's start does: redo the step
+    assert again.version("m") == 1
+    assert all(torch.equal(again.params("m")[k], stepped[k]) for k in stepped)
+    assert [d.task_id for d in again.modules["m"].pending.values()] == ["t1-0"]
