@@ -21,14 +21,18 @@ log = logging.getLogger(__name__)
 
 
 def open_paths(core: CoordinatorBase) -> dict[int, int]:
+    # Each module's version and reported paths once, not once per path through it: every
+    # claim asks this.
+    version = {mid: core.version(mid) for mid in core.topology.module_ids()}
+    done = {mid: core.reported(mid) for mid in version}
     out = {}
     for p in range(core.topology.num_paths):
         mids = core.topology.path_modules(p)
-        versions = {core.version(mid) for mid in mids}
+        versions = {version[mid] for mid in mids}
         if len(versions) != 1 or None in versions:
             continue  # some module of the path is still waiting for other paths
         (v,) = versions
-        reported = (p, v) in core.done or all(p in core.reported(mid) for mid in mids)
+        reported = (p, v) in core.done or all(p in done[mid] for mid in mids)
         if v < core.rounds and not reported and core.phase_of(v) in core.phases:
             out[p] = v
     return out
