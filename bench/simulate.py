@@ -1,0 +1,102 @@
+"""Capacity planning by simulation: how many peers one scheduler and K module owners serve.
+
+Runs the real coordinator code (dipaco.sim: one scheduler, K owners, every request through the
+real handler, on a virtual clock) with simulated peers and links, for each combination of
+``--peers`` and ``--owners``, and prints per configuration: the rounds' median virtual wall
+time, how busy the peers were, the utilization of the scheduler's CPU and of the busiest
+owner's CPU and NIC, the first resource to saturate, and the deltas acknowledged, applied and
+lost (from the coordinators' own metrics events). See docs/operations.md, "Capacity planning
+(simulated)".
+
+    python bench/simulate.py --peers 200 500 1000 --owners 1 4 16 --rounds 2
+    python bench/simulate.py --peers 1000 --owners 4 --doc   # appends the table to docs/operations.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dipaco.sim import costs, simulate  # noqa: E402
+
+DOC = REPO / "docs" / "operations.md"
+HEADER = (
+    "| peers | owners | paths | round (median s) | rounds (s) | peers busy | peers training "
+    "| scheduler CPU | owner CPU | owner NIC in | owner NIC out | first bottleneck "
+    "| acked / applied / lost | sim wall (s) |"
+)
+
+
+def row(r: simulate.Result) -> str:
+    u = r.utilization
+    rounds = ", ".join(f"{x:,.0f}" for x in r.round_seconds)
+    name, util = r.busiest
+    neck = r.bottleneck if r.bottleneck == name else f"{r.bottleneck}; busiest {name}"
+    return (
+        f"| {r.settings.peers:,} | {r.settings.owners} | {r.paths:,} | {r.median_round:,.0f}"
+        f"{'' if r.rounds_done >= r.settings.rounds else f' (STALLED at round {r.rounds_done})'} "
+        f"| {rounds} | {r.peers_busy:.0%} | {r.peers_compute:.0%} "
+        f"| {u.get('scheduler cpu', 0):.0%} | {u.get('owner cpu', 0):.0%} "
+        f"| {u.get('owner nic in', 0):.0%} | {u.get('owner nic out', 0):.0%} "
+        f"| {neck} ({util:.0%}) | {r.acked:,} / {r.applied:,} / {r.lost} "
+        f"| {r.wall_seconds:,.0f} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peers", type=int, nargs="+", default=[200])
+    ap.add_argument("--owners", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--inner-steps", type=int, default=500)
+    ap.add_argument("--owner-gbps", type=float, default=10.0, help="each owner's NIC, each way")
+    ap.add_argument("--churn", type=float, default=0.05)
+    ap.add_argument("--quorum", type=float, default=0.5, help="scheduler.quorum (0.5: default)")
+    ap.add_argument(
+        "--no-cache-topology",
+        action="store_true",
+        help="run the coordinator's Topology as it is (module lists recomputed per call)",
+    )
+    ap.add_argument("--doc", action="store_true", help=f"append the table to {DOC.name}")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    rows = []
+    for peers in args.peers:
+        for owners in args.owners:
+            settings = costs.Settings(
+                peers=peers,
+                owners=owners,
+                rounds=args.rounds,
+                inner_steps=args.inner_steps,
+                seed=args.seed,
+                owner_gbps=args.owner_gbps,
+                churn=args.churn,
+                quorum=args.quorum,
+                cache_topology=not args.no_cache_topology,
+            )
+            print(f"{peers} peers, {owners} owners:", flush=True)
+            result = simulate.run(settings, progress=lambda line: print(line, flush=True))
+            print(f"  {result.stats}", flush=True)
+            rows.append(row(result))
+            print(HEADER + "\n" + "|---" * 14 + "|\n" + rows[-1], flush=True)
+    table = "\n".join([HEADER, "|---" * 14 + "|", *rows])
+    print("\n" + table)
+    if args.doc:
+        cmd = "python bench/simulate.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        stamp = datetime.now(UTC).strftime("%Y-%m-%d")
+        note = f"\n`{cmd.replace(' --doc', '')}` ({platform.processor() or platform.machine()}, {stamp}):\n\n"
+        with DOC.open("a") as f:
+            f.write(note + table + "\n")
+    return 0 if all(" / 0 |" in r and "STALLED" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""The simulated peers: the real protocol's requests, in the order a real peer sends them, as a
+state machine on the virtual clock.
+
+A peer says Hello, claims a task (preferring its last path), fetches the path's modules from
+their owners (only those whose version it lacks), trains for the offer's steps at its own step
+time, heartbeats its lease meanwhile, pushes each owner its modules' int8 delta, and sends
+TaskDone to the scheduler once every owner acknowledged; then it claims again. Refused or idle
+(``NoTask``), it retries after the reply's ``retry_after`` (or ``Settings.poll_seconds``).
+With probability ``churn`` it leaves during a task, silently (its lease expires and the task is
+re-issued), and a new peer arrives after an exponential delay.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dipaco.protocols import auth, codecs
+from dipaco.protocols import messages as m
+from dipaco.protocols.reasons import Reason
+from dipaco.sim import costs
+from dipaco.sim.cluster import Cluster, Node
+from dipaco.sim.events import Loop, Pipe, transfer
+
+
+@dataclass
+class PeerStats:
+    arrived: int = 0
+    left: int = 0  # churned away mid-task
+    tasks: int = 0  # offers taken
+    finished: int = 0  # tasks whose every delta was acknowledged
+    polls: int = 0  # NoTask replies
+    refused: Counter[str] = field(default_factory=Counter)
+    busy: float = 0.0  # peer-seconds holding a task
+    compute: float = 0.0  # peer-seconds training
+    alive: float = 0.0  # peer-seconds present
+    kinds: Counter[str] = field(default_factory=Counter)
+
+
+class Swarm:
+    """Every peer of the run, and what they share: the loop, the cluster, the random draws."""
+
+    def __init__(self, loop: Loop, cluster: Cluster, settings: costs.Settings) -> None:
+        self.loop, self.cluster, self.settings = loop, cluster, settings
+        self.rng = random.Random(settings.seed)
+        self.stats = PeerStats()
+        self.count = 0
+        self.live: set[Peer] = set()
+        gen = torch.Generator().manual_seed(settings.seed)
+        self.deltas = {}  # module -> its int8 wire tensors (the same small delta for everyone)
+        for mid in cluster.topology.module_ids():
+            like = cluster.initial[mid]
+            raw = {k: torch.randn(v.shape, generator=gen) * 1e-3 for k, v in like.items()}
+            self.deltas[mid] = {f"{mid}/{k}": v for k, v in codecs.encode("int8", raw).items()}
+
+    def spawn(self) -> None:
+        Peer(self, self.count, costs.draw_peer(self.rng, self.settings.peer_kinds)).arrive()
+        self.count += 1
+
+    def finish(self) -> None:
+        """Close the books at the end of the run."""
+        for peer in list(self.live):
+            peer.close()
+
+
+class Peer:
+    def __init__(self, swarm: Swarm, index: int, profile: costs.PeerProfile) -> None:
+        self.swarm, self.profile = swarm, profile
+        self.loop = swarm.loop
+        self.name = f"peer{index:05d}"
+        self.identity = auth.Identity.generate()
+        self.down = Pipe(self.loop, f"{self.name} down", profile.down_bps)
+        self.up = Pipe(self.loop, f"{self.name} up", profile.up_bps)
+        self.token = 0  # bumped when a task ends or the peer leaves: stale callbacks stop
+        self.gone = False
+        self.have: dict[str, int] = {}
+        self.last_path: int | None = None
+        self.since = 0.0
+        self.task_start: float | None = None
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    def send(
+        self,
+        node: Node,
+        msg: m.Message,
+        then: Callable[[Any], None],
+        extra: Callable[[Any], float] = lambda r: 0.0,
+        times: float = 1.0,
+    ) -> None:
+        """``msg`` to ``node`` over this peer's latency; ``then(reply)`` when the reply is back,
+        unless the task it was sent for is over by then."""
+        token, lat = self.token, self.profile.latency
+
+        def reply(r: Any) -> None:
+            self.loop.after(lat, lambda: self._live(token) and then(r))
+
+        self.loop.after(lat, node.request, self.identity, msg, extra, reply, times)
+
+    def _live(self, token: int) -> bool:
+        return not self.gone and token == self.token
+
+    @property
+    def scheduler(self) -> Node:
+        return self.swarm.cluster.scheduler
+
+    # ---- the protocol --------------------------------------------------------------------------
+    def arrive(self) -> None:
+        self.swarm.live.add(self)
+        self.since = self.loop.now
+        self.swarm.stats.arrived += 1
+        self.swarm.stats.kinds[self.profile.kind] += 1
+        self.send(self.scheduler, m.Hello(peer_id=self.name, device="cuda"), lambda r: self.claim())
+
+    def claim(self, times: float = 1.0) -> None:
+        msg = m.ClaimTask(peer_id=self.name, prefer_path=self.last_path)
+        self.send(self.scheduler, msg, self.offered, times=times)
+
+    def offered(self, reply: Any) -> None:
+        st = self.swarm.stats
+        if isinstance(reply, m.TaskOffer):
+            st.tasks += 1
+            self.task_start = self.loop.now
+            self.offer = reply
+            self.last_path = reply.path
+            self.loop.after(self.swarm.settings.heartbeat_seconds, self.beat, self.token)
+            self.fetch()
+            return
+        if isinstance(reply, m.NoTask):
+            if reply.finished:
+                self.close()
+                return
+            st.polls += 1
+            wait = max(self.swarm.settings.poll_seconds, reply.retry_after)
+            times = wait / reply.retry_after if reply.retry_after > 0 else 1.0
+        else:
+            st.refused[getattr(reply, "reason", "error")] += 1
+            wait, times = 1.0, 1.0
+        self.loop.after(wait, lambda token=self.token: self._live(token) and self.claim(times))
+
+    def by_owner(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for mid, owner in self.offer.owners.items():
+            out.setdefault(owner, []).append(mid)
+        return out
+
+    def fetch(self) -> None:
+        offer, sizes = self.offer, self.swarm.cluster.sizes
+        groups = self.by_owner()
+        waiting = set(groups)
+        token = self.token
+
+        def got(owner: str, reply: Any) -> None:
+            if not isinstance(reply, m.Modules):
+                self.abandon(reply)
+                return
+            self.have.update(reply.versions)
+            sent = sorted({k.partition("/")[0] for k in reply.tensors})
+            node = self.swarm.cluster.by_name[owner]
+            when = transfer(self.loop, sizes.fp32(sent), [node.egress, self.down], 0.0)
+
+            def arrived() -> None:
+                waiting.discard(owner)
+                if not waiting:
+                    self.train()
+
+            self.loop.at(when, lambda: self._live(token) and arrived())
+
+        for owner, mids in groups.items():
+            node = self.swarm.cluster.by_name[owner]
+            have = {mid: v for mid, v in self.have.items() if mid in mids}
+            msg = m.FetchModules(self.name, offer.task_id, have, offer.ticket)
+
+            def encode(r: Any) -> float:
+                if not isinstance(r, m.Modules):
+                    return 0.0
+                sent = {k.partition("/")[0] for k in r.tensors}
+                return sizes.fp32(sorted(sent)) / costs.LOSSLESS_ENCODE_BPS
+
+            self.send(node, msg, lambda r, owner=owner: got(owner, r), encode)
+
+    def train(self) -> None:
+        seconds = self.offer.inner_steps * self.profile.step_seconds
+        st, s = self.swarm.stats, self.swarm.settings
+        if self.swarm.rng.random() < s.churn:
+            at = self.swarm.rng.random() * seconds
+            st.compute += at
+            self.loop.after(at, self.leave, self.token)
+            return
+        st.compute += seconds
+        self.loop.after(seconds, lambda token=self.token: self._live(token) and self.push())
+
+    def push(self) -> None:
+        offer, sizes = self.offer, self.swarm.cluster.sizes
+        groups = self.by_owner()
+        waiting = set(groups)
+        tokens = offer.inner_steps * costs.TOKENS_PER_STEP
+        token = self.token
+
+        def acked(owner: str, reply: Any) -> None:
+            if not isinstance(reply, m.DeltaAck):
+                self.abandon(reply)
+                return
+            waiting.discard(owner)
+            if not waiting:
+                self.task_done(
+                    m.TaskDone(self.name, offer.task_id, offer.ticket, tokens, [3.0], [])
+                )
+
+        for owner, mids in groups.items():
+            node = self.swarm.cluster.by_name[owner]
+            tensors = {k: v for mid in mids for k, v in self.swarm.deltas[mid].items()}
+            msg = m.SubmitDelta(
+                self.name,
+                offer.task_id,
+                offer.path,
+                offer.module_versions,
+                tokens,
+                [3.0],
+                tensors,
+                ticket=offer.ticket,
+                codec="int8",
+            )
+
+            def cost(r: Any) -> float:
+                if not isinstance(r, m.DeltaAck):
+                    return 0.0
+                fp32 = sizes.fp32(r.accepted)
+                return fp32 / costs.INT8_DECODE_BPS + fp32 / costs.STORE_BPS
+
+            def deliver(node=node, msg=msg, owner=owner) -> None:
+                self.send(node, msg, lambda r: acked(owner, r), cost)
+
+            when = transfer(self.loop, sizes.int8(mids), [self.up, node.ingress], 0.0)
+            self.loop.at(when, lambda d=deliver: self._live(token) and d())
+
+    def task_done(self, msg: m.TaskDone, wait: float = 1.0) -> None:
+        self.send(self.scheduler, msg, lambda r: self.done(r, msg, wait))
+
+    def done(self, reply: Any, msg: m.TaskDone, wait: float = 1.0) -> None:
+        if getattr(reply, "reason", None) == Reason.NOT_ACKED:
+            # the scheduler learns an owner's ack from its next report: retry, backing off
+            again = min(2 * wait, 30.0)
+            self.loop.after(
+                wait, lambda token=self.token: self._live(token) and self.task_done(msg, again)
+            )
+            return
+        if not isinstance(reply, m.Ok):
+            self.abandon(reply)
+            return
+        self.swarm.stats.finished += 1
+        self.end_task()
+        self.claim()
+
+    def beat(self, token: int) -> None:
+        if not self._live(token):
+            return
+        msg = m.Heartbeat(peer_id=self.name, task_id=self.offer.task_id)
+
+        def ack(r: Any) -> None:
+            if isinstance(r, m.HeartbeatAck) and not r.lease_ok:
+                self.abandon("lease-lost")
+
+        s = self.swarm.settings
+        self.send(self.scheduler, msg, ack, times=s.heartbeat_seconds / s.real_heartbeat_seconds)
+        self.loop.after(s.heartbeat_seconds, self.beat, token)
+
+    # ---- ends ----------------------------------------------------------------------------------
+    def abandon(self, reply: Any) -> None:
+        """The task cannot go on (refused, lease lost): claim a new one."""
+        reason = reply if isinstance(reply, str) else getattr(reply, "reason", None)
+        reason = reason or type(reply).__name__
+        self.swarm.stats.refused[str(reason)] += 1
+        self.end_task()
+        self.loop.after(1.0, lambda token=self.token: self._live(token) and self.claim())
+
+    def end_task(self) -> None:
+        if self.task_start is not None:
+            self.swarm.stats.busy += self.loop.now - self.task_start
+            self.task_start = None
+        self.token += 1
+
+    def leave(self, token: int) -> None:
+        if not self._live(token):
+            return
+        self.swarm.stats.left += 1
+        self.close()
+        delay = self.swarm.rng.expovariate(1.0 / self.swarm.settings.arrival_seconds)
+        self.loop.after(delay, self.swarm.spawn)
+
+    def close(self) -> None:
+        if self.gone:
+            return
+        self.end_task()
+        self.gone = True
+        self.swarm.stats.alive += self.loop.now - self.since
+        self.swarm.live.discard(self)
