@@ -139,7 +139,7 @@ def store_row(n_params: int, paths: int, repeat: int, s: OuterSettings, t_copy: 
                 store.add_delta("m", p, 1.0, f"t{r}-{p}", "peer", module(n_params, 0.001 * (p + 1)))
             store.sync_all()  # the last step's background sync is not this step's time
             began = time.perf_counter()
-            store.outer_step("m", s)
+            store.outer_step("m", s, background=True)  # as the coordinator steps a module this size
             times.append(time.perf_counter() - began)
             store.sync_all()  # the files on disk, as the next step needs them
             synced.append(time.perf_counter() - began)

@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import json
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass, field
@@ -83,8 +84,12 @@ def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytearray:
     return out
 
 
-def encode_parts(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, list[memoryview]]:
-    """The frame as its prefix and header, then each tensor's bytes (views, not copies)."""
+def encode_parts(
+    frame: Frame, limits: Limits = DEFAULT_LIMITS, align: int = 0
+) -> tuple[bytes, list[memoryview]]:
+    """The frame as its prefix and header, then each tensor's bytes (views, not copies).
+    ``align``: pad the header with spaces (valid JSON) so that the tensor bytes start at a
+    multiple of it (files; messages are never padded)."""
     specs, arrays = [], []
     for name, tensor in frame.tensors.items():
         if tensor.dtype not in _DTYPE_NAMES:
@@ -109,6 +114,8 @@ def encode_parts(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, 
             f"header of {len(header)} bytes exceeds the limit {limits.max_header_bytes}",
             reason="too-large",
         )
+    if align and (_PREFIX.size + len(header)) % align:
+        header += b" " * (-(_PREFIX.size + len(header)) % align)
     total = _PREFIX.size + len(header) + sum(a.nbytes for a in arrays)
     if total > limits.max_total_bytes:
         raise WireError(
@@ -292,6 +299,8 @@ def _check_spec(spec: Any, limits: Limits) -> tuple[str, str, list[int]]:
 # 2.1 GB/s for SHA-256), followed by a marker. Files written before 2026-11-25 end with the
 # frame's SHA-256 instead, and are still read.
 FILE_MARK = b"DPXXH3\x00\x01"
+MAP_BYTES = 1 << 20  # files from this size on are mapped rather than read (read_tensor_file)
+FILE_ALIGN = 64  # a file's header is padded so that its tensor bytes start at this alignment
 _XXH3_TRAILER = 16 + len(FILE_MARK)
 
 
@@ -301,7 +310,7 @@ def write_tensor_file(
     """Write ``frame`` crash-safe (temporary name, rename) with its checksum trailer, straight
     from the tensors' memory. ``sync=False`` leaves the fsync to the caller (store.py syncs an
     outer step's files in the background, before the files they replace are deleted)."""
-    head, arrays = encode_parts(frame)
+    head, arrays = encode_parts(frame, align=FILE_ALIGN)
     digest = xxhash.xxh3_128(head)
     for a in arrays:
         digest.update(a)
@@ -315,7 +324,7 @@ def read_tensor_file(path: str | Path) -> Frame:
     try:
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
-            raw = _aligned_read(f, size)
+            raw = _mapped(f, size) if size >= MAP_BYTES else _aligned_read(f, size)
     except FileNotFoundError:
         raise CorruptFileError(f"{path}: file is missing") from None
     if size >= _XXH3_TRAILER and bytes(raw[-len(FILE_MARK) :]) == FILE_MARK:
@@ -330,6 +339,16 @@ def read_tensor_file(path: str | Path) -> Frame:
         return decode(body, copy=False)
     except WireError as exc:
         raise CorruptFileError(f"{path}: {exc}") from None
+
+
+def _mapped(f: Any, size: int) -> memoryview:
+    """The whole file mapped private (copy on write): no copy of its bytes, each page mapped
+    from the page cache when first read (populating a writable private mapping would copy
+    every page). A file written by :func:`write_tensor_file` pads its header so that its
+    tensor bytes start 64-byte aligned in the file, hence in the mapping."""
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=prot)
+    return memoryview(mapping)
 
 
 def _aligned_read(f: Any, size: int) -> memoryview:
