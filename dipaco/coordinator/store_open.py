@@ -63,6 +63,10 @@ class ModuleRecord:
             self.digest = self.digest.result()
         return self.digest
 
+    @hash.setter
+    def hash(self, value: str) -> None:
+        self.digest = value
+
 
 def _version_of(name: str) -> int:
     """3 for "v3" or "m3"; -1 (never newer, always old) for a name that is not ours."""
