@@ -78,11 +78,7 @@ class AtomicFile:
         if not sync_dir:
             return
         # The rename itself is only durable once the directory entry is on disk.
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_path(self.path.parent)
 
     def abort(self) -> None:
         self._file.close()
@@ -120,25 +116,22 @@ def write_atomic(
     f.commit(sync_dir=sync_dir and sync, sync=sync)
 
 
+def fsync_path(path: str | Path) -> None:
+    """fsync a file, or a folder (which makes the renames into it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def sync_files(*paths: str | Path) -> None:
     """fsync each file, then each folder holding them: what ``write_atomic(..., sync=False)``
     left undone."""
-    folders = []
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        folder = Path(path).parent
-        if folder not in folders:
-            folders.append(folder)
-    for folder in folders:
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
+    for folder in dict.fromkeys(Path(path).parent for path in paths):
+        fsync_path(folder)
 
 
 def json_bytes(obj: object) -> bytes:

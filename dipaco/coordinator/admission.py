@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from dipaco.coordinator.base import CoordinatorBase
-from dipaco.coordinator.store import delta_meta, sync_dir
+from dipaco.coordinator.store import delta_meta
 from dipaco.coordinator.validation import delta_norm
 from dipaco.errors import WireError
 from dipaco.faults import fault_point
+from dipaco.fileio import fsync_path
 from dipaco.protocols import codecs
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
@@ -210,7 +211,7 @@ def write(
         for file, _ in staged.values():  # not committed: never acknowledged, never applied
             file.unlink(missing_ok=True)
     for folder in folders:
-        sync_dir(folder)
+        fsync_path(folder)
     for mid, base, lateness, _ in plan.store:
         if lateness > 0:
             core.metrics(

@@ -58,7 +58,7 @@ from dipaco.coordinator.store_open import (
     head_fields,
 )
 from dipaco.faults import fault_point
-from dipaco.fileio import sync_files, write_json_atomic
+from dipaco.fileio import fsync_path, sync_files, write_json_atomic
 from dipaco.protocols.wire import (
     Frame,
     read_tensor_file,
@@ -97,15 +97,6 @@ def delta_meta(
         "base_version": base_version,
         "voter": voter,
     }
-
-
-def sync_dir(folder: Path) -> None:
-    """Make the entries of ``folder`` (a rename into it) durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Job:
@@ -215,7 +206,7 @@ class ModuleStore:
         base = self.modules[mid].version if base_version is None else base_version
         meta = delta_meta(path, weight, task_id, peer_id, base, voter)
         staged = self.stage_delta(mid, task_id, meta, delta)
-        sync_dir(self.commit_delta(mid, staged, meta))
+        fsync_path(self.commit_delta(mid, staged, meta))
 
     def stage_delta(self, mid: str, task_id: str, meta: dict, delta: Tensors) -> Path:
         """Write a delta durably under a private name (``deltas/<mid>/incoming``); it joins no
@@ -227,7 +218,7 @@ class ModuleStore:
 
     def commit_delta(self, mid: str, staged: Path, meta: dict) -> Path:
         """Move a staged delta under its name for the module's current version and count it
-        pending. Returns the folder whose entry must reach the disk (:func:`sync_dir`) before
+        pending. Returns the folder whose entry must reach the disk (``fileio.fsync_path``) before
         the delta is acknowledged. Under the coordinator's lock: the version must not move."""
         record = self.modules[mid]
         base, path = meta["base_version"], meta["path"]
