@@ -14,6 +14,11 @@ Keys: every coordinator signs with ``<run-dir>/coordinator/signing.key`` (Ed2551
 use). ``allow KEY`` and ``revoke KEY`` change who may join (``security.join = "allow-list"``) or
 own modules, while the run goes on.
 
+A standby scheduler on another machine (a copy of the run folder and of the scheduler's
+``signing.key``) copies the scheduler's state and takes over when it stops answering:
+
+    dipaco-coordinator start --standby --join <address> --run-dir runs/r1
+
 ``--transport loopback`` serves peers on this machine only (127.0.0.1 and a key file), without
 hivemind. ``--transport flower`` runs the coordinator as a Flower ServerApp behind a SuperLink
 with TLS and SuperNode authentication (docs/flower.md); admit each node's key with
@@ -24,6 +29,7 @@ a crash or Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import time
 from pathlib import Path
@@ -31,6 +37,7 @@ from pathlib import Path
 from dipaco.cli import stopping
 from dipaco.cli.common import choose_config, command_parser, console, dispatch, say
 from dipaco.cli.events import print_events
+from dipaco.config import load_config_dict
 from dipaco.coordinator.access import change_access
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.gather import gather_at_end, remote_fetcher, wait_gathered
@@ -89,6 +96,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     check_port_free(args.listen, "--listen")
     if args.dashboard:
         check_port_free(args.dashboard, "--dashboard")
+    if args.standby:
+        return start_standby(args)
     if args.owns or args.join:
         return start_owner(args)
     config = choose_config(args.config, args.preset)
@@ -100,11 +109,20 @@ def cmd_start(args: argparse.Namespace) -> int:
         return serve_loopback(args, prep, metrics)
     if args.transport == "flower":
         return serve_flower(args, prep)
-    from dipaco.protocols import discovery
     from dipaco.protocols.hivemind import HivemindNode
 
     host, port = split_hostport(args.listen)
     node = HivemindNode(host=host, port=port, identity_path=hivemind.node_identity(run_dir))
+    return serve_hivemind(args, prep, metrics, node)
+
+
+def serve_hivemind(args: argparse.Namespace, prep, metrics: MetricsLog, node) -> int:
+    """Schedule the run (and own its modules not handed over) on ``node``, publishing it in the
+    DHT, until it finishes, or until a standby's newer claim supersedes this scheduler."""
+    from dipaco.net.standby import Fence
+    from dipaco.protocols import discovery
+
+    run_dir = Path(args.run_dir)
     publisher = ticker = dashboard = None
     try:
         coordinator = build_coordinator(
@@ -115,8 +133,17 @@ def cmd_start(args: argparse.Namespace) -> int:
         coordinator.fetch_remote = remote_fetcher(coordinator, run_dir, node)
         node.serve(coordinator.handle)
         run_id = prep.run_id
+        fence = Fence(node, run_id, coordinator.epoch)
 
         def records() -> list[tuple]:
+            if not fence.check():  # a standby took over: publish nothing, stop
+                with coordinator.lock:
+                    coordinator.failure = (
+                        f"superseded by scheduler {fence.superseded}: this one stops (start it "
+                        "again with --standby to stand by)"
+                    )
+                    coordinator.finished_event.set()
+                return []
             return hivemind.scheduler_records(coordinator, node.peer_id, addresses, run_id)
 
         publisher = discovery.Publisher(node, records, interval=args.publish_seconds)
@@ -126,7 +153,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         dashboard = start_dashboard(args, coordinator)
         address = addresses[0]
         (run_dir / "coordinator" / "address").write_text(address + "\n")
-        console.print(f"coordinator for run {run_id} (hivemind) at [bold]{address}[/]")
+        console.print(
+            f"coordinator for run {run_id} (hivemind, epoch {coordinator.epoch}) at "
+            f"[bold]{address}[/]"
+        )
         key = coordinator.identity.public_key
         console.print(
             f"peers join with: dipaco-peer join {address} --coordinator-key {key}", soft_wrap=True
@@ -134,6 +164,12 @@ def cmd_start(args: argparse.Namespace) -> int:
         console.print(
             f"another module owner: dipaco-coordinator allow --owner ITS_KEY --run-dir {run_dir}, "
             f"then on it: dipaco-coordinator start --join {address} --owns MODULES --run-dir DIR",
+            soft_wrap=True,
+        )
+        console.print(
+            f"a standby scheduler: copy {run_dir}, leaving out coordinator/ but for "
+            f"coordinator/signing.key, to it; then on it: dipaco-coordinator start --standby "
+            f"--join {address} --run-dir DIR",
             soft_wrap=True,
         )
         with LocalRun(coordinator, prep, args.local_peers):
@@ -151,6 +187,62 @@ def cmd_start(args: argparse.Namespace) -> int:
             stop_dashboard(dashboard, run_dir)
         node.shutdown(quick=stopping.requested())
     return 0
+
+
+def start_standby(args: argparse.Namespace) -> int:
+    """Stand by for a run's scheduler (``--standby --join ADDRESS``): copy its state, and
+    schedule the run from that state once it stops answering."""
+    from dipaco.net import standby
+    from dipaco.protocols.hivemind import HivemindNode
+    from dipaco.run.manifest import peer_config
+
+    if not args.join:
+        raise ConfigError("a standby scheduler needs --join ADDRESS (any node of the run)")
+    if args.owns:
+        raise ConfigError("--standby and --owns: a standby schedules, it owns no modules")
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.json").exists():
+        raise ConfigError(
+            f"{run_dir} holds no prepared run: copy the active scheduler's run folder here"
+        )
+    key_file = run_dir / "coordinator" / "signing.key"
+    if not key_file.exists():
+        raise ConfigError(
+            f"{key_file} is missing: a standby signs with the scheduler's key; copy it from the "
+            "active scheduler's run folder"
+        )
+    config_file = run_dir / "config.json"
+    prep = prepare(run_dir, load_config_dict(json.loads(config_file.read_text()), str(config_file)))
+    me = Identity.load_or_create(key_file)
+    host, port = split_hostport(args.listen)
+    node = HivemindNode(
+        initial_peers=[args.join],
+        host=host,
+        port=port,
+        identity_path=hivemind.node_identity(run_dir),
+    )
+    try:
+        take_over = standby.follow(
+            node,
+            me,
+            prep.run_id,
+            {**peer_config(prep), "coordinator_key": me.public_key},
+            run_dir / "coordinator",
+            sync_seconds=args.sync_seconds,
+            takeover_seconds=args.takeover_seconds,
+            say=say,
+            stopping=stopping.requested,
+        )
+    except BaseException:
+        node.shutdown(quick=True)
+        raise
+    if not take_over:
+        say("the run has finished (or this standby was stopped): the standby leaves")
+        node.shutdown(quick=stopping.requested())
+        return 0
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    print_events(metrics)
+    return serve_hivemind(args, prep, metrics, node)
 
 
 def start_owner(args: argparse.Namespace) -> int:
@@ -423,13 +515,28 @@ def main(argv: list[str] | None = None) -> None:
         help="flower: a host name or address nodes dial, put in the SuperLink's certificate "
         "(repeatable; with --listen 0.0.0.0:PORT the default is this machine's name)",
     )
-    start.add_argument("--join", help="another owner: the address the run's coordinator printed")
+    start.add_argument(
+        "--join", help="another owner or a standby: the address the run's coordinator printed"
+    )
     start.add_argument("--owns", help="another owner: comma-separated module ids to take over")
     start.add_argument(
         "--scheduler-key",
         help="another owner: the scheduler's public key (else trusted on first contact)",
     )
     start.add_argument("--run", help="the run id, when the DHT announces several")
+    start.add_argument(
+        "--standby",
+        action="store_true",
+        help="stand by for the run's scheduler (with --join): copy its state and take over "
+        "when it stops answering",
+    )
+    start.add_argument(
+        "--takeover-seconds",
+        type=float,
+        default=15.0,
+        help="a standby takes over after the scheduler has not answered for this long",
+    )
+    start.add_argument("--sync-seconds", type=float, default=1.0, help=argparse.SUPPRESS)
     start.add_argument(
         "--local-peers", type=int, default=0, help="also run this many peers in-process"
     )

@@ -153,6 +153,7 @@ class CoordinatorBase:
         self.fetch_remote: Callable[[list[str]], dict[str, dict[str, torch.Tensor]]] | None = None
         self.eval_note: str | None = None  # why there is no per-round validation, if there is none
         self.owner_seen: dict[str, float] = {}  # other owners: when they last reported
+        self.standbys: dict[str, float] = {}  # standby schedulers: when they last synced
         self.handing: dict[str, tuple[str, float]] = {}  # module -> (new owner, since)
         self.done: set[tuple[int, int]] = set()  # (path, round) whose task every owner acked
         # (path, round) whose task ran past the deadline: rounds may close without them.

@@ -23,6 +23,7 @@ coordinator as their first argument and are bound here as its methods:
 - ``ownership.py``: owners' reports and the hand-over of modules;
 - ``phases.py``: routing phases;
 - ``state.py``: saving and resuming coordinator.json;
+- ``standby.py``: the state a standby scheduler copies (StandbySync);
 - ``status.py``: the status snapshot.
 
 A part calls another only through the coordinator (``core._save_state()``), so the parts import
@@ -31,7 +32,17 @@ none of one another.
 
 from __future__ import annotations
 
-from dipaco.coordinator import admission, ownership, phases, rounds, service, state, status, tasks
+from dipaco.coordinator import (
+    admission,
+    ownership,
+    phases,
+    rounds,
+    service,
+    standby,
+    state,
+    status,
+    tasks,
+)
 from dipaco.coordinator.base import CoordinatorBase
 
 
@@ -40,6 +51,7 @@ class Coordinator(CoordinatorBase):
 
     # state.py
     start = state.start
+    standby_sync = standby.standby_sync
     _save_state = state.save_state
     _state_bytes = state.state_bytes
     flush_state = state.flush_state

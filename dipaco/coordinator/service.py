@@ -34,6 +34,7 @@ OPS = {
     m.OwnerReport: "owner_report",
     m.HandOver: "hand_over",
     m.ConfirmOwnership: "confirm_ownership",
+    m.StandbySync: "standby_sync",
 }
 
 

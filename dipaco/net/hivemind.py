@@ -2,6 +2,8 @@
 manifest, its progress, each owner's modules and addresses), the node key that keeps a
 coordinator's address across restarts, and an owner's first contact with the scheduler it joins.
 For peers: joining a run (``join_run``), with everything a ``Peer`` needs to reach its owners.
+For both: ``SchedulerLink``, the transport to the run's scheduler that follows a standby's
+takeover, and ``supersedes``, the order of two schedulers' claims on a run (epoch, then id).
 
 docs/protocol.md section 5 has the records' keys and fields; ``discovery.Publisher`` keeps them
 fresh in the DHT.
@@ -9,6 +11,7 @@ fresh in the DHT.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +26,9 @@ from dipaco.peer.modules import check_manifest
 from dipaco.protocols import discovery
 from dipaco.protocols import messages as m
 from dipaco.protocols.auth import Identity
+from dipaco.protocols.transport import Transport
+
+log = logging.getLogger(__name__)
 
 
 def node_identity(run_dir: Path) -> Path:
@@ -52,6 +58,7 @@ def scheduler_records(
             "scheduler": peer_id,
             "addresses": addresses,
             "manifest": discovery.manifest_sha256(manifest),
+            "epoch": coordinator.epoch,
         }
         progress = {
             "round": coordinator.round,
@@ -82,14 +89,94 @@ def owner_records(
     return [(discovery.key(run_id, "owners"), info, peer_id)]
 
 
+def supersedes(entry: Any, scheduler: str, epoch: int) -> bool:
+    """Whether the DHT run entry ``entry`` names a scheduler other than ``scheduler`` whose
+    claim on the run is newer: a higher epoch, or the same epoch and a greater node id (two
+    schedulers that restarted into the same epoch: the order is total, so exactly one of them
+    gives way)."""
+    if not isinstance(entry, dict):
+        return False
+    other, their = entry.get("scheduler"), entry.get("epoch", 0)
+    if not isinstance(other, str) or other == scheduler:
+        return False
+    if not isinstance(their, int) or isinstance(their, bool):
+        return False
+    return (their, other) > (epoch, scheduler)
+
+
+def run_entry(node: Any, run_id: str) -> Any:
+    """The run's entry in ``dipaco.runs`` now, or None (the DHT is best effort)."""
+    try:
+        found = node.get(discovery.RUNS)
+    except Exception:  # noqa: BLE001 - a DHT that does not answer is no entry
+        return None
+    return found.get(run_id) if isinstance(found, dict) else None
+
+
+class SchedulerLink(Transport):
+    """The transport to a run's scheduler, following it across a takeover.
+
+    Requests go to the scheduler the DHT announced. When it does not answer, the run's entry is
+    read again; if it now names another scheduler with a newer claim (``supersedes``: a standby
+    that took over, with a higher epoch), the request is sent there instead, and so is every
+    later one. The new scheduler signs with the same key (a standby holds a copy of it), so the
+    caller's pinned key still checks every reply: a stranger that wrote a DHT entry gets
+    requests, but its replies are refused (``bad-signature``).
+    """
+
+    def __init__(
+        self,
+        node: Any,
+        run_id: str,
+        entry: dict[str, Any],
+        connect: Callable[[str, list[str]], Transport],
+    ) -> None:
+        self.node, self.run_id, self.connect = node, run_id, connect
+        self.scheduler = str(entry["scheduler"])
+        epoch = entry.get("epoch", 0)
+        self.epoch = epoch if isinstance(epoch, int) else 0
+        self.current = connect(self.scheduler, list(entry.get("addresses", [])))
+        self._moving = threading.Lock()
+
+    def _roundtrip(self, data: bytes) -> bytes:
+        current = self.current
+        try:
+            return current._roundtrip(data)
+        except TransportError:
+            if not self._follow(current):
+                raise
+            return self.current._roundtrip(data)
+
+    def _follow(self, failed: Transport) -> bool:
+        """Move to the scheduler the DHT names now, if it supersedes the one that failed."""
+        with self._moving:
+            if self.current is not failed:  # another request moved already
+                return True
+            entry = run_entry(self.node, self.run_id)
+            if not supersedes(entry, self.scheduler, self.epoch):
+                return False
+            self.current = self.connect(entry["scheduler"], list(entry.get("addresses", [])))
+            self.scheduler, self.epoch = entry["scheduler"], entry["epoch"]
+            log.warning(
+                "the run's scheduler is now %s (epoch %d, a standby took over): following it",
+                self.scheduler,
+                self.epoch,
+            )
+            return True
+
+    def close(self) -> None:
+        self.current.close()
+
+
 def contact_scheduler(
     node: Any, me: Identity, run: str | None, scheduler_key: str | None
 ) -> tuple[str, dict[str, Any], Any]:
     """Find the run in the DHT and say Hello to its scheduler as a coordinator; returns the run
-    id, the manifest and an authenticated transport to the scheduler. The manifest must be the
-    one the DHT announces and be signed by the scheduler's key (ConfigError otherwise)."""
+    id, the manifest and an authenticated transport to the scheduler (one that follows a
+    standby's takeover). The manifest must be the one the DHT announces and be signed by the
+    scheduler's key (ConfigError otherwise)."""
     run_id, entry, manifest = discovery.find_run(node, run)
-    scheduler = node.transport(entry["scheduler"], entry.get("addresses", []))
+    scheduler = SchedulerLink(node, run_id, entry, node.transport)
     scheduler.authenticate(me, scheduler_key)
     welcome = scheduler.request(m.Hello(peer_id=node.peer_id, device="coordinator"))
     check_manifest(welcome, scheduler.server_key, entry["manifest"])  # as every peer checks it
@@ -194,7 +281,7 @@ def join_run(
             node, run_id, None, entry["manifest"], None, info, publisher, threading.Event(),
             max_mbps=max_mbps,
         )  # fmt: skip
-        join.scheduler = join.connect(entry["scheduler"], entry.get("addresses", []))
+        join.scheduler = SchedulerLink(node, run_id, entry, join.connect)
         join.scheduler.authenticate(me, *trust)
         join.files = RunFiles(
             join.scheduler, peer_id, manifest["files"], state_dir / "runs" / run_id

@@ -152,6 +152,14 @@ class ConfirmOwnership:
 
 
 @message
+class StandbySync:
+    """A standby scheduler asks the active one for its durable state (coordinator.json and the
+    access, rotation and phase files beside it); only the scheduler's own key may ask."""
+
+    standby_id: str  # the standby's node id, for the active's log
+
+
+@message
 class ReleaseTask:
     peer_id: str
     task_id: str
@@ -246,6 +254,14 @@ class FileChunk:
     sha256: str
     offset: int
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # {"data": uint8}
+
+
+@message
+class StandbyState:
+    """The active scheduler's state files, each as a uint8 tensor named ``file/<name>``."""
+
+    epoch: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @message

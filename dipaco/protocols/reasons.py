@@ -102,5 +102,7 @@ class Reason(StrEnum):
     """the coordinator could not write the delta (the peer retries)"""
     BAD_ROTATION = "bad-rotation"
     """the scheduler answered with a key that no rotation statement signed by the trusted key leads to (refused and counted by the owner or peer that asked)"""
+    NOT_STANDBY = "not-standby"
+    """a StandbySync not signed by the scheduler's own key, or sent to a coordinator that does not lease tasks"""
     CORRUPT_FILE = "corrupt-file"
     """a damaged file found on the coordinator's start (counted, quarantined; never sent)"""
