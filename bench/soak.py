@@ -90,8 +90,12 @@ def serve(root: Path, side: int, rounds: int, dim: int) -> None:
     holder: list[Coordinator] = []
 
     def sample(kind: str, rnd: int) -> dict[str, Any]:
+        """Called from the coordinator's metrics sink, under its lock: a full collection
+        here (tens of ms with torch loaded) would stall every request, so only the final
+        sample collects first."""
         co = holder[0]
-        gc.collect()
+        if kind == "final":
+            gc.collect()
         return {
             "event": kind,
             "round": rnd,
@@ -188,6 +192,7 @@ def peer_loop(
     import torch
 
     from dipaco.errors import DipacoError
+    from dipaco.peer.links import CLAIM_WAIT
     from dipaco.protocols import auth
     from dipaco.protocols import messages as m
     from dipaco.protocols.transport import LoopbackTransport
@@ -212,7 +217,7 @@ def peer_loop(
                     auth.Identity.generate(), server_key
                 )
                 timed(tr, m.Hello(peer_id=name, device="cpu"))
-            offer = timed(tr, m.ClaimTask(peer_id=name, prefer_path=last_path))
+            offer = timed(tr, m.ClaimTask(peer_id=name, prefer_path=last_path, wait=CLAIM_WAIT))
             if isinstance(offer, m.NoTask):
                 if offer.finished:
                     break

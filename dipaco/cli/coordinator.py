@@ -131,7 +131,9 @@ def serve_hivemind(args: argparse.Namespace, prep, metrics: MetricsLog, node) ->
         addresses = node.visible_maddrs()
         coordinator.addresses[node.peer_id] = addresses
         coordinator.fetch_remote = remote_fetcher(coordinator, run_dir, node)
-        node.serve(coordinator.handle)
+        # The node answers from 8 handler threads: at most 4 claims wait for a path at once.
+        coordinator.long_poll_slots = 4
+        node.serve(coordinator.handle, workers=8)
         run_id = prep.run_id
         fence = Fence(node, run_id, coordinator.epoch)
 

@@ -154,6 +154,12 @@ class CoordinatorBase:
         self.eval_note: str | None = None  # why there is no per-round validation, if there is none
         self.owner_seen: dict[str, float] = {}  # other owners: when they last reported
         self.standbys: dict[str, float] = {}  # standby schedulers: when they last synced
+        # Long polls (ClaimTask.wait): how many claims wait for a path now, how many may (a
+        # transport with few handler threads lowers it), and a count of the changes that may
+        # open a path (outer steps, reports, ended leases), which wakes them.
+        self.waiting_claims = 0
+        self.long_poll_slots = 256
+        self.work_generation = 0
         self.handing: dict[str, tuple[str, float]] = {}  # module -> (new owner, since)
         self.done: set[tuple[int, int]] = set()  # (path, round) whose task every owner acked
         # (path, round) whose task ran past the deadline: rounds may close without them.
@@ -232,6 +238,12 @@ class CoordinatorBase:
     @property
     def finished(self) -> bool:
         return self.round >= self.rounds
+
+    def _work_changed(self) -> None:
+        """Something that may open a path happened (the caller holds the lock): wake the
+        claims that wait for one, and the deltas waiting for a step to end."""
+        self.work_generation += 1
+        self.step_cond.notify_all()
 
     def _reject(self, peer_id: str, reason: str, message: str):
         with self.lock:  # admission refuses outside the lock too

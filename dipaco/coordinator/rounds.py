@@ -122,7 +122,7 @@ def maybe_step(core: CoordinatorBase, mid: str) -> bool:
             if result is not None:
                 core.store.finish_step(result)
             core.stepping.discard(mid)
-            core.step_cond.notify_all()
+            core._work_changed()
     with core.lock:
         core.unstepped.discard(mid)
         core.changed.set()
@@ -163,8 +163,10 @@ def due(core: CoordinatorBase, mid: str) -> bool:
 
 
 def after_change(core: CoordinatorBase) -> None:
-    """Notice a finished round (the scheduler) and wake the reporter (other owners)."""
+    """Notice a finished round (the scheduler), wake the reporter (other owners) and the
+    claims waiting for a path to open (long polls)."""
     core.changed.set()
+    core._work_changed()
     if core.round > core.last_round:
         for rnd in range(core.last_round + 1, core.round + 1):
             core.metrics({"event": "round", "round": rnd})

@@ -8,6 +8,7 @@ Functions of the coordinator (bound as its methods in core.py).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -20,6 +21,7 @@ from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
 
 FILE_CHUNK = 4 << 20
+LONG_POLL_SECONDS = 2.0  # the longest a claim waits for a path to open (ClaimTask.wait)
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,10 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
     lease = core.scheduler.claim(
         req.peer_id, core.open_paths(), req.prefer_path, core.inner_steps, req.holding
     )
+    if lease is None and req.wait > 0 and not req.holding:
+        lease = wait_for_work(core, req)
+    if core.finished:
+        return m.NoTask(reason="run finished", retry_after=0.0, finished=True)
     if lease is None:
         return m.NoTask(
             reason="every open path is leased or waiting for its modules",
@@ -165,6 +171,7 @@ def release(core: CoordinatorBase, req: m.ReleaseTask) -> m.Ok:
     if core.scheduler.release(req.task_id, req.peer_id):
         core.metrics({"event": "task_released", "task": req.task_id, "peer": req.peer_id})
         core._save_state()  # the ticket is void, and stays so after a restart
+        core._work_changed()  # its path is free: a waiting claim may take it
     return m.Ok()
 
 
@@ -227,6 +234,32 @@ def task_of(core: CoordinatorBase, peer_id: str, task_id: str, ticket: str) -> T
     return Task.of_lease(lease, core._weight(lease.path, lease.round))
 
 
+def wait_for_work(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
+    """A long poll: wait, without the lock, for a path to open (an outer step, a report, a
+    lease ended: every change notifies ``step_cond``), up to ``req.wait`` seconds (at most
+    LONG_POLL_SECONDS), and lease it. Only ``core.long_poll_slots`` claims wait at once (a
+    hivemind server's handler threads are few); the others get their NoTask at once."""
+    if core.waiting_claims >= core.long_poll_slots:
+        return None
+    core.waiting_claims += 1
+    try:
+        end = time.monotonic() + min(req.wait, LONG_POLL_SECONDS)
+        seen = core.work_generation
+        while not core.finished and (left := end - time.monotonic()) > 0:
+            core.step_cond.wait(min(left, 1.0))
+            if core.work_generation == seen:  # nothing changed: no path opened
+                continue
+            seen = core.work_generation
+            lease = core.scheduler.claim(
+                req.peer_id, core.open_paths(), req.prefer_path, core.inner_steps, req.holding
+            )
+            if lease is not None:
+                return lease
+        return None
+    finally:
+        core.waiting_claims -= 1
+
+
 def need_scheduler(core: CoordinatorBase, who: str) -> None:
     if not core.is_scheduler:
         core._reject(
@@ -260,6 +293,7 @@ def expired(core: CoordinatorBase, lease: Lease) -> None:
             "path": lease.path,
         }
     )
+    core._work_changed()
 
 
 def keep_alive(core: CoordinatorBase, held: list[tuple[str, str]]) -> None:

@@ -170,6 +170,9 @@ class OwnerLinks:
             link.close()
 
 
+CLAIM_WAIT = 2.0  # seconds a claim may wait at the scheduler for a path (ClaimTask.wait)
+
+
 def claim_tasks(
     transport: Transport, peer_id: str, want: int, prefer_path: int | None
 ) -> tuple[list[m.TaskOffer], m.Message | DipacoError | None]:
@@ -187,6 +190,8 @@ def claim_tasks(
                     peer_id=peer_id,
                     prefer_path=prefer_path,
                     holding=[offer.task_id for offer in offers],
+                    # the first claim waits up to 2 s for a path to open (a long poll)
+                    wait=0.0 if offers else CLAIM_WAIT,
                 )
             )
         except (TransportError, RejectedError) as exc:

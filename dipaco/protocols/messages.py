@@ -56,6 +56,9 @@ class ClaimTask:
     # Tasks the peer holds and trains with the one it asks for (a path-parallel peer): the
     # scheduler leases it another path rather than give one of these back.
     holding: list[str] = field(default_factory=list)
+    # Seconds the peer would rather wait for a path to open than get a NoTask now (a long
+    # poll); the scheduler waits at most LONG_POLL_SECONDS, and only while it has a slot free.
+    wait: float = 0.0
 
 
 @message

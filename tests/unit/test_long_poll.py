@@ -1,0 +1,89 @@
+"""Claims that wait for a path to open (``ClaimTask.wait``, a long poll): answered as soon as
+the round that holds every path closes, not a retry interval later; bounded in time and in how
+many wait at once; ended by the run's end."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from _tiny import constant_delta, delta_message, tiny_coordinator
+
+from dipaco.protocols import messages as m
+from dipaco.protocols.auth import Identity
+from dipaco.protocols.transport import LocalTransport
+
+KEYS: dict[str, Identity] = {}
+
+
+def peer(co, name):
+    """A transport to ``co`` that signs with ``name``'s key (a peer id belongs to one key)."""
+    return LocalTransport(co.handle).authenticate(KEYS.setdefault(name, Identity.generate()))
+
+
+def claim_in_background(co, name, wait):
+    """Claim from a thread; returns (the thread, a list that receives (reply, seconds))."""
+    out: list = []
+
+    def run():
+        began = time.monotonic()
+        reply = peer(co, name).request(m.ClaimTask(peer_id=name, wait=wait))
+        out.append((reply, time.monotonic() - began))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def lease_every_path(co):
+    tasks = [
+        peer(co, f"p{p}").request(m.ClaimTask(peer_id=f"p{p}", prefer_path=p)) for p in range(4)
+    ]
+    assert [t.path for t in tasks] == [0, 1, 2, 3]
+    return tasks
+
+
+def test_a_waiting_claim_gets_the_next_rounds_path_as_soon_as_it_opens(tmp_path):
+    co = tiny_coordinator(tmp_path)
+    tasks = lease_every_path(co)
+    # Without a wait, the answer is a NoTask at once, with its retry interval.
+    now = peer(co, "late").request(m.ClaimTask(peer_id="late"))
+    assert isinstance(now, m.NoTask) and now.retry_after > 0 and not now.finished
+    thread, out = claim_in_background(co, "late", wait=10.0)
+    time.sleep(0.3)
+    assert out == [] and co.waiting_claims == 1  # waiting, not polling
+    for p, task in enumerate(tasks):
+        peer(co, f"p{p}").request(delta_message(task, f"p{p}", constant_delta(co, task)))
+    thread.join(5)
+    ((reply, seconds),) = out
+    assert isinstance(reply, m.TaskOffer) and reply.module_versions == {
+        mid: 1 for mid in reply.module_versions
+    }
+    assert seconds < 2.0 and co.waiting_claims == 0
+
+
+def test_a_wait_is_bounded_and_only_so_many_claims_wait(tmp_path):
+    co = tiny_coordinator(tmp_path)
+    lease_every_path(co)
+    co.long_poll_slots = 1
+    first, first_out = claim_in_background(co, "a", wait=0.6)
+    time.sleep(0.2)
+    second, second_out = claim_in_background(co, "b", wait=0.6)
+    second.join(5)
+    assert isinstance(second_out[0][0], m.NoTask) and second_out[0][1] < 0.3  # no slot: at once
+    first.join(5)
+    reply, seconds = first_out[0]
+    assert isinstance(reply, m.NoTask) and 0.5 < seconds < 1.5  # waited its 0.6 s, then NoTask
+    big = peer(co, "c").request(m.ClaimTask(peer_id="c", wait=3600.0))  # capped: LONG_POLL_SECONDS
+    assert isinstance(big, m.NoTask)
+
+
+def test_a_released_lease_wakes_a_waiting_claim_with_its_path(tmp_path):
+    co = tiny_coordinator(tmp_path)
+    tasks = lease_every_path(co)
+    thread, out = claim_in_background(co, "late", wait=10.0)
+    time.sleep(0.3)
+    peer(co, "p2").request(m.ReleaseTask(peer_id="p2", task_id=tasks[2].task_id))
+    thread.join(5)
+    reply, seconds = out[0]
+    assert isinstance(reply, m.TaskOffer) and reply.path == 2 and seconds < 2.0
