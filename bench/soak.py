@@ -104,6 +104,8 @@ def serve(root: Path, side: int, rounds: int, dim: int) -> None:
             "attempts": len(co.scheduler.attempts),
             "done": len(co.done),
             "peers": len(co.peers),
+            "cpu_s": time.process_time(),  # this process's CPU seconds, all threads
+            "sys_s": os.times().system,  # of which in the kernel (file system calls, sockets)
         }
 
     def on_event(event: dict) -> None:
@@ -158,6 +160,8 @@ def serve(root: Path, side: int, rounds: int, dim: int) -> None:
         "modules": len(co.owned_modules()),
         "paths": topo.num_paths,
         "pid": os.getpid(),
+        "cpu_s": time.process_time(),
+        "sys_s": os.times().system,
     }
     tmp = root / "server.json.tmp"
     tmp.write_text(json.dumps(info))
@@ -321,12 +325,12 @@ def run_load(
             )
             for i in range(peers)
         ]
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for t in threads:
             t.start()
         for t in threads:
             t.join(max(1.0, deadline - time.monotonic() + 30))
-        wall = time.perf_counter() - t0
+        wall, peers_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         if child.stdin is not None:
             child.stdin.close()
@@ -335,7 +339,9 @@ def run_load(
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-    return _summarise(root, info, stats, rounds, wall, hung=sum(t.is_alive() for t in threads))
+    result = _summarise(root, info, stats, rounds, wall, hung=sum(t.is_alive() for t in threads))
+    result["peers_cpu_s"] = peers_cpu
+    return result
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -388,6 +394,8 @@ def _summarise(
         "issued_final": final.get("issued"),
         "done_final": final.get("done"),
         "attempts_final": final.get("attempts"),
+        "coordinator_cpu_s": final.get("cpu_s", 0.0) - info.get("cpu_s", 0.0),
+        "coordinator_sys_s": final.get("sys_s", 0.0) - info.get("sys_s", 0.0),
     }
 
 
@@ -521,6 +529,13 @@ def _print(result: dict[str, Any], label: str) -> None:
     rss = ", ".join(f"r{r}: {b / 2**20:.0f}" for r, b in result["rss_by_round"].items())
     print(f"  coordinator RSS MiB by round: {rss}; final {result['rss_final'] / 2**20:.0f}")
     print(f"  errors at the peers: {result['errors']}; hung peers: {result['hung_peers']}")
+    per = max(result["submits"], 1) / 1000
+    print(
+        f"  CPU per delta: coordinator {result['coordinator_cpu_s'] / per:.1f} ms (kernel "
+        f"{result['coordinator_sys_s'] / per:.1f} ms), simulated "
+        f"peers {result['peers_cpu_s'] / per:.1f} ms (of {result['wall_s'] / per:.1f} ms of wall "
+        "time per delta)"
+    )
     print(
         f"  issued tasks remembered: max {result['issued_max']}, final "
         f"{result['issued_final']}; done {result['done_final']}"
