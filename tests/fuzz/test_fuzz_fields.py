@@ -82,7 +82,7 @@ def _sample_tensors() -> dict[str, torch.Tensor]:
 
 SAMPLES: dict[str, Any] = {
     "Hello": m.Hello(peer_id="p0", capabilities={"memory_gb": 4}),
-    "ClaimTask": m.ClaimTask(peer_id="p0", prefer_path=1, holding=["t"]),
+    "ClaimTask": m.ClaimTask(peer_id="p0", prefer_path=1, holding=["t"], wait=2.0),
     "FetchModules": m.FetchModules("p0", "P0-r0-e0-a0", {"L0.M0": 0}, "tk"),
     "Heartbeat": m.Heartbeat("p0", "P0-r0-e0-a0", 2),
     "SubmitDelta": m.SubmitDelta("p0", "P0-r0-e0-a0", 0, {"L0.M0": 0}, 100, [2.0], {}, "tk"),
@@ -94,6 +94,8 @@ SAMPLES: dict[str, Any] = {
     "HandOver": m.HandOver("o1", "proof", ["L0.M0"]),
     "ConfirmOwnership": m.ConfirmOwnership("o1", "proof", {"L0.M0": "x"}),
     "ReleaseTask": m.ReleaseTask("p0", "P0-r0-e0-a0"),
+    "StandbySync": m.StandbySync(standby_id="s0"),
+    "StandbyState": m.StandbyState(epoch=1, tensors={}),
     "GetStatus": m.GetStatus(),
     "Welcome": m.Welcome("run", {"coordinator_key": "k"}, "sig"),
     "TaskOffer": m.TaskOffer(
