@@ -34,3 +34,31 @@ def run_copy(prepared_tiny, tmp_path):
         return dest
 
     return make
+
+
+@pytest.fixture(scope="session")
+def short_config(tiny_config):
+    """``tiny_config`` with short tasks (8 inner steps), for whole runs over real processes that
+    need no task caught mid-way: there every process competes for the cores, and a step may take
+    many times longer than alone."""
+    return tiny_config.replace(train={"inner_steps": 8})
+
+
+@pytest.fixture(scope="session")
+def prepared_short(tmp_path_factory, prepared_tiny, short_config):
+    """The short-task run prepared once per session (the tiny run's tokenizer and tokens)."""
+    root = tmp_path_factory.mktemp("prepared-short") / "run"
+    prepare(root, short_config, reuse=prepared_tiny)
+    return root
+
+
+@pytest.fixture
+def short_copy(prepared_short, tmp_path):
+    """A private copy of the short-task prepared run, with no training state yet."""
+
+    def make(name: str = "run") -> Path:
+        dest = tmp_path / name
+        shutil.copytree(prepared_short, dest)
+        return dest
+
+    return make

@@ -64,6 +64,28 @@ def prepare_run(root: Path, text: str = CONFIG) -> Path:
     return root
 
 
+def local_run(prepared: Path, root: Path, peers: int) -> Path:
+    """A fault-free run of a copy of ``prepared`` at ``root``: ``peers`` peers, each with its own
+    key, as threads of this process over the local transport (sharing one state folder, as the
+    harness's peer processes do), so no peer process spends seconds starting up."""
+    import shutil
+    import threading
+
+    from dipaco.config import load_config_dict
+    from dipaco.prepare.pipeline import prepare
+    from dipaco.run.factory import build_coordinator
+    from dipaco.run.local import run_local_peers
+    from dipaco.run.metrics_log import MetricsLog
+
+    shutil.copytree(prepared, root)
+    prep = prepare(root, load_config_dict(json.loads((root / "config.json").read_text())))
+    core = build_coordinator(prep, MetricsLog(root / "metrics.jsonl"), evaluate=False)
+    for t in run_local_peers(core, prep, peers, stop=threading.Event()):
+        t.join(300)
+    assert core.finished, "the local run did not finish"
+    return root
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -91,11 +113,15 @@ class Cluster:
         address: str | None = None,
         lead_peer: int | None = None,
         config: str = CONFIG,
+        linger: float = 3.0,
     ) -> None:
         self.root, self.workdir = root, workdir
         # A peer that must get work: the others start once it holds its first task (a peer
         # started second may otherwise train every task before the first has even joined).
         self.lead_peer = lead_peer
+        # Seconds the coordinator keeps answering after the run finished (--linger), so that
+        # peers hear "finished".
+        self.linger = linger
         workdir.mkdir(parents=True, exist_ok=True)
         self.config = write_config(workdir, config)
         self.port = free_port()
@@ -128,7 +154,7 @@ class Cluster:
         log = open(self.workdir / f"coordinator-{self.lives}.log", "w")  # noqa: SIM115
         cmd = [BIN / "dipaco-coordinator", "start", "--config", self.config,
                "--run-dir", self.root, "--no-eval", "--transport", "loopback",
-               "--listen", self.listen, "--linger", "3"]  # fmt: skip
+               "--listen", self.listen, "--linger", str(self.linger)]  # fmt: skip
         env = self._env({"DIPACO_FAULTS": faults} if faults else {})
         # Every outer step but a run's last written on a background thread, as large modules'
         # are (store.py): the kills inside the outer step hit that thread.

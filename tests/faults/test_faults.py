@@ -81,11 +81,12 @@ def test_a_full_disk_refuses_deltas_until_it_is_freed(cluster, reference):
     state = {"filled": None}
 
     def fill_then_free(c):
-        # Once round 1's four outer steps are done, round 2's path reports are all still to
-        # come and meet the full disk. (Filling at round 1's last ack could land before its
-        # outer step, which then fails and retries while no delta is pushed: nothing refused.)
+        # Once round 1's six outer steps are done (the 2x2 tiny run has six modules: S.embed,
+        # S.head and four), round 2's path reports are all still to come and meet the full
+        # disk. (Filling before the last of them could land before an outer step, which then
+        # fails and retries while no delta is pushed: nothing refused.)
         stepped = sum(1 for e in c.events() if e["event"] == "outer_step")
-        if state["filled"] is None and stepped >= 4:
+        if state["filled"] is None and stepped >= 6:
             flag.touch()
             state["filled"] = time.monotonic()
         elif state["filled"] and flag.exists():

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,44 +39,50 @@ def test_an_allow_list_run_admits_allowed_keys_only(run_copy, tmp_path):
         # The prepared run's schedule (tests/conftest.py), with an allow-list.
         'preset = "tiny"\n[train]\ninner_steps = 30\nrounds = 2\n[security]\njoin = "allow-list"\n'
     )
-    coordinator = subprocess.Popen(
-        [BIN / "dipaco-coordinator", "start", "--config", config, "--run-dir", root,
-         "--no-eval", "--transport", "loopback", "--linger", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        address_file = root / "coordinator" / "address"
-        address = wait_for(
-            lambda: address_file.exists() and address_file.read_text().strip(), 120, "the address"
-        )
-        coordinator_key = cli("dipaco-coordinator", "key", "--run-dir", root)
-        assert coordinator_key.startswith("ed25519:")
+    volunteer = tmp_path / "volunteer"
+    with ThreadPoolExecutor(4) as pool:  # commands that need nothing of each other, side by side
+        # The volunteer makes its key on its own machine (and someone else makes one).
+        volunteer_key = pool.submit(cli, "dipaco-peer", "key", "--state-dir", volunteer)
+        other_key = pool.submit(cli, "dipaco-peer", "key", "--state-dir", tmp_path / "someone-else")
+        coordinator = subprocess.Popen(
+            [BIN / "dipaco-coordinator", "start", "--config", config, "--run-dir", root,
+             "--no-eval", "--transport", "loopback", "--linger", "1"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            address_file = root / "coordinator" / "address"
+            address = wait_for(
+                lambda: address_file.exists() and address_file.read_text().strip(),
+                120,
+                "the address",
+            )
+            published = pool.submit(cli, "dipaco-coordinator", "key", "--run-dir", root)
+            # A stranger's key is refused, and told what its operator must run.
+            stranger = pool.submit(join, address, root, tmp_path / "stranger")
+            coordinator_key = published.result()
+            assert coordinator_key.startswith("ed25519:")
+            stranger = stranger.result()
+            assert stranger.returncode != 0
+            assert "dipaco-coordinator allow ed25519:" in said(stranger)
 
-        # A stranger's key is refused, and told what its operator must run.
-        stranger = join(address, root, tmp_path / "stranger")
-        assert stranger.returncode != 0
-        assert "dipaco-coordinator allow ed25519:" in said(stranger)
+            # A peer that insists on another coordinator key refuses this coordinator.
+            key = volunteer_key.result()
+            assert (volunteer / "signing.key").stat().st_mode & 0o777 == 0o600
+            cli("dipaco-coordinator", "allow", key, "--run-dir", root, "--note", "volunteer")
+            impostor = join(address, root, volunteer, "--coordinator-key", other_key.result())
+            assert impostor.returncode != 0
+            assert "untrusted-reply" in said(impostor)
+            assert "expected the coordinator" in said(impostor)
 
-        # A peer that insists on another coordinator key refuses this coordinator.
-        volunteer = tmp_path / "volunteer"
-        key = cli("dipaco-peer", "key", "--state-dir", volunteer)
-        assert (volunteer / "signing.key").stat().st_mode & 0o777 == 0o600
-        cli("dipaco-coordinator", "allow", key, "--run-dir", root, "--note", "volunteer")
-        wrong = cli("dipaco-peer", "key", "--state-dir", tmp_path / "someone-else")
-        impostor = join(address, root, volunteer, "--coordinator-key", wrong)
-        assert impostor.returncode != 0
-        assert "untrusted-reply" in said(impostor)
-        assert "expected the coordinator" in said(impostor)
-
-        # Allowed, and checking the coordinator's published key: it trains the whole run.
-        ok = join(address, root, volunteer, "--coordinator-key", coordinator_key)
-        assert ok.returncode == 0, ok.stdout + ok.stderr
-        out, _ = coordinator.communicate(timeout=120)
-        assert coordinator.returncode == 0 and "run finished" in out, out
-    finally:
-        if coordinator.poll() is None:
-            coordinator.kill()
-            coordinator.wait()
+            # Allowed, and checking the coordinator's published key: it trains the whole run.
+            ok = join(address, root, volunteer, "--coordinator-key", coordinator_key)
+            assert ok.returncode == 0, ok.stdout + ok.stderr
+            out, _ = coordinator.communicate(timeout=120)
+            assert coordinator.returncode == 0 and "run finished" in out, out
+        finally:
+            if coordinator.poll() is None:
+                coordinator.kill()
+                coordinator.wait()
     events = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     deltas = [e for e in events if e["event"] == "delta"]
     assert {e["peer"] for e in deltas} == {"volunteer"} and len(deltas) == 8

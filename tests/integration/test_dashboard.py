@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -119,10 +120,13 @@ def test_dashboard_in_chromium_and_status_json_during_a_live_run(run_copy, tmp_p
         browser.save_screenshot(str(ARTIFACTS / "dashboard.png"))
         assert (ARTIFACTS / "dashboard.png").stat().st_size > 20_000
 
-        # `dipaco status --json` says what the coordinator's files say.
-        out = subprocess.run(
-            [BIN / "dipaco", "status", url, "--json"], capture_output=True, text=True, timeout=60
-        )
+        # `dipaco status --json` says what the coordinator's files say (and `dipaco status`,
+        # run meanwhile, says it in lines).
+        command = [BIN / "dipaco", "status", url]
+        with ThreadPoolExecutor(1) as pool:
+            lines = pool.submit(subprocess.run, command, capture_output=True, text=True, timeout=60)
+            out = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=60)
+            text = lines.result()
         assert out.returncode == 0, out.stderr
         status = json.loads(out.stdout)
         heads = {
@@ -142,9 +146,6 @@ def test_dashboard_in_chromium_and_status_json_during_a_live_run(run_copy, tmp_p
         assert "dipaco_finished 1.0" in metrics
         assert 'dipaco_module_version{module="L0.M0"} 2.0' in metrics
 
-        text = subprocess.run(
-            [BIN / "dipaco", "status", url], capture_output=True, text=True, timeout=60
-        )
         assert text.returncode == 0 and "peer0" in text.stdout and "2/2" in text.stdout
     finally:
         if browser is not None:

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -90,11 +92,12 @@ def _logs(tmp_path):
     Proc.log_dir = None
 
 
-def config_file(tmp_path, rounds: int = 2, extra: str = "") -> Path:
-    """The session's prepared tiny run has 2 rounds; another count prepares a run of its own."""
+def config_file(tmp_path, rounds: int = 2, extra: str = "", steps: int = 30) -> Path:
+    """The session's prepared tiny runs have 2 rounds (of 30 inner steps, or short_config's);
+    another count prepares a run of its own."""
     path = tmp_path / "run.toml"
     path.write_text(
-        f'preset = "tiny"\n[train]\ninner_steps = 30\nrounds = {rounds}\n'
+        f'preset = "tiny"\n[train]\ninner_steps = {steps}\nrounds = {rounds}\n'
         f"[scheduler]\nlease_seconds = 5.0\nheartbeat_seconds = 0.5\n{extra}"
     )
     return path
@@ -119,12 +122,24 @@ def start_coordinator(root, config, evaluate: bool = False) -> tuple[Proc, str]:
     return proc, address
 
 
-def start_owner(address, root, owner_dir) -> Proc:
-    # The owner's key, allowed on the scheduler's side as an operator would.
-    key = subprocess.run([BIN / "dipaco-coordinator", "key", "--run-dir", owner_dir],
-                         capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    subprocess.run([BIN / "dipaco-coordinator", "allow", "--owner", key, "--run-dir", root],
-                   check=True, capture_output=True)  # fmt: skip
+def owner_key(owner_dir) -> Callable[[], str]:
+    """The module owner's key, which ``dipaco-coordinator key`` makes in its folder: asked for
+    now, in the background (while the scheduler starts); call the result to read it."""
+    proc = subprocess.Popen([BIN / "dipaco-coordinator", "key", "--run-dir", owner_dir],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    def read() -> str:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        return out.strip()
+
+    return read
+
+
+def start_owner(address, root, owner_dir, key: str | None = None) -> Proc:
+    if key is not None:  # allowed on the scheduler's side as an operator would, once
+        subprocess.run([BIN / "dipaco-coordinator", "allow", "--owner", key, "--run-dir", root],
+                       check=True, capture_output=True)  # fmt: skip
     return Proc(BIN / "dipaco-coordinator", "-v", "start", "--join", address, "--owns", SECOND,
                 "--run-dir", owner_dir, "--report-seconds", "0.5", "--publish-seconds", "2",
                 name="owner")  # fmt: skip
@@ -151,9 +166,10 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
     try:
         # Stragglers' rounds may close with a quorum, slow peers may get fewer steps.
         adaptive = "quorum = 0.5\nmin_step_fraction = 0.25\n"
+        key = owner_key(owner_dir)
         coordinator, address = start_coordinator(root, config_file(tmp_path, 4, adaptive))
         procs.append(coordinator)
-        owner = start_owner(address, root, owner_dir)
+        owner = start_owner(address, root, owner_dir, key())
         procs.append(owner)
         wait_for(lambda: owner.saw("took over"), 120, f"the hand-over\n{owner.output}")
 
@@ -185,7 +201,7 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
         owner.p.wait()
         wait_for(lambda: not any(alive(p) for p in helpers), 20, "the owner's helpers to exit")
         procs.remove(owner)
-        owner = start_owner(address, root, owner_dir)  # restarts from its own folder
+        owner = start_owner(address, root, owner_dir)  # restarts from its own folder, allowed
         procs.append(owner)
         late = start_peer(address, tmp_path, "peer3")
         procs.append(late)
@@ -233,11 +249,15 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
         assert ack["task"] in applied[ack["module"]], ack
 
 
-def test_hivemind_with_a_lossless_codec_matches_the_local_transport(run_copy, tmp_path):
+def test_hivemind_with_a_lossless_codec_matches_the_local_transport(
+    short_copy, short_config, tmp_path, capsys
+):
+    # Short tasks: nothing is caught mid-way, and every step competes with the scheduler, the
+    # owner, their DHT processes and this test's DHT watcher for the cores.
     config = config_file(
-        tmp_path, extra="quorum = 1.0\n"
+        tmp_path, extra="quorum = 1.0\n", steps=short_config.train.inner_steps
     )  # deterministic: rounds wait for all paths
-    local = run_copy("local")
+    local = short_copy("local")
     prep = prepare(local, _load(config))
     reference = build_coordinator(prep, MetricsLog(local / "metrics.jsonl"), evaluate=False)
     stop = threading.Event()
@@ -245,13 +265,14 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(run_copy, tm
         t.join(300)
     assert reference.finished
 
-    root, owner_dir = run_copy("networked"), tmp_path / "owner"
+    root, owner_dir = short_copy("networked"), tmp_path / "owner"
     procs: list[Proc] = []
     try:
         # With the per-round validation on: the scheduler fetches the owner's modules for it.
+        key = owner_key(owner_dir)
         coordinator, address = start_coordinator(root, config, evaluate=True)
         procs.append(coordinator)
-        owner = start_owner(address, root, owner_dir)
+        owner = start_owner(address, root, owner_dir, key())
         procs.append(owner)
         wait_for(lambda: owner.saw("took over"), 120, f"the hand-over\n{owner.output}")
         peer = start_peer(address, tmp_path, "only")
@@ -287,7 +308,23 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(run_copy, tm
     # exactly what the single-coordinator run gives.
     assert coordinator.saw("gathered 2 modules from 1 other owner(s)"), coordinator.output
     assert owner.saw("the scheduler has this owner's final modules"), owner.output
-    reference_eval, networked_eval = cli_json("eval", local), cli_json("eval", root)
+    # The networked run's figures come from the commands a user types (side by side: they only
+    # read the run folder); the reference figures from the same commands, run in this process
+    # meanwhile.
+    greedy = ("--temperature", "0", "--max-new-tokens", "12", "def main(")
+    export = ("export", "--run-dir", root, "--path", 3, "--out", tmp_path / "export-net")
+    with ThreadPoolExecutor(3) as pool:
+        networked = [
+            pool.submit(cli_json, "eval", root),
+            pool.submit(cli, *export),
+            pool.submit(cli_json, "generate", root, *greedy),
+        ]
+        reference_eval = in_process_json(capsys, "eval", local)
+        in_process(
+            capsys, "export", "--run-dir", local, "--path", 3, "--out", tmp_path / "export-local"
+        )
+        reference_text = in_process_json(capsys, "generate", local, *greedy)
+        networked_eval, done, networked_text = (f.result() for f in networked)
     assert networked_eval["gathered"] == SECOND.split(",")
     assert networked_eval["ppl"] == reference_eval["ppl"]
     assert networked_eval["per_path"] == reference_eval["per_path"]
@@ -295,14 +332,11 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(run_copy, tm
     rounds = {e["round"]: e["ppl"] for e in read_events(root / "metrics.jsonl")
               if e["event"] == "eval" and e["model"] == "dipaco"}  # fmt: skip
     assert sorted(rounds) == [1, 2] and rounds[2] == networked_eval["ppl"], rounds
-    for run, out in ((local, tmp_path / "export-local"), (root, tmp_path / "export-net")):
-        done = cli("export", "--run-dir", run, "--path", 3, "--out", out)
-        assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "export-net" / "model.safetensors").read_bytes() == (
         tmp_path / "export-local" / "model.safetensors"
     ).read_bytes()
-    greedy = ("--temperature", "0", "--max-new-tokens", "12", "def main(")
-    assert cli_json("generate", root, *greedy) == cli_json("generate", local, *greedy)
+    assert networked_text == reference_text
 
     # Without the gathered copies, eval asks the owner, which has exited: one line naming it.
     owner_id = json.loads((root / "coordinator" / "coordinator.json").read_text())["owners"]
@@ -316,7 +350,7 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(run_copy, tm
     assert "Traceback" not in failed.stdout + failed.stderr
     assert not (root / "gathered").exists()
     # With the owner's folder on this machine, the same figures.
-    from_folder = cli_json("eval", root, "--owner-dir", owner_dir)
+    from_folder = in_process_json(capsys, "eval", root, "--owner-dir", owner_dir)
     assert from_folder["ppl"] == reference_eval["ppl"]
 
 
@@ -330,6 +364,24 @@ def cli_json(command: str, run_dir: Path, *args) -> dict:
     done = cli(command, "--run-dir", run_dir, "--json", *args)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def in_process(capsys, *args) -> str:
+    """What ``dipaco ARGS`` prints, run in this process (which has torch and dipaco imported
+    already: a process of its own spends seconds importing them)."""
+    from dipaco.cli.main import main
+
+    capsys.readouterr()
+    try:
+        main([str(a) for a in args])
+    except SystemExit as exc:
+        assert exc.code in (0, None), capsys.readouterr()
+    return capsys.readouterr().out
+
+
+def in_process_json(capsys, command: str, run_dir: Path, *args) -> dict:
+    out = in_process(capsys, command, "--run-dir", run_dir, "--json", *args)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def _load(path):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -140,33 +141,50 @@ def sockets() -> set[str]:
 def one_error(args, *, timeout: float = 120) -> str:
     """Run a command that must fail: exit 2, exactly one error line, no traceback, and no
     daemon process or socket file left behind. Its error line."""
+    return errors_of(args, timeout=timeout)[0]
+
+
+def errors_of(*commands, timeout: float = 120) -> list[str]:
+    """``one_error`` for several commands, run side by side (each mostly imports, on one core):
+    their error lines, in order; no daemon or socket file outlives any of them."""
     before_pids, before_sockets = p2pd_pids(), sockets()
-    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout)
-    out = done.stdout + done.stderr
-    assert done.returncode == 2, out
-    assert "Traceback" not in out and "\x1b" not in out, out
-    errors = [line for line in out.splitlines() if re.match(r"\S+ error \(", line)]
-    assert len(errors) == 1, out
+
+    def run(args) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(a) for a in args], capture_output=True, text=True, timeout=timeout
+        )
+
+    with ThreadPoolExecutor(len(commands)) as pool:
+        done = list(pool.map(run, commands))
+    lines = []
+    for proc in done:
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, out
+        assert "Traceback" not in out and "\x1b" not in out, out
+        errors = [line for line in out.splitlines() if re.match(r"\S+ error \(", line)]
+        assert len(errors) == 1, out
+        lines.append(errors[0])
     time.sleep(0.5)
-    assert p2pd_pids() <= before_pids, "a p2p daemon outlived the command"
+    assert p2pd_pids() <= before_pids, "a p2p daemon outlived a command"
     assert sockets() <= before_sockets, "a daemon socket file was left behind"
-    return errors[0]
+    return lines
 
 
 def test_join_says_what_address_it_wanted(tmp_path):
-    state = ["--state-dir", tmp_path / "state"]
-    line = one_error([BIN / "dipaco-peer", "join", "foo", *state])
+    addresses = ["foo", "/ip4/127.0.0.1/tcp/4001", "/ip4/1.2.3/tcp/4001", "127.0.0.1:4001",
+                 "http://127.0.0.1:8080/", PEER_ID]  # fmt: skip
+    lines = errors_of(
+        *([BIN / "dipaco-peer", "join", a, "--state-dir", tmp_path / f"state{i}"]
+          for i, a in enumerate(addresses))
+    )  # fmt: skip
+    line = lines[0]
     assert "'foo' is not an address" in line and "/ip4/" in line and "--authkey-file" in line
-    line = one_error([BIN / "dipaco-peer", "join", "/ip4/127.0.0.1/tcp/4001", *state])
+    line = lines[1]
     assert "lacks the coordinator's peer id" in line and "/p2p/" in line
-    line = one_error([BIN / "dipaco-peer", "join", "/ip4/1.2.3/tcp/4001", *state])
-    assert "is not a valid multiaddr" in line
-    line = one_error([BIN / "dipaco-peer", "join", "127.0.0.1:4001", *state])
-    assert "needs --authkey-file" in line
-    line = one_error([BIN / "dipaco-peer", "join", "http://127.0.0.1:8080/", *state])
-    assert "web address" in line
-    line = one_error([BIN / "dipaco-peer", "join", PEER_ID, *state])
-    assert "peer id alone" in line
+    assert "is not a valid multiaddr" in lines[2]
+    assert "needs --authkey-file" in lines[3]
+    assert "web address" in lines[4]
+    assert "peer id alone" in lines[5]
 
 
 def test_a_dead_address_is_retried_then_pointed_to_doctor(tmp_path):
@@ -188,27 +206,29 @@ def test_busy_ports_are_refused_before_any_work(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         taken = f"127.0.0.1:{busy.getsockname()[1]}"
-        for option in ("--listen", "--dashboard"):
-            run_dir = tmp_path / option.strip("-")
-            began = time.monotonic()
-            line = one_error(
-                [BIN / "dipaco-coordinator", "start", "--preset", "tiny", "--run-dir", run_dir,
-                 option, taken],
-            )  # fmt: skip
+        options = ("--listen", "--dashboard")
+        began = time.monotonic()
+        lines = errors_of(
+            *([BIN / "dipaco-coordinator", "start", "--preset", "tiny", "--run-dir",
+               tmp_path / option.strip("-"), option, taken] for option in options)
+        )  # fmt: skip
+        assert time.monotonic() - began < 30
+        for option, line in zip(options, lines, strict=True):
             assert f"{option} {taken}: port" in line and "is in use" in line
+            run_dir = tmp_path / option.strip("-")
             assert not run_dir.exists(), "nothing is prepared for a run that cannot serve"
-            assert time.monotonic() - began < 30
 
 
 def test_data_that_looks_like_markup_is_printed_as_it_is(tmp_path):
     odd = tmp_path / "run[/bold] [red]x"
-    line = one_error([BIN / "dipaco", "eval", "--run-dir", odd])
-    assert f"run folder {odd} does not exist" in line
     owner = tmp_path / "owner"
     owner.mkdir()
     (owner / "manifest.json").write_text("{}")
-    line = one_error([BIN / "dipaco", "eval", "--run-dir", owner])
-    assert "is a module owner's folder" in line and f"--owner-dir {owner}" in line
+    missing, owners = errors_of(
+        [BIN / "dipaco", "eval", "--run-dir", odd], [BIN / "dipaco", "eval", "--run-dir", owner]
+    )
+    assert f"run folder {odd} does not exist" in missing
+    assert "is a module owner's folder" in owners and f"--owner-dir {owner}" in owners
 
 
 def test_ctrl_c_stops_a_hivemind_coordinator_quickly_and_quietly(run_copy, tmp_path):

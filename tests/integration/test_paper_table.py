@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "paper_table.py"
@@ -22,8 +23,14 @@ def run_bench(out: Path, *extra: str) -> str:
 
 
 def test_paper_table_trains_every_model_and_writes_table_and_chart(tmp_path):
-    out = tmp_path / "table"
-    first = run_bench(out)
+    out, other = tmp_path / "table", tmp_path / "other"
+    with ThreadPoolExecutor(1) as pool:
+        # Meanwhile, a run on another corpus, for the merge below (it needs nothing of this one).
+        small_run = pool.submit(
+            run_bench, other, "--only", "dense", "--max-docs", "60", "--dim", "16", "--layers", "2"
+        )
+        first = run_bench(out)
+        small_run.result()
     result = json.loads((out / "paper_table.json").read_text())
     models = [r["model"] for r in result["rows"]]
     expected = [
@@ -71,26 +78,25 @@ def test_paper_table_trains_every_model_and_writes_table_and_chart(tmp_path):
     assert {r["corpus"]["fingerprint"] for r in result["rows"]} == {fingerprint}
     assert f"fingerprint `{fingerprint}`" in table
 
-    again = run_bench(out, "--only", "dense", "dipaco2x2")
-    assert "[dense] already done" in again and "[dipaco2x2] already done" in again
-    assert "round 1/" not in again
-
     # A table merged from runs on different corpora would compare what does not compare
     # (builtin:mixed changes when the machine gains a package): refused, unless asked for.
-    other = tmp_path / "other"
-    run_bench(other, "--only", "dense", "--max-docs", "60", "--dim", "16", "--layers", "2")
     small = json.loads((other / "paper_table.json").read_text())["rows"][0]
     assert small["corpus"]["fingerprint"] != fingerprint
     # --dim shrinks the path (16 wide instead of the smoke preset's 32).
     assert small["params_per_path"] < by["dense"]["params_per_path"]
     merge = [str(out / "paper_table.json"), str(other / "paper_table.json")]
-    refused = subprocess.run(
-        [sys.executable, str(BENCH), "--preset", "smoke", "--out", str(tmp_path / "m"), "--merge"]
-        + merge,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    with ThreadPoolExecutor(1) as pool:
+        # Side by side: the merge that is refused, and a second run that reuses finished models.
+        refusal = pool.submit(
+            subprocess.run,
+            [sys.executable, str(BENCH), "--preset", "smoke", "--out", str(tmp_path / "m"),
+             "--merge", *merge],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        again = run_bench(out, "--only", "dense", "dipaco2x2")
+        refused = refusal.result()
+    assert "[dense] already done" in again and "[dipaco2x2] already done" in again
+    assert "round 1/" not in again
     assert refused.returncode != 0
     assert "different corpora" in refused.stderr and "--mixed-corpora" in refused.stderr
     run_bench(tmp_path / "m", "--mixed-corpora", "--merge", *merge)
@@ -99,12 +105,13 @@ def test_paper_table_trains_every_model_and_writes_table_and_chart(tmp_path):
 
 def test_the_capacity_preset_quick_form_trains_its_core_rows_with_curves(tmp_path):
     out = tmp_path / "capacity"
+    # Paths half as wide and half as deep as the preset's: what is checked here is which rows
+    # train, their curves and the routing study, not the model's size.
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--preset", "capacity", "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+        [sys.executable, str(BENCH), "--preset", "capacity", "--quick", "--out", str(out),
+         "--dim", "32", "--layers", "2"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "paper_table.json").read_text())
     models = [r["model"] for r in result["rows"]]
@@ -166,6 +173,9 @@ def test_the_outer_sweep_gives_every_group_its_runs_and_marks_the_best(tmp_path)
             str(out),
             "--lr",
             "0.002",
+            # One round per run: every group still gets its runs, each a curve and a perplexity.
+            "--rounds",
+            "1",
         ],
         capture_output=True,
         text=True,
