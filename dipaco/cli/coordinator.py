@@ -195,7 +195,6 @@ def start_standby(args: argparse.Namespace) -> int:
     """Stand by for a run's scheduler (``--standby --join ADDRESS``): copy its state, and
     schedule the run from that state once it stops answering."""
     from dipaco.net import standby
-    from dipaco.protocols.hivemind import HivemindNode
     from dipaco.run.manifest import peer_config
 
     if not args.join:
@@ -216,13 +215,7 @@ def start_standby(args: argparse.Namespace) -> int:
     config_file = run_dir / "config.json"
     prep = prepare(run_dir, load_config_dict(json.loads(config_file.read_text()), str(config_file)))
     me = Identity.load_or_create(key_file)
-    host, port = split_hostport(args.listen)
-    node = HivemindNode(
-        initial_peers=[args.join],
-        host=host,
-        port=port,
-        identity_path=hivemind.node_identity(run_dir),
-    )
+    node = joined_node(args, run_dir)
     try:
         take_over = standby.follow(
             node,
@@ -251,19 +244,12 @@ def start_owner(args: argparse.Namespace) -> int:
     """Join a run as the owner of some modules (``--join ADDRESS --owns ...``)."""
     from dipaco.coordinator.owner import Reporter, take_over
     from dipaco.protocols import discovery
-    from dipaco.protocols.hivemind import HivemindNode
 
     if not (args.owns and args.join):
         raise ConfigError("a module owner needs --join ADDRESS and --owns MODULES")
     run_dir = Path(args.run_dir)
     me = Identity.load_or_create(run_dir / "coordinator" / "signing.key")
-    host, port = split_hostport(args.listen)
-    node = HivemindNode(
-        initial_peers=[args.join],
-        host=host,
-        port=port,
-        identity_path=hivemind.node_identity(run_dir),
-    )
+    node = joined_node(args, run_dir)
     reporter = ticker = publisher = None
     try:
         run_id, manifest, scheduler = hivemind.contact_scheduler(
@@ -316,6 +302,20 @@ def start_owner(args: argparse.Namespace) -> int:
                 worker.stop.set()
         node.shutdown(quick=stopping.requested())
     return 0
+
+
+def joined_node(args: argparse.Namespace, run_dir: Path):
+    """A DHT node listening on ``--listen``, bootstrapped from ``--join``, with the folder's
+    node key (an owner's, a standby's)."""
+    from dipaco.protocols.hivemind import HivemindNode
+
+    host, port = split_hostport(args.listen)
+    return HivemindNode(
+        initial_peers=[args.join],
+        host=host,
+        port=port,
+        identity_path=hivemind.node_identity(run_dir),
+    )
 
 
 def start_dashboard(args, coordinator):
