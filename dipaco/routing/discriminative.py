@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from sklearn.linear_model import LogisticRegression
 from threadpoolctl import threadpool_limits
 
 from dipaco.errors import ConfigError, DataError
@@ -313,6 +312,9 @@ def fit_logistic_router(
     weights = np.zeros((num_paths, d))
     bias = np.zeros(num_paths)
     if present.size > 1:
+        # Imported here: scikit-learn takes ~0.8 s to import, and only fitting needs it.
+        from sklearn.linear_model import LogisticRegression
+
         # One thread keeps the fit bit-for-bit reproducible.
         with threadpool_limits(limits=1):
             clf = LogisticRegression(C=float(C), solver="lbfgs", max_iter=MAX_ITER).fit(z, y)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from sklearn.cluster import KMeans
 from threadpoolctl import threadpool_limits
 
 from dipaco.errors import ConfigError, DataError
@@ -236,6 +235,9 @@ def fit_router(
     if not (scale > 0.0 and math.isfinite(scale)):
         scale = 1.0
     z = centered / scale
+
+    # Imported here: scikit-learn takes ~0.8 s to import, and only fitting needs it.
+    from sklearn.cluster import KMeans
 
     centroids, offsets = [], []
     for g, (k, (start, stop)) in enumerate(zip(groups, slices, strict=True)):
