@@ -9,6 +9,7 @@ mistyped field is a :class:`~dipaco.errors.WireError` naming it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -300,12 +301,18 @@ def to_frame(msg: Message) -> Frame:
     return Frame(name, fields, getattr(msg, "tensors", {}))
 
 
+@functools.cache
+def _schema(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """A message class's field types and fields (resolving the annotations costs ~60 us, once
+    per class rather than per decoded message)."""
+    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+
+
 def from_frame(frame: Frame) -> Message:
     cls = REGISTRY.get(frame.type)
     if cls is None:
         raise WireError(f"unknown message type {frame.type!r}")
-    hints = typing.get_type_hints(cls)
-    declared = {f.name: f for f in dataclasses.fields(cls)}
+    hints, declared = _schema(cls)
     unknown = set(frame.fields) - set(declared) | ({"tensors"} & set(frame.fields))
     if unknown:
         raise WireError(f"{frame.type}: unknown fields {sorted(unknown)}")
