@@ -346,8 +346,7 @@ def check_content(
             norms[mid] = j.limit
     trust = 1.0
     if core.validation.heldout_check and core.heldout_loss is not None and mids:
-        with core.lock:  # scores and key trust are shared state (the check is off by default)
-            trust = check_heldout(core, req, path, deltas, mids)
+        trust = check_heldout(core, req, path, deltas, mids)
     for mid, j in judged.items():
         if j.action == "clip":
             core.metrics(
@@ -378,12 +377,18 @@ def check_heldout(
     the delta: for a late delta an approximation, as its base is gone). Needs every module
     of the path: an owner of only some modules skips the check. Returns the delta's weight
     factor, its key's trust.
+
+    The two evaluations (forward passes over the held-out documents) run outside the
+    coordinator's lock, which every other request needs. The parameters read under it stay
+    valid meanwhile: while this holds them, the store does not reuse their buffers for a later
+    step (store.spare_buffers). Only the key's score, shared state, is judged under the lock.
     """
     assert core.heldout_loss is not None
     path_mids = core.topology.path_modules(path)
-    if not all(core.owns(mid) for mid in path_mids):
-        return 1.0
-    current = {mid: core.store.params(mid) for mid in path_mids}
+    with core.lock:
+        if not all(core.owns(mid) for mid in path_mids):
+            return 1.0
+        current = {mid: core.store.params(mid) for mid in path_mids}
     proposed = dict(current)
     for mid in mids:
         proposed[mid] = {k: v - deltas[mid][k].to(v.dtype) for k, v in current[mid].items()}
@@ -391,23 +396,24 @@ def check_heldout(
     if math.isnan(before):
         return 1.0  # no held-out documents for this path: nothing to judge by
     after = core.heldout_loss(path, proposed)
-    key = core.voter_of(req)
-    verdict = core.key_scores.judge(key, before, after)
-    core.key_scores.save()
-    core.metrics(
-        {
-            "event": "heldout_check",
-            "path": path,
-            "task": req.task_id,
-            "peer": req.peer_id,
-            "before": before,
-            "after": after,
-            "gain": verdict.gain,
-            "key_score": verdict.score,
-            "trust": verdict.trust,
-            "refused": verdict.refuse,
-        }
-    )
+    del current, proposed  # the store may reuse those buffers again
+    with core.lock:  # the key's score is shared state
+        verdict = core.key_scores.judge(core.voter_of(req), before, after)
+        core.key_scores.save()
+        core.metrics(
+            {
+                "event": "heldout_check",
+                "path": path,
+                "task": req.task_id,
+                "peer": req.peer_id,
+                "before": before,
+                "after": after,
+                "gain": verdict.gain,
+                "key_score": verdict.score,
+                "trust": verdict.trust,
+                "refused": verdict.refuse,
+            }
+        )
     if verdict.refuse == "worse-heldout":
         core._reject(
             req.peer_id,

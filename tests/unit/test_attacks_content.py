@@ -6,6 +6,7 @@ move them far less than a plain mean would).
 """
 
 import math
+import threading
 
 import pytest
 import torch
@@ -280,6 +281,33 @@ def test_heldout_check_refuses_a_delta_that_makes_its_path_worse(tmp_path):
     assert swarm.submit(task, good).accepted
     checks = [e for e in swarm.events if e["event"] == "heldout_check"]
     assert len(checks) == 2 and checks[1]["after"] < checks[1]["before"]
+
+
+def test_a_held_out_evaluation_does_not_hold_up_other_peers(tmp_path):
+    # The check's forward passes run outside the coordinator's lock: while one is under way
+    # (held here until another peer has been served), a claim from another peer is answered.
+    evaluating, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def loss(path, modules):
+        calls.append(path)
+        evaluating.set()
+        assert release.wait(10), "the other peer's claim was never answered"
+        return 1.0 if len(calls) == 1 else 0.5  # before, then after: the delta helps
+
+    validation = ValidationSection(heldout_check=True, heldout_tolerance=0.0)
+    swarm = Swarm(tmp_path, validation=validation, heldout_loss=loss)
+    task = swarm.claim(0)
+    swarm.tr("peer1")  # its key, made before the race
+    result: dict = {}
+    pusher = threading.Thread(target=lambda: result.update(ack=swarm.submit(task, honest(0, 0))))
+    pusher.start()
+    assert evaluating.wait(10)
+    other = swarm.claim(1)  # served while the first delta is being scored
+    release.set()
+    pusher.join(10)
+    assert other.path == 1 and result["ack"].accepted
+    assert [e["path"] for e in swarm.events if e["event"] == "heldout_check"] == [0]
 
 
 def test_heldout_check_with_a_prepared_runs_own_documents(prepared_tiny, tiny_config, tmp_path):
