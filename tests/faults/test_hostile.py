@@ -131,8 +131,9 @@ def test_eight_honest_peers_finish_a_run_through_three_hostile_keys(prepared_hel
     print(f"poisoner: {len(scored)} deltas scored, refused {by_peer.get('poisoner')}")
     # The poisoner's first task carries its start-up; on a loaded machine its 4 s lease can end
     # before the push, which is refused as lease-ended: still refused, still counted.
-    assert set(by_peer.get("poisoner", {})) & {"worse-heldout", "low-score", "banned"}
-    assert set(by_peer.get("poisoner", {})) <= {"worse-heldout", "low-score", "banned", "lease-ended"}
+    refused_as = set(by_peer.get("poisoner", {}))
+    assert refused_as & {"worse-heldout", "low-score", "banned"}, refused_as
+    assert refused_as <= {"worse-heldout", "low-score", "banned", "lease-ended"}, refused_as
     assert by_peer["poisoner"].get("worse-heldout", 0) + by_peer["poisoner"].get(
         "low-score", 0
     ) == len(scored)
