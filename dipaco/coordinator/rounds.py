@@ -177,7 +177,11 @@ def after_change(core: CoordinatorBase) -> None:
         core.scheduler.forget_before(horizon)
         core.done = {(p, r) for p, r in core.done if r >= horizon}
         if core.on_round is not None:
-            core.on_round(core.round)
+            try:
+                core.on_round(core.round)
+            finally:  # a callback that fails must not leave the run's end unsaid
+                if core.finished:
+                    core.finished_event.set()
     if core.finished:
         core.finished_event.set()
 

@@ -120,7 +120,9 @@ class LocalRun:
         """Until the coordinator's run finishes; ``DipacoError(stopped_early)`` if every local
         peer stops first. (A failed run finishes too: the caller reads ``coordinator.failure``.)"""
         while not self.coordinator.finished_event.wait(0.5):
-            if not any(t.is_alive() for t in self.threads):
+            # Peers stop as soon as the last round is complete, and the event is set after that
+            # round's callbacks (a per-round evaluation): a finished run is not an early stop.
+            if not any(t.is_alive() for t in self.threads) and not self.coordinator.finished:
                 raise DipacoError(stopped_early)
 
     def __exit__(
