@@ -168,12 +168,20 @@ def main() -> None:
     ap.add_argument("--store", action="store_true", help="also time ModuleStore.outer_step")
     ap.add_argument("--store-max", type=float, default=100, help="largest size for --store (M)")
     ap.add_argument("--quick", action="store_true", help="CI's short form: 2M, P = 1 and 2")
+    ap.add_argument(
+        "--rescale",
+        default="sqrt",
+        choices=["none", "sqrt", "linear", "norm"],
+        help="the outer rescale (run configs default to norm: one more pass over the average)",
+    )
     add_report_args(ap)
     args = ap.parse_args()
     if args.quick:
         args.params, args.paths, args.repeat, args.store_max = [2], [1, 2], 2, 2
-    s = OuterSettings()
-    print(f"torch threads: {torch.get_num_threads()}, cores: {os.cpu_count()}")
+    s = OuterSettings(rescale=args.rescale)
+    print(
+        f"rescale {args.rescale}; torch threads: {torch.get_num_threads()}, cores: {os.cpu_count()}"
+    )
     print(
         f"{'params':>9} {'P':>2} {'in MB':>8} {'outer ms':>9} {'copy ms':>9} "
         f"{'outer GB/s':>10} {'copy GB/s':>9} {'ratio':>6} {'fresh':>6}"

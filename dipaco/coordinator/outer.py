@@ -93,12 +93,14 @@ def _scale(
     deltas: list[list[torch.Tensor]],
     average_norm: float,
     group: list[int] | None = None,
+    delta_norms: list[float] | None = None,
 ) -> float:
     """The rescale factor of the outer gradient for these n deltas and their average's norm.
 
     With ``group`` (a robust combiner's voter of each delta), the "norm" rescale's typical
     delta size is the median over voters of each voter's mean delta norm, so that a minority of
     keys sending oversized deltas cannot inflate the step; with one voter it is the plain mean.
+    ``delta_norms``: the deltas' norms, when the caller measured them already.
     """
     n = len(deltas)
     if s.rescale == "none" or n == 1:
@@ -108,7 +110,7 @@ def _scale(
     if s.rescale == "linear":
         return float(n)
     if s.rescale == "norm":
-        norms = [_norm(d) for d in deltas]
+        norms = delta_norms if delta_norms is not None else [_norm(d) for d in deltas]
         mean_norm = sum(norms) / n
         if group is not None:
             per_voter: dict[int, list[float]] = {}
@@ -272,14 +274,19 @@ def apply_round(
 ) -> tuple[Tensors, Tensors, float]:
     """One module's whole outer step: new parameters, new momentum, and the outer gradient's norm.
 
-    The plain mean never materialises the gradient: the weighted average is formed in one pass
-    per delta and its rescale factor folded into the Nesterov update, so a round moves about
-    3(P-1) + 12 times the module's size through memory with P paths (the floor is P + 4).
-    Robust combiners go through ``outer_gradient``. Inputs are left untouched.
+    The plain mean never materialises the gradient: the weighted average is formed in the new
+    parameters' buffers and its rescale factor folded into the Nesterov update, piece by piece
+    (``PIECE``), each piece averaged and stepped while it is in cache. A round therefore moves
+    the floor through memory, P + 4 module sizes with P paths (P deltas, parameters and momentum
+    read; parameters and momentum written), plus one read for the norm-dependent "norm" rescale,
+    which steps in a second pass. Robust combiners go through ``outer_gradient``. Inputs are
+    left untouched.
 
     ``out`` (new parameters, new momentum: float32 contiguous tensors named and shaped like
     ``params``, aliasing none of the inputs) receives the results in place and is returned:
     fresh results cost a page fault per 4 KiB on first touch, several times the arithmetic.
+    Without ``out`` the same operations run into new float32 buffers: the same bits either
+    way, so a restarted coordinator redoes a step exactly.
     ``voters`` (the key of each delta) gives a robust combiner one vote per key.
     """
     info = info if info is not None else {}
@@ -291,50 +298,113 @@ def apply_round(
     names = list(params)
     weights = _weights(deltas, s)
     lists = [[_float32(d[k]) for k in names] for d, _ in deltas]
-    if out is None:
-        average = weighted_average(lists, weights)
-        norm = _norm(average)
-        scale = info["rescale"] = _scale(s, lists, norm)
-        norm *= scale
-        new_params, new_momentum = _nesterov(names, params, momentum, average, scale, s)
-        return new_params, new_momentum, norm
-    # The very operations of the fresh form, in the same order, so that both give the same
-    # bits: which one runs depends on whether spare buffers were free, and a coordinator that
-    # restarts must redo a step exactly as the run without the restart did it.
+    if out is None:  # fresh results: the same operations, into new buffers
+        out = tuple({n: torch.empty(params[n].shape) for n in names} for _ in range(2))
     new = [out[0][n] for n in names]
     b = [out[1][n] for n in names]
     theta = [params[n] for n in names]
+    mom = None if momentum is None else [momentum[n] for n in names]
+    pieces = _pieces([t.numel() for t in theta])
+    # With a rescale that does not depend on the average's norm, each piece is averaged and
+    # stepped while it is in cache: one pass over memory, P + 4 module sizes with P paths.
+    scale = _scale(s, lists, 0.0) if s.rescale != "norm" or len(lists) == 1 else None
+    squares: list[torch.Tensor] = []
+    delta_squares: list[list[torch.Tensor]] = [[] for _ in lists]  # "norm": each delta's norm
+    for piece in pieces:
+        if scale is None:  # read while the piece comes into cache for the average
+            for acc, x in zip(delta_squares, lists, strict=True):
+                acc.append(_square_sum(_cut(piece, x)))
+        average = _average_piece(piece, lists, weights, new)
+        squares.append(_square_sum(average))
+        if scale is not None:
+            _nesterov_piece(piece, average, theta, mom, new, b, scale, s)
+    norm = _root(squares)
+    if scale is None:  # the "norm" rescale needs the whole average's norm: a second pass
+        scale = _scale(s, lists, norm, delta_norms=[_root(acc) for acc in delta_squares])
+        for piece in pieces:
+            average = _cut(piece, lists[0]) if len(lists) == 1 else _cut(piece, new)
+            _nesterov_piece(piece, average, theta, mom, new, b, scale, s)
+    info["rescale"] = scale
+    return out[0], out[1], norm * scale
+
+
+# Tensors above this many elements are stepped in pieces of it (1 MiB of float32 each), so
+# that a piece's P deltas, parameters and momentum stay in cache between the operations.
+PIECE = 1 << 18
+
+Piece = list[tuple[int, int, int]]  # (tensor index, start, stop) in the flattened tensors
+
+
+def _pieces(sizes: list[int]) -> list[Piece]:
+    """The small tensors together (one foreach call each operation), then each large one in
+    pieces of PIECE elements."""
+    small = [(i, 0, n) for i, n in enumerate(sizes) if n <= PIECE]
+    out = [small] if small else []
+    for i, n in enumerate(sizes):
+        if n > PIECE:
+            out += [[(i, a, min(a + PIECE, n))] for a in range(0, n, PIECE)]
+    return out
+
+
+def _square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm of these tensors together, in float64."""
+    return torch.stack(torch._foreach_norm(tensors)).double().square().sum()
+
+
+def _root(square_sums: list[torch.Tensor]) -> float:
+    return float(torch.stack(square_sums).sum().sqrt()) if square_sums else 0.0
+
+
+def _cut(piece: Piece, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [tensors[i].reshape(-1)[a:z] for i, a, z in piece]
+
+
+def _average_piece(
+    piece: Piece, lists: list[list[torch.Tensor]], weights: list[float], new: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The weighted running mean (weighted_average's lerps) of one piece, built in the new
+    parameters' buffers; with one delta, that delta's piece itself."""
     if len(lists) == 1:
-        average = lists[0]
-    else:  # the running mean, built in the new parameters' buffers
-        so_far = weights[0] + weights[1]
-        for x, y, o in zip(lists[0], lists[1], new, strict=True):
-            torch.lerp(x, y, weights[1] / so_far if so_far else 0.5, out=o)
-        for tensors, w in zip(lists[2:], weights[2:], strict=True):
-            so_far += w
-            torch._foreach_lerp_(new, tensors, w / so_far if so_far else 0.0)
-        if abs(so_far - 1.0) > 1e-12 and so_far > 0:
-            torch._foreach_mul_(new, so_far)
-        average = new
-    norm = _norm(average)
-    scale = info["rescale"] = _scale(s, lists, norm)
-    norm *= scale
-    if momentum is None:  # b = k g
-        for g, o in zip(average, b, strict=True):
-            torch.mul(g, scale, out=o)
-    else:  # b = mu b + k g
-        for n, o in zip(names, b, strict=True):
-            torch.mul(momentum[n], s.momentum, out=o)
-        torch._foreach_add_(b, average, alpha=scale)
-    # theta - lr k g (over g itself when g lives in these buffers: element by element, exact)
-    if s.nesterov:
-        for th, g, o in zip(theta, average, new, strict=True):
-            torch.add(th, g, alpha=-s.lr * scale, out=o)
-        torch._foreach_add_(new, b, alpha=-s.lr * s.momentum)
+        return _cut(piece, lists[0])
+    o = _cut(piece, new)
+    so_far = weights[0] + weights[1]
+    for x, y, into in zip(_cut(piece, lists[0]), _cut(piece, lists[1]), o, strict=True):
+        torch.lerp(x, y, weights[1] / so_far if so_far else 0.5, out=into)
+    for tensors, w in zip(lists[2:], weights[2:], strict=True):
+        so_far += w
+        torch._foreach_lerp_(o, _cut(piece, tensors), w / so_far if so_far else 0.0)
+    if abs(so_far - 1.0) > 1e-12 and so_far > 0:
+        torch._foreach_mul_(o, so_far)
+    return o
+
+
+def _nesterov_piece(
+    piece: Piece,
+    g: list[torch.Tensor],
+    theta: list[torch.Tensor],
+    mom: list[torch.Tensor] | None,
+    new: list[torch.Tensor],
+    b: list[torch.Tensor],
+    k: float,
+    s: OuterSettings,
+) -> None:
+    """b = mu b + k g; theta - lr k g - lr mu b (theta - lr b without Nesterov), for one piece,
+    into the new buffers (over g itself when g lives in them: element by element, exact)."""
+    bb, nn, th = _cut(piece, b), _cut(piece, new), _cut(piece, theta)
+    if mom is None:  # b = k g
+        for x, o in zip(g, bb, strict=True):
+            torch.mul(x, k, out=o)
     else:
-        for th, bb, o in zip(theta, b, new, strict=True):
-            torch.add(th, bb, alpha=-s.lr, out=o)
-    return out[0], out[1], norm
+        for m, o in zip(_cut(piece, mom), bb, strict=True):
+            torch.mul(m, s.momentum, out=o)
+        torch._foreach_add_(bb, g, alpha=k)
+    if s.nesterov:
+        for t, x, o in zip(th, g, nn, strict=True):
+            torch.add(t, x, alpha=-s.lr * k, out=o)
+        torch._foreach_add_(nn, bb, alpha=-s.lr * s.momentum)
+    else:
+        for t, x, o in zip(th, bb, nn, strict=True):
+            torch.add(t, x, alpha=-s.lr, out=o)
 
 
 def _norm(tensors: list[torch.Tensor]) -> float:

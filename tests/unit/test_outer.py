@@ -109,6 +109,42 @@ def test_the_round_into_given_buffers_equals_the_fresh_one(paths, with_momentum,
     assert into[2] == fresh[2]
 
 
+@pytest.mark.parametrize("paths", [1, 2, 5])
+@pytest.mark.parametrize("rescale", ["sqrt", "norm"])
+@pytest.mark.parametrize("with_momentum", [False, True])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_a_round_stepped_in_pieces_equals_one_over_whole_tensors(
+    monkeypatch, paths, rescale, with_momentum, nesterov
+):
+    """Large tensors are stepped in pieces (outer.PIECE elements): the same element-wise
+    operations, so the same bits as whole tensors (the "norm" rescale's factor comes from the
+    norm, summed piece by piece: equal to rounding), and fresh = into given buffers exactly."""
+    import dipaco.coordinator.outer as outer
+
+    gen = torch.Generator().manual_seed(20 + paths)
+    shapes = {"w": (9, 7), "v": (50,), "norm": (5,), "bias": (3,)}
+    rand = lambda: {k: torch.randn(*v, generator=gen) for k, v in shapes.items()}  # noqa: E731
+    deltas = [(rand(), 1000.0 * (i + 1)) for i in range(paths)]
+    params, momentum = rand(), rand() if with_momentum else None
+    s = OuterSettings(rescale=rescale, nesterov=nesterov)
+    whole = apply_round(deltas, params, momentum, s)
+    monkeypatch.setattr(outer, "PIECE", 8)  # w and v in pieces of 8, norm and bias together
+    assert len(outer._pieces([63, 50, 5, 3])) == 1 + 8 + 7
+    fresh = apply_round(deltas, params, momentum, s)
+    into = apply_round(deltas, params, momentum, s, out=(rand(), rand()))
+    grad = outer_gradient(deltas, s)
+    want_params, want_momentum = nesterov_step(params, momentum, grad, s)
+    for k in shapes:
+        assert torch.equal(into[0][k], fresh[0][k]) and torch.equal(into[1][k], fresh[1][k])
+        assert torch.allclose(fresh[0][k], want_params[k], atol=1e-5)
+        assert torch.allclose(fresh[1][k], want_momentum[k], atol=1e-5)
+        if rescale == "sqrt":
+            assert torch.equal(fresh[0][k], whole[0][k]) and torch.equal(fresh[1][k], whole[1][k])
+        else:
+            assert torch.allclose(fresh[0][k], whole[0][k], atol=1e-6)
+    assert into[2] == fresh[2] == pytest.approx(whole[2], rel=1e-6)
+
+
 @pytest.mark.parametrize("rescale", ["none", "sqrt", "linear", "norm"])
 def test_each_rescale_scales_the_average_as_documented(rescale):
     gen = torch.Generator().manual_seed(7)
