@@ -212,20 +212,16 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
 def weighted_average(lists: list[list[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
     """sum_i weights[i] * lists[i] (weights summing to 1), tensor by tensor, one pass per input.
 
-    A chain of foreach lerps, a running mean: m_1 = x_1, m_k = lerp(m_{k-1}, x_k, w_k / W_k) with
-    W_k the weight so far. Float32, in path order, so the same deltas give the same bits on every
-    transport. With one input, that input itself (not a copy): callers must not write to it.
+    A chain of lerps, a running mean: m_1 = x_1, m_k = lerp(m_{k-1}, x_k, w_k / W_k) with W_k
+    the weight so far (``_average_piece``, into new tensors). Float32, in path order, so the
+    same deltas give the same bits on every transport. With one input, that input itself (not a
+    copy): callers must not write to it.
     """
     if len(lists) == 1:
         return lists[0]
-    so_far = weights[0] + weights[1]
-    acc = torch._foreach_lerp(lists[0], lists[1], weights[1] / so_far if so_far else 0.5)
-    for tensors, w in zip(lists[2:], weights[2:], strict=True):
-        so_far += w
-        torch._foreach_lerp_(acc, tensors, w / so_far if so_far else 0.0)
-    if abs(so_far - 1.0) > 1e-12 and so_far > 0:
-        torch._foreach_mul_(acc, so_far)
-    return acc
+    new = [torch.empty_like(t) for t in lists[0]]
+    _average_piece(_whole(new), lists, weights, new)
+    return new
 
 
 def nesterov_step(
@@ -244,22 +240,16 @@ def _nesterov(
     k: float,
     s: OuterSettings,
 ) -> tuple[Tensors, Tensors]:
-    """Nesterov with the gradient given as k * g, in foreach kernels, no temporaries:
+    """Nesterov with the gradient given as k * g, into new tensors (``_nesterov_piece``):
 
     b = mu * b + k g ;  theta <- theta - lr k g - lr mu b    (theta - lr b without Nesterov)
     """
     theta = [params[n] for n in names]
     g = [t.to(th.dtype) for t, th in zip(g, theta, strict=True)]
-    if momentum is None:
-        b = torch._foreach_mul(g, k)  # b starts at zero, so b = k g (a new tensor)
-    else:
-        b = torch._foreach_mul([momentum[n] for n in names], s.momentum)
-        torch._foreach_add_(b, g, alpha=k)
-    if s.nesterov:
-        new = torch._foreach_add(theta, g, alpha=-s.lr * k)
-        torch._foreach_add_(new, b, alpha=-s.lr * s.momentum)
-    else:
-        new = torch._foreach_add(theta, b, alpha=-s.lr)
+    mom = None if momentum is None else [momentum[n] for n in names]
+    new, b = [torch.empty_like(t) for t in theta], [torch.empty_like(t) for t in theta]
+    whole = _whole(theta)
+    _nesterov_piece(whole, _cut(whole, g), theta, mom, new, b, k, s)
     return dict(zip(names, new, strict=True)), dict(zip(names, b, strict=True))
 
 
@@ -353,6 +343,11 @@ def _square_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _root(square_sums: list[torch.Tensor]) -> float:
     return float(torch.stack(square_sums).sum().sqrt()) if square_sums else 0.0
+
+
+def _whole(tensors: list[torch.Tensor]) -> Piece:
+    """All of these tensors as one piece."""
+    return [(i, 0, t.numel()) for i, t in enumerate(tensors)]
 
 
 def _cut(piece: Piece, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
