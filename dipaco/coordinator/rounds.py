@@ -167,23 +167,21 @@ def after_change(core: CoordinatorBase) -> None:
     claims waiting for a path to open (long polls)."""
     core.changed.set()
     core._work_changed()
-    if core.round > core.last_round:
-        for rnd in range(core.last_round + 1, core.round + 1):
-            core.metrics({"event": "round", "round": rnd})
-        core.last_round = core.round
-        # Tasks of rounds that no delta can join any more (even late) are forgotten, so that
-        # a long run does not keep a record of every task it ever leased.
-        horizon = core.round - core.policy.max_staleness
-        core.scheduler.forget_before(horizon)
-        core.done = {(p, r) for p, r in core.done if r >= horizon}
-        if core.on_round is not None:
-            try:
+    try:
+        if core.round > core.last_round:
+            for rnd in range(core.last_round + 1, core.round + 1):
+                core.metrics({"event": "round", "round": rnd})
+            core.last_round = core.round
+            # Tasks of rounds that no delta can join any more (even late) are forgotten, so
+            # that a long run does not keep a record of every task it ever leased.
+            horizon = core.round - core.policy.max_staleness
+            core.scheduler.forget_before(horizon)
+            core.done = {(p, r) for p, r in core.done if r >= horizon}
+            if core.on_round is not None:
                 core.on_round(core.round)
-            finally:  # a callback that fails must not leave the run's end unsaid
-                if core.finished:
-                    core.finished_event.set()
-    if core.finished:
-        core.finished_event.set()
+    finally:  # a round callback that fails must not leave the run's end unsaid
+        if core.finished:
+            core.finished_event.set()
 
 
 def outer_settings_of(core: CoordinatorBase, mid: str) -> OuterSettings:
