@@ -24,16 +24,21 @@ def prepared_tiny(tmp_path_factory, tiny_config):
     return root
 
 
-@pytest.fixture
-def run_copy(prepared_tiny, tmp_path):
-    """A private copy of the prepared run, with no training state yet."""
+def copier(prepared: Path, tmp_path: Path):
+    """``make(name)``: a private copy of ``prepared`` under ``tmp_path``."""
 
     def make(name: str = "run") -> Path:
         dest = tmp_path / name
-        shutil.copytree(prepared_tiny, dest)
+        shutil.copytree(prepared, dest)
         return dest
 
     return make
+
+
+@pytest.fixture
+def run_copy(prepared_tiny, tmp_path):
+    """A private copy of the prepared run, with no training state yet."""
+    return copier(prepared_tiny, tmp_path)
 
 
 @pytest.fixture(scope="session")
@@ -55,10 +60,4 @@ def prepared_short(tmp_path_factory, prepared_tiny, short_config):
 @pytest.fixture
 def short_copy(prepared_short, tmp_path):
     """A private copy of the short-task prepared run, with no training state yet."""
-
-    def make(name: str = "run") -> Path:
-        dest = tmp_path / name
-        shutil.copytree(prepared_short, dest)
-        return dest
-
-    return make
+    return copier(prepared_short, tmp_path)
