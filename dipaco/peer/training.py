@@ -224,6 +224,7 @@ class PathTrainer:
         with timed(self.timings, "train"):
             with on_stream(run.stream):  # the loss is written on the task's stream
                 value = loss.item()
+            fault_point("peer.inner_step")  # sleep:S makes a slow peer (a task to catch mid-way)
             if self.stop.is_set():
                 raise TaskAborted("peer is stopping")
             if run.lease_lost.is_set():

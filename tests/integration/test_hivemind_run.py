@@ -41,7 +41,7 @@ class Proc:
 
     log_dir: Path | None = None
 
-    def __init__(self, *args, name: str):
+    def __init__(self, *args, name: str, env: dict[str, str] | None = None):
         self.name = name
         self.log = None if self.log_dir is None else open(self.log_dir / f"{name}.log", "a")
         self.p = subprocess.Popen(
@@ -50,6 +50,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            env=None if env is None else {**os.environ, **env},
         )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -145,9 +146,9 @@ def start_owner(address, root, owner_dir, key: str | None = None) -> Proc:
                 name="owner")  # fmt: skip
 
 
-def start_peer(address, tmp_path, name, *extra) -> Proc:
+def start_peer(address, tmp_path, name, *extra, env=None) -> Proc:
     return Proc(BIN / "dipaco-peer", "-v", "join", address, "--peer-id", name,
-                "--state-dir", tmp_path / name, *extra, name=name)  # fmt: skip
+                "--state-dir", tmp_path / name, *extra, name=name, env=env)  # fmt: skip
 
 
 def final_modules(*roots) -> dict[str, dict[str, torch.Tensor]]:
@@ -181,9 +182,12 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
         slow.p.send_signal(signal.SIGKILL)  # mid-upload: nothing of this task is acknowledged
 
         steady = start_peer(address, tmp_path, "peer1")
-        quitter = start_peer(address, tmp_path, "peer2")
+        # A slow quitter (0.2 s a step, 6 s a task), so that its Ctrl-C lands mid-task on a fast
+        # machine too (a 30-step task trains in 0.5 s on CI's).
+        slowly = {"DIPACO_FAULTS": "peer.inner_step=sleep:0.2"}
+        quitter = start_peer(address, tmp_path, "peer2", env=slowly)
         procs += [steady, quitter]
-        wait_for(lambda: quitter.saw("training"), 120, f"peer2 to start a task\n{quitter.output}")
+        wait_for(lambda: quitter.saw("training path"), 120, f"peer2 to train\n{quitter.output}")
         time.sleep(0.5)
         quitter.p.send_signal(signal.SIGINT)  # Ctrl-C: it releases its lease and leaves
         assert quitter.finish(60) == 0, quitter.output
