@@ -37,6 +37,7 @@ class Plan:
 
     store: list[tuple[str, int, int, int]] = field(default_factory=list)
     already: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # modules the delta is not for
     keys: list[tuple[str, int, int]] = field(default_factory=list)
 
 
@@ -90,6 +91,7 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
         accepted=stored + plan.already,
         closed=closed,
         task_done=covers_path and core.is_scheduler,
+        dropped=plan.dropped,
     )
 
 
@@ -138,14 +140,14 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
         if req.task_id in record.applied:
             plan.already.append(mid)  # applied in an earlier step; its ack was lost: ack again
             continue
-        if record.version >= core.rounds:
-            # The module made its last step without this delta: nothing would apply it, so
-            # acknowledging it would be a lie.
-            core._reject(
-                req.peer_id,
-                Reason.FINISHED,
-                f"{mid} has made all its {core.rounds} rounds; late deltas are not applied",
-            )
+        if record.version >= core.rounds or base > task.round:
+            # The module made its last step without this delta, or closed the task's round
+            # without its path before the task was issued (the path was offered again for its
+            # other modules: rounds.open_paths). Nothing would apply the delta, so it is
+            # dropped, and the ack says so (acknowledging it would be a lie); the path's other
+            # modules, which wait for it, admit theirs.
+            plan.dropped.append(mid)
+            continue
         lateness = record.version - base
         if not 0 <= lateness <= core.policy.max_staleness:
             if core.is_scheduler:  # the task can never be applied: free its path
@@ -174,6 +176,13 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
             )
         plan.store.append((mid, base, lateness, record.version))
         plan.keys.append((mid, base, path))
+    finished = [mid for mid in plan.dropped if core.store.modules[mid].version >= core.rounds]
+    if finished and not plan.store and not plan.already:
+        core._reject(
+            req.peer_id,
+            Reason.FINISHED,
+            f"{finished[0]} has made all its {core.rounds} rounds; late deltas are not applied",
+        )
     return plan
 
 

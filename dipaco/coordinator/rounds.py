@@ -28,11 +28,15 @@ def open_paths(core: CoordinatorBase) -> dict[int, int]:
     out = {}
     for p in range(core.topology.num_paths):
         mids = core.topology.path_modules(p)
-        versions = {version[mid] for mid in mids}
-        if len(versions) != 1 or None in versions:
-            continue  # some module of the path is still waiting for other paths
-        (v,) = versions
-        reported = (p, v) in core.done or all(p in done[mid] for mid in mids)
+        if any(version[mid] is None for mid in mids):
+            continue
+        v = min(version[mid] for mid in mids)
+        # The path's round is its modules' lowest version. Modules past it closed that round
+        # without the path (or made all their rounds): a task still owes a delta only to those
+        # at v. Once no one trains it (its overdue straggler vanished), the path is offered
+        # again for them, or they would wait for ever; the others drop its delta (admission).
+        waiting = [mid for mid in mids if version[mid] == v]
+        reported = (p, v) in core.done or all(p in done[mid] for mid in waiting)
         if v < core.rounds and not reported and core.phase_of(v) in core.phases:
             out[p] = v
     return out
@@ -229,6 +233,8 @@ def unacked(core: CoordinatorBase, task: Task) -> list[str]:
     missing = []
     for mid in core.topology.path_modules(task.path):
         base = task.versions.get(mid)
+        if (core.version(mid) or 0) >= core.rounds or (base or 0) > task.round:
+            continue  # no delta is awaited: it would be dropped (admission.check_state)
         if core.owns(mid):
             record = core.store.modules[mid]
             held = [d.task_id for d in (*record.pending.values(), *record.late.values())]

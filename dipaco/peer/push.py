@@ -82,7 +82,7 @@ class Pusher:
             if before_send is not None:
                 before_send()
             remaining = list(delta)
-            scheduler_done = False
+            scheduler_done, acked, over = False, 0, None
             while remaining:
                 owner, mids = next(iter(links.by_owner(remaining).items()))
                 try:
@@ -101,12 +101,27 @@ class Pusher:
                         ),
                     )
                 except RejectedError as exc:
+                    if exc.reason == Reason.FINISHED:
+                        # This owner's modules made all their rounds (the delta is dropped):
+                        # the path's other modules may still wait for their last one.
+                        remaining, over = [mid for mid in remaining if mid not in mids], exc
+                        continue
                     if exc.reason != Reason.NOT_OWNER:
                         raise
                     links.refresh()  # a module moved: regroup and push again
                     continue
                 remaining = [mid for mid in remaining if mid not in mids]
+                if ack.dropped:
+                    log.info(
+                        "peer %s: %s did not need %s's deltas (rounds closed or all made)",
+                        self.peer_id,
+                        ", ".join(ack.dropped),
+                        task.task_id,
+                    )
                 for mid in mids:
+                    if mid in ack.dropped:
+                        continue
+                    acked += 1
                     self.on_ack(
                         {
                             "module": mid,
@@ -118,6 +133,8 @@ class Pusher:
                         }
                     )
                 scheduler_done |= ack.task_done
+            if over is not None and not acked:
+                raise over  # every module of the path had made all its rounds
             if not scheduler_done:
                 self._task_done(task, tokens, losses, list(delta))
         except BaseException:

@@ -704,3 +704,91 @@ def test_a_late_delta_after_the_last_round_is_refused_not_acknowledged(tmp_path)
     assert {co.store.version(mid) for mid in PATH3} == {2}
     assert rejected(lambda: tr.request(delta_for(task3, "p3"))) == "finished"
     assert not any(r.late or r.pending for r in co.store.modules.values())
+
+
+def last_round_without_path3(tmp_path, clock, events=None):
+    """rounds=2, quorum 0.75: the last round closes at the deadline for the modules with 3 of 4
+    paths (S.embed, S.head) and those that missed nothing; L0.M1 and L1.M1 (1 of 2 reported)
+    still wait for path 3. Returns the coordinator, its transport and p3's task."""
+    co = make(tmp_path, clock, rounds=2, quorum=0.75, events=events)
+    tr = LocalTransport(co.handle)
+    task3 = straggling_round(co, tr, clock)
+    clock.now = 26.0
+    co.tick()
+    assert versions(co) == {
+        "S.embed": 2,
+        "S.head": 2,
+        "L0.M0": 2,
+        "L0.M1": 1,
+        "L1.M0": 2,
+        "L1.M1": 1,
+    }
+    assert not co.finished
+    return co, tr, task3
+
+
+def test_after_its_last_round_a_module_drops_a_delta_the_others_still_wait_for(tmp_path):
+    """Once S.embed and S.head made all their rounds, p3's delta cannot be applied to them, but
+    L0.M1 and L1.M1 wait for it: refusing the whole delta left them waiting for ever."""
+    clock, events = Clock(), []
+    co, tr, task3 = last_round_without_path3(tmp_path, clock, events)
+    ack = tr.request(delta_for(task3, "p3"))
+    assert sorted(ack.accepted) == ["L0.M1", "L1.M1"] == sorted(ack.closed)
+    assert sorted(ack.dropped) == ["S.embed", "S.head"]
+    assert co.finished and set(versions(co).values()) == {2}
+    assert not co.store.modules["S.embed"].late and not co.store.modules["S.embed"].pending
+    last = {e["module"]: e for e in events if e["event"] == "outer_step" and e["version"] == 2}
+    assert task3.task_id in last["L1.M1"]["tasks"] and task3.task_id not in last["S.embed"]["tasks"]
+
+
+def test_a_last_round_whose_straggler_vanished_offers_its_path_again(tmp_path):
+    """p3 dies in the last round: its lease expires. Path 3's modules are at versions 2 (done)
+    and 1 (waiting): the path is offered again for the waiting ones, at the versions they are."""
+    clock = Clock()
+    co, tr, task3 = last_round_without_path3(tmp_path, clock)
+    clock.now = 41.0  # p3's lease (last heartbeat at 20 s) has expired
+    co.tick()
+    assert co.open_paths() == {3: 1}
+    again = claim(tr, "p4")
+    assert (again.path, again.round) == (3, 1)
+    assert again.module_versions == {"S.embed": 2, "L0.M1": 1, "L1.M1": 1, "S.head": 2}
+    ack = tr.request(delta_for(again, "p4"))
+    assert sorted(ack.accepted) == ["L0.M1", "L1.M1"] and sorted(ack.dropped) == [
+        "S.embed",
+        "S.head",
+    ]
+    assert co.finished and set(versions(co).values()) == {2}
+    assert co.open_paths() == {}
+
+
+def test_a_path_whose_straggler_vanished_after_its_round_closed_elsewhere_is_offered_again(
+    tmp_path,
+):
+    """quorum 0.75, mid-run: S.embed and S.head close round 1 without path 3; L0.M1 and L1.M1
+    (1 of 2) wait for it; then p3 dies. Path 3 is offered again for round 1 (at the versions
+    its modules are at); its delta feeds the waiting modules, the shared ones drop it. Before,
+    no path but 0 was ever offered again and S.embed's round 2 waited for ever."""
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, quorum=0.75, events=events)
+    tr = LocalTransport(co.handle)
+    straggling_round(co, tr, clock)
+    clock.now = 26.0
+    co.tick()
+    clock.now = 41.0  # p3's lease (last heartbeat at 20 s) has expired
+    co.tick()
+    assert co.open_paths() == {0: 2, 3: 1}  # paths 1 and 2 wait on L1.M1 and L0.M1
+    again = claim(tr, "p4", prefer=3)
+    assert (again.path, again.round) == (3, 1)
+    assert again.module_versions == {"S.embed": 2, "L0.M1": 1, "L1.M1": 1, "S.head": 2}
+    ack = tr.request(delta_for(again, "p4"))
+    assert sorted(ack.accepted) == ["L0.M1", "L1.M1"] == sorted(ack.closed)
+    assert sorted(ack.dropped) == ["S.embed", "S.head"]
+    assert set(versions(co).values()) == {2}
+    assert not co.store.modules["S.embed"].pending  # path 3 still owes S.embed its round 2
+    # Round 2 in full: path 3 reports to S.embed once, with no duplicate refused.
+    assert co.open_paths() == {0: 2, 1: 2, 2: 2, 3: 2}
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
+    for p, task in enumerate(tasks):
+        assert tr.request(delta_for(task, f"p{p}")).dropped == []
+    assert set(versions(co).values()) == {3}
+    assert co.status().state["rejections_by_peer"] == {}
