@@ -208,7 +208,9 @@ def write(
                 core.step_cond.wait(timeout=1.0)
             if any(core.store.version(mid) != seen for mid, _, _, seen in plan.store):
                 return False
-            folders = {core.store.commit_delta(mid, *staged.pop(mid)) for mid in list(staged)}
+            folders = {
+                core.store.commit_delta(mid, *staged.pop(mid), deltas[mid]) for mid in list(staged)
+            }
             for mid, _, _, _ in plan.store:  # only now durable: the norm statistics count it
                 core.norms.record(mid, norms[mid])
             if plan.store:

@@ -189,6 +189,13 @@ class ModuleStore:
         # Modules of at least this many bytes have their steps written in the background (the
         # coordinator's choice, rounds.py); smaller ones write in milliseconds, in line.
         self.background_bytes = int(os.environ.get("DIPACO_BACKGROUND_STEP_BYTES", 16 << 20))
+        # Deltas admitted by this process are kept in memory, up to this many bytes in all, so
+        # that a step does not read back (and checksum) what it wrote: the file stays the
+        # durable copy that a restart reads. 0: every step reads its deltas' files. Default: an
+        # eighth of the machine's memory.
+        eighth = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+        self.held_budget = int(os.environ.get("DIPACO_DELTA_MEMORY_BYTES", eighth))
+        self.held = 0  # bytes of deltas held (recounted at every step)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def initialize(self, modules: dict[str, Tensors]) -> None:
@@ -243,7 +250,7 @@ class ModuleStore:
         base = self.modules[mid].version if base_version is None else base_version
         meta = delta_meta(path, weight, task_id, peer_id, base, voter)
         staged = self.stage_delta(mid, task_id, meta, delta)
-        fsync_path(self.commit_delta(mid, staged, meta))
+        fsync_path(self.commit_delta(mid, staged, meta, delta))
 
     def stage_delta(self, mid: str, task_id: str, meta: dict, delta: Tensors) -> Path:
         """Write a delta durably under a private name (``deltas/<mid>/incoming``); it joins no
@@ -253,10 +260,15 @@ class ModuleStore:
         write_tensor_file(file, Frame("Delta", meta, delta), sync_dir=False)
         return file
 
-    def commit_delta(self, mid: str, staged: Path, meta: dict) -> Path:
+    def commit_delta(
+        self, mid: str, staged: Path, meta: dict, tensors: Tensors | None = None
+    ) -> Path:
         """Move a staged delta under its name for the module's current version and count it
         pending. Returns the folder whose entry must reach the disk (``fileio.fsync_path``) before
-        the delta is acknowledged. Under the coordinator's lock: the version must not move."""
+        the delta is acknowledged. Under the coordinator's lock: the version must not move.
+
+        ``tensors`` (what was staged, which nobody may change afterwards) are held for the step
+        while the store's ``held_budget`` allows."""
         record = self.modules[mid]
         base, path = meta["base_version"], meta["path"]
         late = base != record.version
@@ -265,9 +277,13 @@ class ModuleStore:
         folder.mkdir(parents=True, exist_ok=True)
         file = folder / name
         os.replace(staged, file)
-        (record.late if late else record.pending)[path] = PendingDelta(
+        delta = PendingDelta(
             path, meta["weight"], meta["task_id"], meta["peer_id"], file, base, meta["voter"]
         )
+        size = 0 if tensors is None else sum(t.nbytes for t in tensors.values())
+        if tensors is not None and self.held + size <= self.held_budget:
+            delta.tensors, self.held = tensors, self.held + size
+        (record.late if late else record.pending)[path] = delta
         return folder
 
     def adopt(
@@ -329,7 +345,7 @@ class ModuleStore:
         on_disk: Callable[[dict], None] | None = None,
     ) -> StepResult:
         """The step's work: read the deltas, average and step; then write v+1 and its momentum
-        and move the head (:meth:`_persist`), on a background thread if ``background``.
+        and move the head (:func:`persist_step`), on a background thread if ``background``.
 
         Outside the coordinator's lock: it reads and writes only this module's files and the
         buffers of the version before the head, which nobody else sees. With ``background``
@@ -343,7 +359,7 @@ class ModuleStore:
         """
         mid, record, included = plan.mid, plan.record, plan.included
         self._synced(mid)  # the step before this one is on disk (or fails again, here)
-        deltas = [(read_tensor_file(p.file).tensors, p.weight) for p in included]
+        deltas = [(self.delta_tensors(p), p.weight) for p in included]
         how: dict = {}
         out = spare_buffers(self._spare.pop(mid, None), record.params)
         params, momentum, norm = apply_round(
@@ -384,55 +400,12 @@ class ModuleStore:
                 for p, f in zip(included, factors, strict=True)
                 if f < 1.0
             ]
-        job = _Job(self._persist, mid, record, new, info, on_disk, start=background)
+        job = _Job(persist_step, self.root, mid, record, new, info, on_disk, start=background)
         if background:
             self._syncing[mid] = job
         else:
             job.result()
         return StepResult(plan, new, info)
-
-    def _persist(
-        self,
-        mid: str,
-        old: ModuleRecord,
-        new: ModuleRecord,
-        info: dict,
-        on_disk: Callable[[dict], None] | None,
-    ) -> None:
-        """Write a step's version and momentum files (not synced yet), then commit head.json
-        (synced), then delete what the step before needed as its fallback, then sync the files.
-        Each step's files are therefore on disk before the next step deletes its fallback."""
-        folder, v = self.root / "modules" / mid, new.version
-        write_tensor_file(
-            folder / f"v{v}.dpt",
-            Frame("ModuleRelease", {"module": mid, "version": v}, new.params),
-            sync=False,
-        )
-        fault_point("outer_step.params_written")
-        write_tensor_file(
-            folder / f"m{v}.dpt",
-            Frame("OuterMomentum", {"module": mid, "version": v}, new.momentum),
-            sync=False,
-        )
-        fault_point("outer_step.momentum_written")
-        write_json_atomic(
-            folder / "head.json",
-            {
-                "version": v,
-                "hash": new.hash,
-                "applied": new.applied,
-                "reported": {str(b): ps for b, ps in new.reported.items()},
-                "previous": head_fields(old),  # the fallback if v+1 is found corrupt
-            },
-        )
-        fault_point("outer_step.committed")
-        # This step's deltas stay one step longer: a corrupt v+1 is redone from v and them.
-        shutil.rmtree(self.root / "deltas" / mid / f"v{old.version - 1}", ignore_errors=True)
-        for stale in (f"v{v - KEEP_VERSIONS}.dpt", f"m{v - KEEP_VERSIONS}.dpt"):
-            (folder / stale).unlink(missing_ok=True)
-        sync_files(folder / f"v{v}.dpt", folder / f"m{v}.dpt")
-        if on_disk is not None:
-            on_disk(info)
 
     def finish_step(self, result: StepResult) -> dict:
         """Make the committed step the module's state (under the coordinator's lock)."""
@@ -440,6 +413,13 @@ class ModuleStore:
         self.modules[mid] = result.record
         if self.reuse_buffers:
             self._spare[mid] = (old.params, old.momentum)
+        # The step's deltas are let go with the old record: count what is still held (also
+        # what left with a module handed over since the last step).
+        self.held = sum(
+            d.held_bytes
+            for r in self.modules.values()
+            for d in (*r.pending.values(), *r.late.values())
+        )
         return result.info
 
     def _synced(self, mid: str) -> None:
@@ -462,7 +442,54 @@ class ModuleStore:
             self._synced(mid)
 
     def delta_tensors(self, delta: PendingDelta) -> Tensors:
+        """A pending delta's tensors: held since admission, else read from its file (checked)."""
+        if delta.tensors is not None:
+            return delta.tensors
         return read_tensor_file(delta.file).tensors
+
+
+def persist_step(
+    root: Path,
+    mid: str,
+    old: ModuleRecord,
+    new: ModuleRecord,
+    info: dict,
+    on_disk: Callable[[dict], None] | None,
+) -> None:
+    """Write a step's version and momentum files (not synced yet), then commit head.json
+    (synced), then delete what the step before needed as its fallback, then sync the files.
+    Each step's files are therefore on disk before the next step deletes its fallback."""
+    folder, v = root / "modules" / mid, new.version
+    write_tensor_file(
+        folder / f"v{v}.dpt",
+        Frame("ModuleRelease", {"module": mid, "version": v}, new.params),
+        sync=False,
+    )
+    fault_point("outer_step.params_written")
+    write_tensor_file(
+        folder / f"m{v}.dpt",
+        Frame("OuterMomentum", {"module": mid, "version": v}, new.momentum),
+        sync=False,
+    )
+    fault_point("outer_step.momentum_written")
+    write_json_atomic(
+        folder / "head.json",
+        {
+            "version": v,
+            "hash": new.hash,
+            "applied": new.applied,
+            "reported": {str(b): ps for b, ps in new.reported.items()},
+            "previous": head_fields(old),  # the fallback if v+1 is found corrupt
+        },
+    )
+    fault_point("outer_step.committed")
+    # This step's deltas stay one step longer: a corrupt v+1 is redone from v and them.
+    shutil.rmtree(root / "deltas" / mid / f"v{old.version - 1}", ignore_errors=True)
+    for stale in (f"v{v - KEEP_VERSIONS}.dpt", f"m{v - KEEP_VERSIONS}.dpt"):
+        (folder / stale).unlink(missing_ok=True)
+    sync_files(folder / f"v{v}.dpt", folder / f"m{v}.dpt")
+    if on_disk is not None:
+        on_disk(info)
 
 
 def spare_buffers(

@@ -39,6 +39,13 @@ class PendingDelta:
     file: Path
     base_version: int = -1
     voter: str = ""  # the key that sent it (one vote per key in a robust combiner); "": peer_id
+    # The file's tensors, held in memory since admission (ModuleStore.commit_delta, within
+    # its budget): the step reads them instead of the file. None: read the file (a restart).
+    tensors: Tensors | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def held_bytes(self) -> int:
+        return 0 if self.tensors is None else sum(t.nbytes for t in self.tensors.values())
 
     @property
     def vote(self) -> str:
