@@ -256,10 +256,11 @@ def test_with_quorum_one_the_round_waits_for_the_straggler(tmp_path):
     assert not any(e["event"] == "late_delta" for e in events)
 
 
-def test_a_quorum_is_counted_per_module(tmp_path):
-    """quorum 0.75: S.embed (3 of 4 paths reported) closes at the deadline, L0.M1 (1 of 2) not."""
-    clock, events = Clock(), []
-    co = make(tmp_path, clock, events=events, quorum=0.75)
+def path3_short_of_quorum(tmp_path, clock, rounds=4, events=None):
+    """quorum 0.75: round 1 closes at the deadline for the modules with 3 of 4 paths (S.embed,
+    S.head) and those that missed nothing; L0.M1 and L1.M1 (1 of 2 reported) still wait for
+    path 3. Returns the coordinator, its transport and p3's task."""
+    co = make(tmp_path, clock, rounds=rounds, quorum=0.75, events=events)
     tr = LocalTransport(co.handle)
     task3 = straggling_round(co, tr, clock)
     clock.now = 26.0
@@ -272,6 +273,13 @@ def test_a_quorum_is_counted_per_module(tmp_path):
         "L1.M0": 2,
         "L1.M1": 1,
     }
+    assert not co.finished
+    return co, tr, task3
+
+
+def test_a_quorum_is_counted_per_module(tmp_path):
+    """quorum 0.75: S.embed (3 of 4 paths reported) closes at the deadline, L0.M1 (1 of 2) not."""
+    co, tr, task3 = path3_short_of_quorum(tmp_path, Clock())
     assert claim(tr, "p9").path == 0  # only path 0 has all its modules at one version
     ack = tr.request(delta_for(task3, "p3"))  # late for the shared modules, on time for the rest
     assert sorted(ack.closed) == ["L0.M1", "L1.M1"]
@@ -706,32 +714,11 @@ def test_a_late_delta_after_the_last_round_is_refused_not_acknowledged(tmp_path)
     assert not any(r.late or r.pending for r in co.store.modules.values())
 
 
-def last_round_without_path3(tmp_path, clock, events=None):
-    """rounds=2, quorum 0.75: the last round closes at the deadline for the modules with 3 of 4
-    paths (S.embed, S.head) and those that missed nothing; L0.M1 and L1.M1 (1 of 2 reported)
-    still wait for path 3. Returns the coordinator, its transport and p3's task."""
-    co = make(tmp_path, clock, rounds=2, quorum=0.75, events=events)
-    tr = LocalTransport(co.handle)
-    task3 = straggling_round(co, tr, clock)
-    clock.now = 26.0
-    co.tick()
-    assert versions(co) == {
-        "S.embed": 2,
-        "S.head": 2,
-        "L0.M0": 2,
-        "L0.M1": 1,
-        "L1.M0": 2,
-        "L1.M1": 1,
-    }
-    assert not co.finished
-    return co, tr, task3
-
-
 def test_after_its_last_round_a_module_drops_a_delta_the_others_still_wait_for(tmp_path):
     """Once S.embed and S.head made all their rounds, p3's delta cannot be applied to them, but
     L0.M1 and L1.M1 wait for it: refusing the whole delta left them waiting for ever."""
     clock, events = Clock(), []
-    co, tr, task3 = last_round_without_path3(tmp_path, clock, events)
+    co, tr, task3 = path3_short_of_quorum(tmp_path, clock, rounds=2, events=events)
     ack = tr.request(delta_for(task3, "p3"))
     assert sorted(ack.accepted) == ["L0.M1", "L1.M1"] == sorted(ack.closed)
     assert sorted(ack.dropped) == ["S.embed", "S.head"]
@@ -745,7 +732,7 @@ def test_a_last_round_whose_straggler_vanished_offers_its_path_again(tmp_path):
     """p3 dies in the last round: its lease expires. Path 3's modules are at versions 2 (done)
     and 1 (waiting): the path is offered again for the waiting ones, at the versions they are."""
     clock = Clock()
-    co, tr, task3 = last_round_without_path3(tmp_path, clock)
+    co, tr, task3 = path3_short_of_quorum(tmp_path, clock, rounds=2)
     clock.now = 41.0  # p3's lease (last heartbeat at 20 s) has expired
     co.tick()
     assert co.open_paths() == {3: 1}
@@ -768,12 +755,8 @@ def test_a_path_whose_straggler_vanished_after_its_round_closed_elsewhere_is_off
     (1 of 2) wait for it; then p3 dies. Path 3 is offered again for round 1 (at the versions
     its modules are at); its delta feeds the waiting modules, the shared ones drop it. Before,
     no path but 0 was ever offered again and S.embed's round 2 waited for ever."""
-    clock, events = Clock(), []
-    co = make(tmp_path, clock, quorum=0.75, events=events)
-    tr = LocalTransport(co.handle)
-    straggling_round(co, tr, clock)
-    clock.now = 26.0
-    co.tick()
+    clock = Clock()
+    co, tr, _ = path3_short_of_quorum(tmp_path, clock)
     clock.now = 41.0  # p3's lease (last heartbeat at 20 s) has expired
     co.tick()
     assert co.open_paths() == {0: 2, 3: 1}  # paths 1 and 2 wait on L1.M1 and L0.M1
