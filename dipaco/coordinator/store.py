@@ -278,11 +278,12 @@ class ModuleStore:
         file = folder / name
         os.replace(staged, file)
         delta = PendingDelta(
-            path, meta["weight"], meta["task_id"], meta["peer_id"], file, base, meta["voter"]
-        )
-        size = 0 if tensors is None else sum(t.nbytes for t in tensors.values())
-        if tensors is not None and self.held + size <= self.held_budget:
-            delta.tensors, self.held = tensors, self.held + size
+            path, meta["weight"], meta["task_id"], meta["peer_id"], file, base, meta["voter"],
+            tensors,
+        )  # fmt: skip
+        if self.held + delta.held_bytes > self.held_budget:
+            delta.tensors = None  # past the budget: the step reads the file
+        self.held += delta.held_bytes
         (record.late if late else record.pending)[path] = delta
         return folder
 
