@@ -13,7 +13,10 @@ CI's test suite does not run but any machine can), in this order, each a row in
   2. throughput  ``bench/peer_throughput.py --paper-path`` (the paper's 150 M path): MFU against
                  the card's measured bf16 matmul peak and the ratio of a real peer's inner loop
                  to a bare loop (targets: MFU >= 45% on an H100, ratio >= 0.97).
-  3. multi-GPU   skipped, and said so, when the machine has one GPU (``--gpus`` is issue 21's).
+  3. machine     ``dipaco-peer join --gpus all`` (``cpu:2`` in the CPU form) trains a tiny 2x2
+                 run against a loopback coordinator, a path per worker, then again with
+                 ``--shard-path`` (each path over every device, DDP); on one GPU it says that
+                 the run shows the plumbing only.
   4. DiPaCo      ``bench/paper_table.py --preset small`` (``smoke`` in the CPU form): the
                  paper's comparison at small scale, its table printed.
 
@@ -24,6 +27,7 @@ CI's test suite does not run but any machine can), in this order, each a row in
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import time
@@ -92,6 +96,45 @@ def agreement(device: str, cfg: ModelConfig, steps: int, batch: int, seq: int) -
     return out
 
 
+def machine_smoke(gpus: str, shard: bool, folder: Path) -> dict:
+    """A tiny 2x2 run (2 rounds of 10 steps) against a loopback coordinator, trained by one
+    ``dipaco-peer join --gpus GPUS`` machine; what its last line said and how long it took."""
+    bin_dir = Path(sys.executable).parent
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    config = folder / "run.toml"
+    config.write_text(
+        'preset = "tiny"\n[train]\ninner_steps = 10\nrounds = 2\n[scheduler]\nquorum = 1.0\n'
+    )
+    run = folder / "run"
+    coordinator = subprocess.Popen(
+        [bin_dir / "dipaco-coordinator", "start", "--config", config, "--run-dir", run,
+         "--no-eval", "--transport", "loopback"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        address = run / "coordinator" / "address"
+        deadline = time.monotonic() + 300
+        while not address.exists() and coordinator.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        began = time.perf_counter()
+        cmd = [bin_dir / "dipaco-peer", "--log-format", "plain", "join", address.read_text().strip(),
+               "--authkey-file", run / "coordinator" / "authkey", "--gpus", gpus,
+               "--peer-id", "checklist", "--state-dir", folder / "peer"]  # fmt: skip
+        done = subprocess.run(
+            cmd + (["--shard-path"] if shard else []), capture_output=True, text=True, timeout=600
+        )
+        seconds = time.perf_counter() - began
+        coordinator.wait(120)
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+            coordinator.wait()
+    lines = [line for line in done.stdout.splitlines() if "tasks by" in line]
+    summary = lines[-1].split(" ", 1)[-1] if lines else done.stdout[-300:]
+    return {"summary": summary, "seconds": seconds, "code": done.returncode}
+
+
 def step(title: str) -> None:
     print(f"\n== {title} ==", flush=True)
 
@@ -100,7 +143,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--agree-steps", type=int, default=50)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["precision", "throughput", "dipaco"])
+    ap.add_argument(
+        "--skip", nargs="*", default=[], choices=["precision", "throughput", "machine", "dipaco"]
+    )
     ap.add_argument("--out", default="runs/gpu_checklist", help="paper table's folder")
     add_report_args(ap)
     args = ap.parse_args()
@@ -151,13 +196,21 @@ def main() -> int:
         cmd += ["--paper-path"] if gpu else ["--quick"]
         subprocess.run(cmd + report, check=True)
 
-    step("3. several GPUs in one peer")
-    count = torch.cuda.device_count() if gpu else 0
-    print(
-        f"  {count} GPU(s) here; one peer over several GPUs (--gpus) is not built yet "
-        "(issue 21): nothing to run",
-        flush=True,
-    )
+    if "machine" not in args.skip:
+        count = torch.cuda.device_count() if gpu else 2
+        gpus = "all" if gpu else "cpu:2"
+        step(f"3. one peer over {count} {'GPU' if gpu else 'CPU worker'}(s): join --gpus {gpus}")
+        if gpu and count < 2:
+            print("  one GPU here: --gpus runs one worker; the smoke run shows the plumbing only")
+        parts = []
+        for shard in (False, True):
+            r = machine_smoke(gpus, shard, Path(args.out) / f"machine{'-shard' if shard else ''}")
+            how = "--shard-path (one path over all, DDP)" if shard else "a path per worker"
+            print(f"  {how}: {r['summary']} in {r['seconds']:.1f} s, exit {r['code']}", flush=True)
+            parts.append(f"{how}: {r['summary']} in {r['seconds']:.1f} s (exit {r['code']})")
+        record(
+            args, "machine", f"--gpus {gpus} on {count} device(s), tiny 2x2: " + "; ".join(parts)
+        )
 
     if "dipaco" not in args.skip:
         step(f"4. DiPaCo at small scale on {name}")

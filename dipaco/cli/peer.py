@@ -34,11 +34,14 @@ from rich.progress import (
 from dipaco.cli import stopping
 from dipaco.cli.common import command_parser, console, dispatch, one_line, say
 from dipaco.cli.doctor import add_doctor_command
+from dipaco.cli.machine import follow_path, join_machine, worker_group
 from dipaco.errors import ConfigError, TransportError
 from dipaco.fileio import write_json_atomic
 from dipaco.net import joins
 from dipaco.net.joins import JoinRequest, kind_of
 from dipaco.peer.checks import check_device
+from dipaco.peer.ddp import quit_followers
+from dipaco.peer.device import resolve_device
 from dipaco.peer.identity import coordinator_trust, stable_peer_id
 from dipaco.peer.metrics import PeerMetrics
 from dipaco.peer.peer import Peer
@@ -48,13 +51,22 @@ from dipaco.protocols.auth import Identity, check_public_key
 def cmd_join(args: argparse.Namespace) -> int:
     if args.flower:
         return join_flower(args)
+    if args.gpus and not args.machine:
+        return join_machine(args)
+    group = None
+    if args.shard_path and args.machine:  # a worker of a machine that trains paths over DDP
+        group = worker_group(args, resolve_device(args.device))
+        if group.rank != 0:
+            return follow_path(group)
     if not args.address:
         raise ConfigError("join needs the address dipaco-coordinator start printed (or --flower)")
     kind_of(args.address, args.authkey_file)  # a wrong address is refused before any work
     state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / "peer")
     peer_id = stable_peer_id(state_dir, args.peer_id)
-    me = Identity.load_or_create(state_dir / "signing.key")
-    trust = coordinator_trust(state_dir, args.address, args.coordinator_key, _trusted_first)
+    # A machine's worker (--machine, from join --gpus) holds the machine's key and pins.
+    machine_dir = Path(args.machine_dir) if args.machine_dir else state_dir
+    me = Identity.load_or_create(machine_dir / "signing.key")
+    trust = coordinator_trust(machine_dir, args.address, args.coordinator_key, _trusted_first)
     stop = threading.Event()
     join = joins.join(
         JoinRequest(
@@ -160,7 +172,8 @@ def cmd_join(args: argparse.Namespace) -> int:
         if meter is not None:
             meter.progress(info, rate)
         done = info["step"] >= info["steps"]
-        if console.lines and (done or time.monotonic() - said.get(info["task"], 0) >= 30):
+        every = 1.0 if args.machine else 30.0  # a machine's panel shows its workers' steps
+        if console.lines and (done or time.monotonic() - said.get(info["task"], 0) >= every):
             said[info["task"]] = time.monotonic()
             console.event(
                 "task_trained" if done else "task_progress",
@@ -196,6 +209,9 @@ def cmd_join(args: argparse.Namespace) -> int:
         identity=me,
         precision=args.precision,
         compile=args.compile,
+        capabilities=worker_capabilities(args),
+        inner_dir=machine_dir / "inner" if args.machine else None,
+        shard_group=group,
         **join.peer_options,
     )
     console.print(f"peer {peer_id} ({peer.device}) joined {args.address}")
@@ -213,6 +229,9 @@ def cmd_join(args: argparse.Namespace) -> int:
         with progress if not console.lines else contextlib.nullcontext():
             done = peer.run()
     finally:
+        if group is not None:  # the other ranks stop with this one
+            quit_followers(group)
+            group.close()
         join.close()
         if meter is not None:
             meter.close()
@@ -234,6 +253,15 @@ def cmd_join(args: argparse.Namespace) -> int:
         },
     )
     return 0
+
+
+def worker_capabilities(args: argparse.Namespace) -> dict[str, Any]:
+    """What a machine's worker says in Hello: its machine, its index and how many there are."""
+    if not args.machine:
+        return {}
+    index, _, count = (args.worker or "0/1").partition("/")
+    caps = {"machine": args.machine, "worker": int(index), "workers": int(count or 1)}
+    return caps | ({"shard_path": True} if args.shard_path else {})
 
 
 def time_summary(timings: dict[str, float]) -> str:
@@ -429,6 +457,22 @@ def main(argv: list[str] | None = None) -> None:
     join.add_argument(
         "--device", default="auto", help="auto (a CUDA GPU if there is one), cpu, cuda:0, ..."
     )
+    join.add_argument(
+        "--gpus",
+        help="one peer for several devices, a worker process each training its own path: all "
+        "(every GPU), 0,1,... (those GPUs), or cpu:N (N workers sharing the CPU)",
+    )
+    # A worker of a --gpus machine (set by the machine, not by hand).
+    join.add_argument("--machine", help=argparse.SUPPRESS)
+    join.add_argument("--worker", help=argparse.SUPPRESS)
+    join.add_argument("--machine-dir", help=argparse.SUPPRESS)
+    join.add_argument(
+        "--shard-path",
+        action="store_true",
+        help="with --gpus: train one path at a time over all the devices (data parallel), for "
+        "a path one device cannot hold or to finish each task sooner",
+    )
+    join.add_argument("--dist-init", help=argparse.SUPPRESS)
     join.set_defaults(fn=cmd_join)
     key = sub.add_parser("key", help="print this peer's public key (for an allow-list)")
     key.add_argument("--state-dir", help="the peer's state folder (default ~/.cache/dipaco/peer)")

@@ -119,9 +119,21 @@ def render(s: dict) -> Group:
     for col in columns:
         right = col in ("tok/s", "tasks", "MB in", "MB out", "seen")
         peers.add_column(col, justify="right" if right else "left", no_wrap=True)
-    for pid, p in sorted(s["peers"].items()):
+    machines = s.get("machines", {})
+    for pid, name, p in peer_lines(s["peers"], machines):
+        if p is None:  # a multi-device peer: one line for the machine, then its workers
+            mach = machines[name]
+            rate = sum(s["peers"][w].get("tokens_per_s", 0) for w in mach["workers"])
+            n = mach.get("devices_per_path") or len(mach["workers"])
+            how = ", one path over DDP" if mach.get("shard_path") else ""
+            peers.add_row(
+                f"{name} ({n} worker{'s' * (n != 1)}{how})", mach["state"],
+                ", ".join(mach["devices"]), "", "", f"{rate:.0f}", str(mach["tasks_done"]),
+                "", "", "",
+            )  # fmt: skip
+            continue
         peers.add_row(
-            pid,
+            f"  └ w{p['worker']} ({pid})" if "machine" in p else pid,
             str(p.get("state", "")),
             str(p.get("device", "")),
             str(p.get("task") or ""),
@@ -153,6 +165,21 @@ def render(s: dict) -> Group:
             rej.add_row(reason, str(n))
         parts.append(rej)
     return Group(*parts)
+
+
+def peer_lines(peers: dict[str, dict], machines: dict[str, dict]):
+    """(peer id, machine, row) in the order the peers table shows them: single peers by id; a
+    machine (row None) where its first worker would sort, followed by its workers by index."""
+    out, shown = [], set()
+    for pid, p in sorted(peers.items()):
+        name = p.get("machine")
+        if name not in machines:
+            out.append((pid, None, p))
+        elif name not in shown:
+            shown.add(name)
+            out.append((name, name, None))
+            out += [(w, name, peers[w]) for w in machines[name]["workers"] if w in peers]
+    return out
 
 
 def cmd_status(args: argparse.Namespace) -> int:

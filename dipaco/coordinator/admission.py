@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.records import Task
 from dipaco.coordinator.store import delta_meta
 from dipaco.coordinator.validation import delta_norm
 from dipaco.errors import WireError
@@ -62,8 +63,7 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
         path_mids = core.topology.path_modules(path)
         mids = [mid for mid in path_mids if core.owns(mid)]
     deltas = split_delta(core, req, path_mids, mids)  # decoding and finiteness: no lock
-    weight = task.weight or (core.shard_tokens[path] if core.shard_tokens else None)
-    weight = weight or req.tokens
+    weight = delta_weight(core, task, req.tokens)
     for _attempt in range(8):
         with core.lock:
             plan = reserve(core, req, task, mids)
@@ -243,9 +243,23 @@ def write(
                 "path": req.path,
                 "task": req.task_id,
                 "peer": req.peer_id,
+                "tokens": req.tokens,
+                "weight": weight * trust * core.policy.stale_damping**lateness,
             }
         )
     return True
+
+
+def delta_weight(core: CoordinatorBase, task: Task, tokens: int) -> float:
+    """The delta's outer-step weight before trust and staleness: its task's (the path's shard
+    tokens, times the share of H the task was given), else the shard's, else the tokens; scaled
+    down when the peer reports fewer tokens than the task's steps train, never up (a delta
+    weighs what was trained, and a peer cannot buy weight by claiming more)."""
+    weight = task.weight or (core.shard_tokens[task.path] if core.shard_tokens else None)
+    if task.tokens is None:
+        return weight or float(tokens)
+    trained = min(tokens, task.tokens)
+    return weight * trained / task.tokens if weight else float(trained)
 
 
 def voter_of(core: CoordinatorBase, req: m.SubmitDelta) -> str:

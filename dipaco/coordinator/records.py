@@ -15,8 +15,10 @@ class Task:
     """A leased task: what its signed ticket says, or (on the scheduler) what its lease says.
 
     ``versions`` are the module versions it was issued against (its base), ``weight`` its path's
-    outer-step weight when known (the shard's tokens in its phase), ``key`` the public key it was
-    issued to (None for a lease read without a ticket)."""
+    outer-step weight when known (the shard's tokens in its phase, times the fraction of H the
+    task was given: a slow peer's shorter task weighs less), ``key`` the public key it was
+    issued to (None for a lease read without a ticket), ``tokens`` the tokens its steps train
+    (None in tickets of older schedulers)."""
 
     task_id: str
     peer: str
@@ -25,12 +27,26 @@ class Task:
     versions: dict[str, int]
     weight: float | None = None
     key: str | None = None
+    tokens: int | None = None
 
     @classmethod
-    def of_lease(cls, lease: Lease, weight: float | None, key: str | None = None) -> Task:
+    def of_lease(
+        cls,
+        lease: Lease,
+        weight: float | None,
+        key: str | None = None,
+        *,
+        full_steps: int = 0,
+        tokens_per_step: int = 0,
+    ) -> Task:
+        """The task a lease is; with ``full_steps`` (H), a lease of fewer steps scales the
+        weight down in proportion, and with ``tokens_per_step`` the task knows its tokens."""
+        if weight is not None and full_steps > 0:
+            weight *= min(1.0, lease.steps / full_steps)
+        tokens = lease.steps * tokens_per_step if tokens_per_step > 0 else None
         return cls(
             lease.task_id, lease.peer_id, lease.path, lease.round,
-            dict(lease.module_versions), weight, key,
+            dict(lease.module_versions), weight, key, tokens,
         )  # fmt: skip
 
     def ticket_payload(self) -> dict[str, Any]:
@@ -43,13 +59,14 @@ class Task:
             "versions": self.versions,
             "weight": self.weight,
             "key": self.key,
+            "tokens": self.tokens,
         }
 
     @classmethod
     def of_ticket(cls, payload: dict[str, Any]) -> Task | None:
         """The task a verified ticket names; None when a field has the wrong type."""
         versions = payload.get("versions")
-        weight = payload.get("weight")
+        weight, tokens = payload.get("weight"), payload.get("tokens")
         fields = (payload.get("task"), payload.get("peer"), payload.get("key"))
         if not (
             isinstance(fields[0], str)
@@ -60,11 +77,13 @@ class Task:
             and isinstance(versions, dict)
             and all(isinstance(k, str) and _count(v) for k, v in versions.items())
             and (weight is None or (isinstance(weight, int | float) and weight >= 0))
+            and (tokens is None or (_count(tokens) and tokens > 0))
         ):
             return None
         return cls(
-            fields[0], fields[1], payload["path"], payload["round"], versions, weight, fields[2]
-        )
+            fields[0], fields[1], payload["path"], payload["round"], versions, weight, fields[2],
+            tokens,
+        )  # fmt: skip
 
 
 @dataclass

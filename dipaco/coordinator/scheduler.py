@@ -9,8 +9,8 @@ trained last, because their inner optimizer state for it is local.
 Deadlines come from what the run has observed, not from a guessed constant: ``robust_deadline``
 is the median of the observed durations plus max(k * MAD, slack * median). Task durations
 (lease to done) give the task deadline; a peer whose measured speed cannot finish H steps in it
-is offered fewer steps (never below ``min_step_fraction`` of H), so a slow peer gets work it can
-finish in time. A peer that stops heartbeating for ``lease_seconds`` has vanished.
+is offered the steps it trains in the median task's time (never below ``min_step_fraction`` of
+H), so a slow peer's task ends with the others', and its delta weighs the tokens it trained. A peer that stops heartbeating for ``lease_seconds`` has vanished.
 """
 
 from __future__ import annotations
@@ -148,15 +148,19 @@ class Scheduler:
         }
 
     def steps_for(self, peer_id: str, steps: int) -> int:
-        """H, or fewer for a peer too slow to finish H steps within the task deadline."""
+        """H, or fewer for a peer too slow to finish H steps within the task deadline: as many
+        as it trains in the typical (median) task's time, so that its task ends with the
+        round's others rather than at the deadline (a mixed fleet's rounds do not wait for the
+        slowest card's full H). Never below ``min_step_fraction`` of H."""
         deadline, paces = self.task_deadline(), self.paces.get(peer_id, ())
         if deadline is None or len(paces) < 2:  # judge a peer on more than one task
             return steps
         per_step = statistics.median(paces)
         if per_step * steps <= deadline:
             return steps
+        typical = statistics.median(self.durations)
         floor = max(1, math.ceil(self.policy.min_step_fraction * steps))
-        return max(floor, min(steps, int(deadline / per_step)))
+        return max(floor, min(steps, int(typical / per_step)))
 
     def heartbeat(self, task_id: str, peer_id: str, step: int = 0) -> Lease | None:
         lease = self.leases.get(task_id)

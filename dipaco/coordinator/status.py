@@ -31,6 +31,7 @@ def status(core: CoordinatorBase, req: m.GetStatus | None = None) -> m.Status:
     for mid, info in core.remote.items():
         if not core.owns(mid):
             modules[mid] = {**info.to_json(), "owner": core.owners.get(mid)}
+    peers = peer_rows(core, now)
     return m.Status(
         state={
             "run_id": core.run_id,
@@ -54,7 +55,8 @@ def status(core: CoordinatorBase, req: m.GetStatus | None = None) -> m.Status:
             "expired_leases": core.scheduler.expired,
             "task_deadline": core.scheduler.task_deadline(),
             "overdue": sorted(core.overdue),
-            "peers": peer_rows(core, now),
+            "peers": peers,
+            "machines": machines(peers),
             "owners": owner_rows(core, now),
             "evaluation": core.eval_note,
             "rejections": dict(core.rejections),
@@ -88,7 +90,45 @@ def peer_rows(core: CoordinatorBase, now: float) -> dict[str, dict[str, Any]]:
             "task": current.get(pid),
             "state": state,
         }
+        machine = machine_of(info.capabilities)
+        if machine is not None:  # a worker of a multi-device peer (dipaco-peer join --gpus)
+            rows[pid]["machine"], rows[pid]["worker"] = machine
     return rows
+
+
+def machine_of(capabilities: dict[str, Any] | None) -> tuple[str, int] | None:
+    """(machine, worker index) when a peer's Hello said it is a machine's worker; None when it
+    did not, or said it in a shape that is not (a peer's words: checked, never trusted)."""
+    if not isinstance(capabilities, dict):
+        return None
+    name, index = capabilities.get("machine"), capabilities.get("worker")
+    if not isinstance(name, str) or not 0 < len(name) <= 128:
+        return None
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 1024:
+        return None
+    return name, index
+
+
+def machines(peers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The multi-device peers among ``peers`` (rows of :func:`peer_rows`): per machine its
+    workers (peer ids by index), their devices, tasks done and the state of the busiest."""
+    out: dict[str, dict[str, Any]] = {}
+    order = {"training": 0, "idle": 1, "gone": 2}
+    for pid, row in sorted(peers.items(), key=lambda kv: kv[1].get("worker", 0)):
+        if "machine" not in row:
+            continue
+        m = out.setdefault(
+            row["machine"], {"workers": [], "devices": [], "tasks_done": 0, "state": "gone"}
+        )
+        caps = row.get("capabilities") or {}
+        if caps.get("shard_path") is True and isinstance(caps.get("workers"), int):
+            m["shard_path"], m["devices_per_path"] = True, caps["workers"]  # one rank speaks
+        m["workers"].append(pid)
+        m["devices"].append(row.get("device", ""))
+        m["tasks_done"] += row.get("tasks_done", 0)
+        if order.get(row.get("state", "gone"), 2) < order[m["state"]]:
+            m["state"] = row["state"]
+    return out
 
 
 def owner_rows(core: CoordinatorBase, now: float) -> dict[str, dict[str, Any]]:

@@ -389,6 +389,7 @@ class ModuleStore:
             "paths": on_time,
             "late_paths": sorted(p.path for p in included if p.base_version != record.version),
             "tasks": [p.task_id for p in included],
+            "weights": [p.weight for p in included],
             "outer_grad_norm": norm,
             "rescale": how.get("rescale", 1.0),
         }

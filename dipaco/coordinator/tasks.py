@@ -97,7 +97,7 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
     core.peers[req.peer_id].task = lease.task_id
     step_offset = core.step_offset + lease.round * core.inner_steps
     phase = core.phases[core.phase_of(lease.round)]
-    task = Task.of_lease(lease, core._weight(lease.path, lease.round), core._caller)
+    task = lease_task(core, lease, core._caller)
     return m.TaskOffer(
         task_id=lease.task_id,
         path=lease.path,
@@ -231,7 +231,20 @@ def task_of(core: CoordinatorBase, peer_id: str, task_id: str, ticket: str) -> T
     if not core.is_scheduler:
         core._reject(peer_id, Reason.BAD_TICKET, f"task {task_id}: owners need the task's ticket")
     lease = issued_to(core, task_id, peer_id)
-    return Task.of_lease(lease, core._weight(lease.path, lease.round))
+    return lease_task(core, lease)
+
+
+def lease_task(core: CoordinatorBase, lease: Lease, key: str | None = None) -> Task:
+    """The task a lease is, weighed by its shard and by the share of H it was given (a slow
+    peer's shorter task weighs in proportion to the tokens it trains)."""
+    train = core.peer_config.get("train", {})
+    return Task.of_lease(
+        lease,
+        core._weight(lease.path, lease.round),
+        key,
+        full_steps=core.inner_steps,
+        tokens_per_step=train.get("batch_size", 0) * train.get("seq_len", 0),
+    )
 
 
 def wait_for_work(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:

@@ -28,6 +28,7 @@ import torch
 
 from dipaco.data.shards import TokenShard
 from dipaco.errors import ConfigError, DipacoError, RejectedError, TransportError
+from dipaco.peer import ddp
 from dipaco.peer import device as devices
 from dipaco.peer.links import (
     Connect,
@@ -89,6 +90,9 @@ class Peer:
         precision: str = "auto",
         compile: str = "auto",
         parallel: int = 1,
+        capabilities: dict[str, Any] | None = None,
+        inner_dir: str | Path | None = None,
+        shard_group: ddp.Group | None = None,
     ) -> None:
         if parallel < 1:
             raise ConfigError(f"parallel must be at least 1, got {parallel}")
@@ -123,30 +127,25 @@ class Peer:
         self.feedback = codecs.ErrorFeedback()
         self.pusher = Pusher(self.links, self.feedback, peer_id, on_ack or (lambda info: None))
         self.checkpoint = TaskCheckpoint(self.state_dir / "task", peer_id)
-        self.inner = InnerState(self.state_dir / "inner", self.feedback, peer_id)
+        # A machine's workers share one inner-state folder (dipaco.peer.workers): a path's AdamW
+        # continues whichever worker trains it next.
+        inner = Path(inner_dir) if inner_dir is not None else self.state_dir / "inner"
+        self.inner = InnerState(inner, self.feedback, peer_id)
+        self.capabilities = capabilities or {}  # said in Hello (a machine's worker: which one)
+        self.shard_group = shard_group  # rank 0 of a machine training each path over its devices
 
     # ---- the loop -----------------------------------------------------------------------------
     def setup(self) -> None:
         """Say hello, check the run manifest, and size micro-batches for this device."""
         welcome = self.patience.call(
-            lambda: self.transport.request(m.Hello(peer_id=self.peer_id, device=self.device))
+            lambda: self.transport.request(
+                m.Hello(peer_id=self.peer_id, device=self.device, capabilities=self.capabilities)
+            )
         )
         self.check_manifest(welcome)
         self.config = welcome.config
         self.links.scheduler_id = self.config.get("owner_id", "")
-        self.trainer = trainer = PathTrainer(
-            self.config,
-            device=self.device,
-            features=self.features,
-            memory_bytes=self.memory_bytes,
-            timings=self.timings,
-            checkpoint=self.checkpoint,
-            inner=self.inner,
-            checkpoint_seconds=self.checkpoint_seconds,
-            on_progress=self.on_progress,
-            stop=self.stop,
-            shard_source=self.shard_source,
-        )
+        self.trainer = trainer = make_trainer(self)
         self.model_cfg, self.topology = trainer.model_cfg, trainer.topology
         self.train_cfg, self.micro_batch = trainer.train_cfg, trainer.micro_batch
         if self.micro_batch < self.train_cfg["batch_size"]:
@@ -363,3 +362,24 @@ class Peer:
                 self._finish_task(run)
             except (TaskAborted, TransportError, RejectedError) as exc:
                 self._task_failed(run.task, exc, pause=False)
+
+
+def make_trainer(peer: Peer) -> PathTrainer:
+    """The peer's trainer for the run its Welcome described (``peer.config``): a
+    :class:`PathTrainer`, or rank 0's :class:`~dipaco.peer.ddp.ShardedTrainer` when the peer
+    trains each path over a machine's devices."""
+    kwargs: dict[str, Any] = dict(
+        device=peer.device,
+        features=peer.features,
+        memory_bytes=peer.memory_bytes,
+        timings=peer.timings,
+        checkpoint=peer.checkpoint,
+        inner=peer.inner,
+        checkpoint_seconds=peer.checkpoint_seconds,
+        on_progress=peer.on_progress,
+        stop=peer.stop,
+        shard_source=peer.shard_source,
+    )
+    if peer.shard_group is not None:
+        return ddp.ShardedTrainer(peer.shard_group, peer.config, **kwargs)
+    return PathTrainer(peer.config, **kwargs)

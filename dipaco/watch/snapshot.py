@@ -179,6 +179,7 @@ def snapshot(coordinator, run_dir: Path, series: Series) -> dict[str, Any]:
         "grid": module_grid(state["modules"], paths_through),
         "leases": state["leases"],
         "peers": peers,
+        "machines": state.get("machines", {}),
         "owners": state.get("owners", {}),
         "evaluation": state.get("evaluation"),
         "rejections": state["rejections"],

@@ -5,6 +5,7 @@ would drive the coordinator.
 """
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -534,7 +535,10 @@ def test_slow_peers_are_offered_fewer_inner_steps(tmp_path):
     deadline = co.scheduler.task_deadline()
     assert deadline is not None and 4.0 * H > deadline > 1.0 * H
     assert offers[0].inner_steps == offers[1].inner_steps == H, "fast peers get H"
-    assert offers[2].inner_steps == int(deadline / 4.0), "a slow peer gets what fits in time"
+    typical = statistics.median(co.scheduler.durations)  # the round's tasks end together
+    assert offers[2].inner_steps == int(typical / 4.0) < int(deadline / 4.0), (
+        "a slow peer gets what it trains in a typical task's time, not up to the deadline"
+    )
     assert floor < offers[2].inner_steps < H
     assert offers[3].inner_steps == floor, "a very slow peer gets the floor, not fewer"
     assert {o.step_offset for o in offers.values()} == {2 * H}  # the offset follows the round

@@ -1,0 +1,78 @@
+"""A mixed fleet: one peer much slower than the others. The scheduler gives it fewer inner
+steps once it has measured it, so rounds close without waiting for its full H; each delta's
+outer-step weight follows the tokens it reports (the shard's weight times the share of H)."""
+
+import threading
+import time
+
+from dipaco.peer.peer import Peer
+from dipaco.prepare.pipeline import prepare
+from dipaco.protocols.transport import LocalTransport
+from dipaco.run.factory import build_coordinator
+from dipaco.run.metrics_log import MetricsLog
+
+H = 16
+# Seconds a step sleeps on top of training (a rate limit): the slow peer's steps take several
+# times the others' even when the machine is loaded and training itself slows down.
+FAST, SLOW = 0.01, 0.06
+
+
+def test_a_slow_peer_gets_shorter_tasks_and_its_deltas_weigh_their_tokens(
+    prepared_tiny, tiny_config, tmp_path
+):
+    config = tiny_config.replace(
+        train={"inner_steps": H, "rounds": 8},
+        scheduler={
+            "quorum": 1.0,
+            "lease_seconds": 30.0,
+            "deadline_floor": 0.0,
+            "deadline_mads": 1.0,
+            "deadline_slack": 0.5,
+            "min_step_fraction": 0.25,
+        },
+    )
+    root = tmp_path / "run"
+    metrics = MetricsLog(root / "m.jsonl")
+    co = build_coordinator(prepare(root, config, reuse=prepared_tiny), metrics, evaluate=False)
+    stop = threading.Event()
+
+    def peer(name: str, delay: float) -> Peer:
+        return Peer(
+            LocalTransport(co.handle),
+            name,
+            root / name,
+            device="cpu",
+            stop=stop,
+            on_progress=lambda info: time.sleep(delay),
+        )
+
+    peers = [peer(f"fast{i}", FAST) for i in range(3)] + [peer("slow", SLOW)]
+    threads = [threading.Thread(target=p.run, daemon=True) for p in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    stop.set()
+    assert co.finished, "the run did not finish"
+
+    log = metrics.read()
+    issued = {e["task"]: e for e in log if e["event"] == "task_issued"}
+    slow_steps = [e["steps"] for e in issued.values() if e["peer"] == "slow"]
+    assert slow_steps[:2] == [H, H]  # judged on two whole tasks first
+    assert min(slow_steps) < H, slow_steps  # then offered what it can finish in time
+    assert min(slow_steps) >= H // 4  # never below min_step_fraction
+    assert all(e["steps"] == H for e in issued.values() if e["peer"] != "slow")
+
+    tc = config.train
+    full = H * tc.batch_size * tc.seq_len
+    shards = co.shard_tokens
+    acked = {(e["module"], e["task"]): e for e in log if e["event"] == "delta_acked"}
+    shortened = 0
+    for step in (e for e in log if e["event"] == "outer_step"):
+        for task, weight in zip(step["tasks"], step["weights"], strict=True):
+            delta = acked[(step["module"], task)]
+            assert delta["tokens"] == issued[task]["steps"] * tc.batch_size * tc.seq_len
+            assert weight == delta["weight"]
+            assert abs(weight - shards[delta["path"]] * delta["tokens"] / full) < 1e-6 * weight
+            shortened += delta["tokens"] < full
+    assert shortened > 0  # the short tasks' deltas were applied, at their smaller weight
