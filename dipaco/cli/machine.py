@@ -21,6 +21,7 @@ from rich.table import Table
 from dipaco.cli import stopping
 from dipaco.cli.common import console, say
 from dipaco.errors import ConfigError
+from dipaco.net.joins import kind_of
 from dipaco.peer import ddp
 from dipaco.peer.identity import stable_peer_id
 from dipaco.peer.workers import Machine, Worker, parse_gpus
@@ -68,6 +69,7 @@ def join_machine(args: argparse.Namespace) -> int:
         raise ConfigError("--gpus works with dipaco's own transports; a Flower node is one device")
     if not args.address:
         raise ConfigError("join needs the address dipaco-coordinator start printed")
+    kind_of(args.address, args.authkey_file)  # a wrong address is refused before any worker
     devices = parse_gpus(args.gpus)
     state_dir = Path(args.state_dir or Path.home() / ".cache" / "dipaco" / "peer")
     name = stable_peer_id(state_dir, args.peer_id)

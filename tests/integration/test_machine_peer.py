@@ -58,12 +58,14 @@ def test_a_two_worker_machine_trains_a_run_and_survives_a_killed_worker(run_copy
             lambda: address_file.exists() and address_file.read_text().strip(), 120, "the address"
         )
         machine_log = tmp_path / "machine.jsonl"
+        slow = tmp_path / "slow"  # while it exists, a step sleeps (a task is caught mid-way)
+        slow.touch()
         machine = subprocess.Popen(
             [BIN / "dipaco-peer", "--log-format", "json", "join", address, "--authkey-file",
              root / "coordinator" / "authkey", "--gpus", "cpu:2", "--peer-id", "lab",
              "--state-dir", tmp_path / "lab"],
             stdout=machine_log.open("w"), stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "DIPACO_FAULTS": "peer.inner_step=sleep:0.05"},  # 1.5 s a task
+            env={**os.environ, "DIPACO_FAULTS": f"peer.inner_step=sleep:0.1@if:{slow}"},
         )  # fmt: skip
         procs.append(machine)
         status = LoopbackTransport(
@@ -84,6 +86,7 @@ def test_a_two_worker_machine_trains_a_run_and_survives_a_killed_worker(run_copy
         lost_task = both["lab-w1"]
         os.kill(victim, signal.SIGKILL)
         assert lost_task in status.request(m.GetStatus()).state["leases"], "w1 finished first"
+        slow.unlink()  # the rest of the run at full speed
         # `dipaco status`: one peer, two workers, each on its own path.
         url = wait_for(lambda: url_file.exists() and url_file.read_text().strip(), 30, "dashboard")
         shown = subprocess.run(
@@ -132,8 +135,10 @@ def test_a_two_worker_machine_trains_a_run_and_survives_a_killed_worker(run_copy
 def test_a_machine_training_each_path_over_two_gloo_ranks_matches_one_device(
     short_copy, short_config, tmp_path
 ):
-    """--shard-path: rank 0 claims and pushes, rank 1 trains half of every batch; the run ends
-    with the parameters a one-device peer reaches (DDP averages the same gradient)."""
+    """--shard-path: rank 0 claims and pushes, rank 1 trains half of every batch; the status
+    shows one peer whose paths train over two devices. Rank 1 is killed mid-task: the group
+    starts again, and the run still ends with the parameters a one-device peer reaches (DDP
+    averages the same gradient; the task is trained again from its base)."""
     root = short_copy("sharded")
     config = tmp_path / "run.toml"
     config.write_text(
@@ -145,28 +150,57 @@ def test_a_machine_training_each_path_over_two_gloo_ranks_matches_one_device(
          "--transport", "loopback"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    machine = None
+    machine_log = tmp_path / "machine.jsonl"
+    slow = tmp_path / "slow"  # while it exists, a step sleeps (a task is caught mid-way)
+    slow.touch()
+    procs = [coordinator]
     try:
         address_file = root / "coordinator" / "address"
         address = wait_for(
             lambda: address_file.exists() and address_file.read_text().strip(), 120, "the address"
         )
-        machine = subprocess.run(
+        machine = subprocess.Popen(
             [BIN / "dipaco-peer", "--log-format", "json", "join", address, "--authkey-file",
              root / "coordinator" / "authkey", "--gpus", "cpu:2", "--shard-path",
              "--peer-id", "lab", "--state-dir", tmp_path / "lab"],
-            capture_output=True, text=True, timeout=300,
+            stdout=machine_log.open("w"), stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "DIPACO_FAULTS": f"peer.inner_step=sleep:0.2@if:{slow}"},
         )  # fmt: skip
-        out, _ = coordinator.communicate(timeout=120)
+        procs.append(machine)
+        key = bytes.fromhex((root / "coordinator" / "authkey").read_text())
+        status = LoopbackTransport(address, key)
+        held = wait_for(
+            lambda: [
+                t for t, lease in status.request(m.GetStatus()).state["leases"].items()
+                if lease["peer"] == "lab-w0"
+            ],
+            120,
+            "rank 0 to hold a task",
+        )  # fmt: skip
+        shown = status.request(m.GetStatus()).state["machines"]
+        assert shown == {
+            "lab": {"workers": ["lab-w0"], "devices": ["cpu"], "tasks_done": shown["lab"][
+                "tasks_done"], "state": "training", "shard_path": True, "devices_per_path": 2},
+        }  # fmt: skip
+        victim = wait_for(lambda: worker_pid(machine.pid, "lab-w1"), 30, "rank 1's process")
+        os.kill(victim, signal.SIGKILL)
+        assert held[0] in status.request(m.GetStatus()).state["leases"], "rank 0 finished first"
+        slow.unlink()  # the rest of the run at full speed
+        out, _ = coordinator.communicate(timeout=300)
+        assert coordinator.returncode == 0 and "run finished" in out, out
+        machine.wait(60)
+        said_all = machine_log.read_text()
+        assert machine.returncode == 0, said_all
     finally:
-        if coordinator.poll() is None:
-            coordinator.kill()
-            coordinator.wait()
-    assert machine.returncode == 0, machine.stdout + machine.stderr
-    assert coordinator.returncode == 0 and "run finished" in out, out
-    lines = [json.loads(line) for line in machine.stdout.splitlines() if line.startswith("{")]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    lines = [json.loads(line) for line in said_all.splitlines() if line.startswith("{")]
     said = " | ".join(e.get("message", "") for e in lines)
-    assert "worker 1: 64 steps, done" in said, said  # 8 tasks x 8 steps, half of each batch
+    assert any(e.get("event") == "worker_died" and e.get("worker") == 1 for e in lines), said
+    assert sum(e.get("event") == "worker_started" for e in lines) == 4, said  # the group, twice
+    assert "the run has finished" in said, said
 
     ref_root = short_copy("one-device")
     reference = build_coordinator(
