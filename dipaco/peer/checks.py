@@ -144,11 +144,14 @@ def check_device(device: str) -> tuple[Check, str]:
 def check_memory(config: RunConfig | None, device: str, memory_bytes: int | None) -> Check:
     """Free memory against one path's training estimate (fp32 params, grads, AdamW moments:
     ~16 bytes a parameter, plus one micro-batch's activations)."""
+    import torch
+
     from dipaco.peer.device import (
         device_memory_bytes,
         path_memory_bytes,
         path_parameter_count,
         pick_micro_batch,
+        training_features,
     )
 
     have = memory_bytes if memory_bytes is not None else device_memory_bytes(device)
@@ -169,16 +172,19 @@ def check_memory(config: RunConfig | None, device: str, memory_bytes: int | None
     model, seq, batch = config.build_model_config(), config.train.seq_len, config.train.batch_size
     params = path_parameter_count(model)
     budget = have * 0.8
-    full = path_memory_bytes(model, batch, seq)
-    least = path_memory_bytes(model, 1, seq)
+    # The precision a peer trains in on this device by default (bf16 autocast on a GPU).
+    bf16 = training_features(device)["autocast"] == torch.bfloat16
+    full = path_memory_bytes(model, batch, seq, bf16=bf16)
+    least = path_memory_bytes(model, 1, seq, bf16=bf16)
     head = (
         f"one path: {params:,} parameters; needs {full / _GIB:.2f} GiB at batch {batch} "
-        f"(seq {seq}), {least / _GIB:.2f} GiB at micro-batch 1; {have / _GIB:.2f} GiB {where}"
+        f"(seq {seq}, {'bf16' if bf16 else 'fp32'}), {least / _GIB:.2f} GiB at micro-batch 1; "
+        f"{have / _GIB:.2f} GiB {where}"
     )
     if full <= budget:
         return Check("memory", True, head)
     if least <= budget:
-        mb = pick_micro_batch(model, batch, seq, device, memory_bytes=have)
+        mb = pick_micro_batch(model, batch, seq, device, memory_bytes=have, bf16=bf16)
         return Check(
             "memory",
             True,

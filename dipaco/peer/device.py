@@ -4,7 +4,7 @@ and the micro-batch to use.
 
 The estimate is deliberately simple and on the generous side: fp32 parameters, their gradients,
 AdamW's two moments, and the activations autograd keeps for one micro-batch of a Llama-style
-decoder (see :mod:`dipaco.model.transformer`). It is used to pick a micro-batch for gradient
+decoder (see :mod:`dipaco.model.transformer`), at 2 bytes an element under bf16 autocast. It is used to pick a micro-batch for gradient
 accumulation (:func:`dipaco.model.optim.train_steps`) and to refuse, with a readable message, a
 device on which not even a micro-batch of one window fits.
 """
@@ -57,7 +57,9 @@ def path_parameter_count(model_cfg: ModelConfig) -> int:
     return 2 * v * d + model_cfg.n_layers * per_layer + d
 
 
-def activation_bytes(model_cfg: ModelConfig, micro_batch: int, seq_len: int) -> int:
+def activation_bytes(
+    model_cfg: ModelConfig, micro_batch: int, seq_len: int, *, bf16: bool = False
+) -> int:
     """Activations autograd keeps for one forward/backward of ``micro_batch`` windows.
 
     Per layer and token (fp32 elements): the two RMSNorms (input, float copy, output: ~3 * dim
@@ -65,6 +67,8 @@ def activation_bytes(model_cfg: ModelConfig, micro_batch: int, seq_len: int) -> 
     the SwiGLU intermediates (gate, up, silu, product: 4 * hidden) and, in case the math attention
     kernel runs (CPU), the attention probabilities (n_heads * seq_len). On top: the embedding
     output, the final norm, and the logits with their gradient (B * T * vocab * 4 * 2).
+    With ``bf16`` (autocast) the blocks' and edges' activations take 2 bytes an element; the
+    logits stay float32 (the loss upcasts them).
     """
     d, h = model_cfg.dim, model_cfg.hidden
     tokens = micro_batch * seq_len
@@ -72,22 +76,27 @@ def activation_bytes(model_cfg: ModelConfig, micro_batch: int, seq_len: int) -> 
     blocks = model_cfg.n_layers * tokens * per_token_layer
     edges = tokens * 4 * d  # embedding output, final norm (input, float copy, output)
     logits = tokens * model_cfg.vocab_size * 2  # logits and their gradient / softmax
-    return (blocks + edges + logits) * _FP32
+    return (blocks + edges) * (2 if bf16 else _FP32) + logits * _FP32
 
 
 def path_memory_bytes(
-    model_cfg: ModelConfig, micro_batch: int, seq_len: int, *, optimizer: bool = True
+    model_cfg: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    *,
+    optimizer: bool = True,
+    bf16: bool = False,
 ) -> int:
     """Estimated peak bytes to train one path at ``micro_batch`` windows of ``seq_len`` tokens.
 
     fp32 parameters and gradients, AdamW's two moments when ``optimizer``, and the activations
-    of one micro-batch.
+    of one micro-batch (mostly bf16 with ``bf16``: autocast keeps the master weights fp32).
     """
     if micro_batch < 1 or seq_len < 1:
         raise ValueError(f"micro_batch and seq_len must be positive, got {micro_batch}, {seq_len}")
     copies = 4 if optimizer else 2  # params, grads (+ exp_avg, exp_avg_sq)
     state = path_parameter_count(model_cfg) * _FP32 * copies
-    return state + activation_bytes(model_cfg, micro_batch, seq_len)
+    return state + activation_bytes(model_cfg, micro_batch, seq_len, bf16=bf16)
 
 
 def device_memory_bytes(device: str) -> int | None:
@@ -139,6 +148,7 @@ def pick_micro_batch(
     *,
     memory_bytes: int | None = None,
     headroom: float = 0.8,
+    bf16: bool = False,
 ) -> int:
     """The largest micro-batch (``batch_size``, then halving, at least 1) that fits the device.
 
@@ -152,7 +162,7 @@ def pick_micro_batch(
     if budget is None:
         return batch_size
     mb = batch_size
-    while mb > 1 and path_memory_bytes(model_cfg, mb, seq_len) > budget:
+    while mb > 1 and path_memory_bytes(model_cfg, mb, seq_len, bf16=bf16) > budget:
         mb //= 2
     return mb
 
@@ -164,20 +174,22 @@ def check_fits(
     *,
     memory_bytes: int | None = None,
     headroom: float = 0.8,
+    bf16: bool = False,
 ) -> None:
-    """Raise :class:`ConfigError` when one path cannot train on ``device`` even at micro-batch 1.
+    """Raise :class:`ConfigError` when one path cannot train on ``device`` even at micro-batch 1
+    (in bf16 autocast with ``bf16``, the precision the peer will train in).
 
     Nothing is checked when the device's memory cannot be told.
     """
     budget = _budget(device, memory_bytes, headroom)
     if budget is None:
         return
-    need = path_memory_bytes(model_cfg, 1, seq_len)
+    need = path_memory_bytes(model_cfg, 1, seq_len, bf16=bf16)
     if need > budget:
         have = budget / headroom
         raise ConfigError(
             f"device {device} has {_gib(have)} GiB free, one path needs {_gib(need)} GiB even at "
-            f"micro-batch 1 (seq_len {seq_len}, {path_parameter_count(model_cfg):,} parameters, "
+            f"micro-batch 1 in {'bf16' if bf16 else 'fp32'} (seq_len {seq_len}, {path_parameter_count(model_cfg):,} parameters, "
             f"keeping {headroom:.0%} of the memory for it); use a smaller model or sequence "
             "length, or a device with more memory",
             reason="device-too-small",
@@ -185,13 +197,32 @@ def check_fits(
 
 
 def fit_micro_batch(
-    model_cfg: ModelConfig, train_cfg: dict, device: str, memory_bytes: int | None = None
+    model_cfg: ModelConfig,
+    train_cfg: dict,
+    device: str,
+    memory_bytes: int | None = None,
+    *,
+    bf16: bool = False,
 ) -> int:
     """The micro-batch for the run's batch on ``device`` (:func:`pick_micro_batch`), after
-    :func:`check_fits` has refused a device on which not even one window fits."""
+    :func:`check_fits` has refused a device on which not even one window fits. With
+    ``memory_bytes`` on a CUDA device, it is also the most this process may allocate there
+    (``torch.cuda.set_per_process_memory_fraction``: ``--memory-gb`` caps what dipaco takes)."""
     seq_len, batch_size = train_cfg["seq_len"], train_cfg["batch_size"]
-    check_fits(model_cfg, seq_len, device, memory_bytes=memory_bytes)
-    return pick_micro_batch(model_cfg, batch_size, seq_len, device, memory_bytes=memory_bytes)
+    check_fits(model_cfg, seq_len, device, memory_bytes=memory_bytes, bf16=bf16)
+    cap_memory(device, memory_bytes)
+    return pick_micro_batch(
+        model_cfg, batch_size, seq_len, device, memory_bytes=memory_bytes, bf16=bf16
+    )
+
+
+def cap_memory(device: str, memory_bytes: int | None) -> None:
+    """On a CUDA device, let this process allocate at most ``memory_bytes`` there."""
+    dev = torch.device(device)
+    if memory_bytes is None or dev.type != "cuda" or not torch.cuda.is_available():
+        return
+    _free, total = torch.cuda.mem_get_info(dev)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, memory_bytes / total), dev)
 
 
 def _gib(n: float) -> str:

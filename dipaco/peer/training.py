@@ -110,7 +110,13 @@ class PathTrainer:
         self.train_cfg = config["train"]
         self.shards_dir = config.get("shards_dir")
         self.device, self.features = device, features
-        self.micro_batch = fit_micro_batch(self.model_cfg, self.train_cfg, device, memory_bytes)
+        self.micro_batch = fit_micro_batch(
+            self.model_cfg,
+            self.train_cfg,
+            device,
+            memory_bytes,
+            bf16=features.get("autocast") == torch.bfloat16,
+        )
         self.timings = timings
         self.checkpoint, self.inner = checkpoint, inner
         self.checkpoint_seconds = checkpoint_seconds

@@ -146,6 +146,24 @@ def test_check_fits() -> None:
     assert err.value.reason == "device-too-small"
 
 
+def test_a_card_too_small_for_the_path_in_bf16_is_told_what_bf16_needs() -> None:
+    """A GPU peer trains in bf16 autocast: its activations take half the bytes, so the check at
+    join plans for that, and says the precision and the GiB it needs."""
+    big = ModelConfig(vocab_size=512, dim=256, n_layers=4, n_heads=4, max_seq_len=1024)
+    fp32 = path_memory_bytes(big, 1, 1024)
+    bf16 = path_memory_bytes(big, 1, 1024, bf16=True)
+    assert bf16 < fp32
+    between = int((fp32 + bf16) / 2 / 0.8)  # enough for bf16, not for fp32 (80% headroom)
+    check_fits(big, 1024, "cuda:0", memory_bytes=between, bf16=True)
+    with pytest.raises(ConfigError, match="in fp32"):
+        check_fits(big, 1024, "cuda:0", memory_bytes=between)
+    with pytest.raises(
+        ConfigError, match=rf"needs {bf16 / 2**30:.3g} GiB even at micro-batch 1 in bf16"
+    ):
+        check_fits(big, 1024, "cuda:0", memory_bytes=bf16 // 2, bf16=True)
+    assert pick_micro_batch(big, 8, 1024, "cuda:0", memory_bytes=between, bf16=True) >= 1
+
+
 def test_device_memory_probe() -> None:
     cpu = device_memory_bytes("cpu")
     assert cpu is None or cpu > 0
