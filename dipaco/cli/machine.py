@@ -176,9 +176,11 @@ def worker_group(args: argparse.Namespace, device: str) -> ddp.Group:
 def follow_path(group: ddp.Group) -> int:
     """A --shard-path worker other than rank 0: train what rank 0 leads until it quits."""
     say(f"worker {group.rank} of {group.world} ({group.device}): training rank 0's paths")
+    ended = False
     try:
         steps = ddp.follow(group)
+        ended = True
     finally:
-        group.close()
+        group.close(synchronise=ended)
     say(f"worker {group.rank}: {steps} steps, done")
     return 0

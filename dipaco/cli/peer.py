@@ -225,13 +225,15 @@ def cmd_join(args: argparse.Namespace) -> int:
         f"device: {device_check.detail}"
         + (f" [yellow]({device_check.advice})[/]" if device_check.advice else "")
     )
+    ended = False
     try:
         with progress if not console.lines else contextlib.nullcontext():
             done = peer.run()
+        ended = True
     finally:
         if group is not None:  # the other ranks stop with this one
             quit_followers(group)
-            group.close()
+            group.close(synchronise=ended)
         join.close()
         if meter is not None:
             meter.close()

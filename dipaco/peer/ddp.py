@@ -53,8 +53,13 @@ class Group:
         )
         return cls(rank, world, device)
 
-    def close(self) -> None:
+    def close(self, synchronise: bool = False) -> None:
+        """Leave the group; with ``synchronise`` (a normal end, every rank alive) only once every
+        rank got here, so that none tears its connections down under a rank still reading
+        the last broadcast (gloo aborts that process)."""
         if dist.is_initialized():
+            if synchronise:
+                dist.barrier()
             dist.destroy_process_group()
 
     def share(self, batch: torch.Tensor) -> torch.Tensor:

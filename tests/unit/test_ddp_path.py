@@ -38,9 +38,11 @@ def warm_up(model, optimizer, data) -> None:
 def rank_main(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     group = ddp.Group.join(init, rank, 2, "cpu")
+    ended = False
     try:
         if rank != 0:
             ddp.follow(group)
+            ended = True
             return
         data = batches(WARM + STEPS)
         model, optimizer = fresh()
@@ -54,8 +56,9 @@ def rank_main(rank: int, init: str, out: str) -> None:
             losses.append(loss.item())
         ddp.quit_followers(group)
         torch.save({"params": model.state_dict(), "losses": losses}, out)
+        ended = True
     finally:
-        group.close()
+        group.close(synchronise=ended)
 
 
 def test_two_gloo_processes_train_the_path_a_single_process_trains(tmp_path):
