@@ -29,6 +29,7 @@ from rich.table import Table
 from dipaco.config import preset_config
 from dipaco.peer.peer import Peer
 from dipaco.prepare.pipeline import prepare
+from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.codecs import CODECS
 from dipaco.protocols.hivemind import HivemindNode
@@ -55,7 +56,8 @@ def one_run(prepared: Path, work: Path, codec: str, h: int, steps: int, n_peers:
     def timed(data: bytes) -> bytes:
         began = time.perf_counter()
         reply = coordinator.handle(data)
-        ack = m.decode_message(reply)
+        # Replies are signed envelopes (docs/protocol.md): open it to read the message.
+        ack = m.decode_message(bytes(auth.open_reply(reply, auth.peek_nonce(data), None).body))
         if isinstance(ack, m.DeltaAck) and ack.closed:  # the round closed: versions committed
             overheads.append(time.perf_counter() - began)
         return reply

@@ -174,8 +174,9 @@ class SchedulerSection(_Section):
 
 
 class NetworkSection(_Section):
-    # How deltas travel: lossless float32, fp16, bf16, or int8 blockwise with error feedback.
-    codec: Literal["lossless", "fp16", "bf16", "int8"] = "lossless"
+    # How deltas travel: lossless float32, fp16, bf16, int8 blockwise, or chunked top-k (1/64 of
+    # each chunk's elements) with 2- or 4-bit values; the lossy ones with error feedback.
+    codec: Literal["lossless", "fp16", "bf16", "int8", "topk2", "topk4"] = "lossless"
 
 
 class EvalSection(_Section):

@@ -39,9 +39,10 @@ def wire_cases(draw: st.DrawFn) -> tuple[str, str, dict[str, torch.Tensor]]:
     if kind == "drop":
         del tensors[name]
     elif kind == "add":
-        tensors[draw(st.sampled_from(["x", "w#scale", "b#scale#scale", name + "#scale"]))] = t
+        extra = ["x", "w#scale", "b#scale#scale", name + "#scale", name + "#idx", "w#idx#idx"]
+        tensors[draw(st.sampled_from(extra))] = t
     elif kind == "rename":
-        tensors[name + draw(st.sampled_from(["_", "#scale", "/x"]))] = tensors.pop(name)
+        tensors[name + draw(st.sampled_from(["_", "#scale", "/x", "#idx"]))] = tensors.pop(name)
     elif kind == "dtype":
         tensors[name] = t.to(wire.DTYPES[draw(st.sampled_from(sorted(wire.DTYPES)))])
     elif kind == "shape":
@@ -50,7 +51,9 @@ def wire_cases(draw: st.DrawFn) -> tuple[str, str, dict[str, torch.Tensor]]:
     elif kind == "value" and t.numel():
         flat = t.clone().reshape(-1)
         bad = draw(st.sampled_from(ODD_VALUES))
-        if not t.is_floating_point():
+        if t.dtype == torch.uint8:  # top-k codes and index bytes: any byte is possible
+            bad = int(abs(bad)) % 256 if math.isfinite(bad) else 255
+        elif not t.is_floating_point():
             bad = int(max(-128, min(127, bad))) if math.isfinite(bad) else -128
         flat[draw(st.integers(0, flat.numel() - 1))] = bad
         tensors[name] = flat.reshape(t.shape)
@@ -92,6 +95,17 @@ def test_valid_encodings_decode_within_the_documented_bounds(codec, seed):
             assert torch.equal(out[name], x)
         elif codec == "int8":
             assert float(err.max()) <= float(x.abs().max()) / 254 + 1e-6  # per block: its own max
+        elif codec.startswith("topk"):
+            # Sent elements: the sign, and the magnitude within half a level of [lo, hi]; the
+            # others decode to exactly 0 (the peer's error feedback keeps them).
+            levels = 2 ** (codecs.get(codec).bits - 1)
+            scale = frame.tensors[name + "#scale"]
+            half = float((scale[:, 1] - scale[:, 0]).max()) / (2 * levels)
+            sent = out[name] != 0
+            assert bool((err[sent] <= half + 1e-6).all())
+            assert bool((torch.sign(out[name][sent]) == torch.sign(x[sent])).all())
+            k = frame.tensors[name + "#idx"].shape[1] // 2
+            assert int(sent.sum()) <= k * frame.tensors[name + "#idx"].shape[0]
         else:
             rel = 2**-11 if codec == "fp16" else 2**-8
             assert bool((err <= rel * x.abs() + 2**-24).all())

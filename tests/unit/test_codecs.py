@@ -44,7 +44,8 @@ def test_round_trip_shapes_dtypes_and_names(codec):
     for t in wire.values():
         assert t.device.type == "cpu" and t.is_contiguous()
         assert t.dtype in w._DTYPE_NAMES  # every wire dtype is on the wire allowlist
-    expected = set(delta) | ({f"{n}#scale" for n in delta} if codec == "int8" else set())
+    companions = {"int8": ["#scale"], "topk2": ["#idx", "#scale"], "topk4": ["#idx", "#scale"]}
+    expected = set(delta) | {n + c for n in delta for c in companions.get(codec, [])}
     assert set(wire) == expected
     out = decode(codec, wire, delta)
     assert set(out) == set(delta)
@@ -377,6 +378,8 @@ PINNED = {
     "fp16": "2446f608987fececbdfa84fc1398d5fb4e9683407ef69ebe8ff4aede03a8b02a",
     "bf16": "a64906012d3aec8a5e08bf85e061f29517f2f2525a245a1815cbde78ec46740d",
     "int8": "d112dc71eb89bbfea8fdd8029c214557ddc8b23f428b82463b84f094512427bc",
+    "topk2": "c31c1a016e200952bcf7d39c789bb8d5affca0c2524fd45f443f45fad95b909e",
+    "topk4": "cdadf103cd16497df54787b0a6c50bbf47d35f3332ed876d37985d6785b49c8a",
 }
 
 
@@ -398,6 +401,8 @@ def test_builtin_codecs_are_classes_in_the_registry():
         "fp16": codecs.Fp16,
         "bf16": codecs.Bf16,
         "int8": codecs.Int8Blockwise,
+        "topk2": codecs.TopK2,
+        "topk4": codecs.TopK4,
     }
     for name, cls in kinds.items():
         c = codecs.get(name)
@@ -465,3 +470,88 @@ def test_unregistered_codec_is_unknown_again(toy_codec):
         assert toy_codec not in codecs.CODECS
     finally:
         codecs.register(Negated)  # the fixture unregisters it
+
+
+# ---- sparse: chunked top-k with 2- or 4-bit values --------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["topk2", "topk4"])
+def test_topk_sends_the_largest_elements_of_each_chunk_within_half_a_level(codec):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3 * codecs.SPARSE_CHUNK + 100, generator=g)  # 4 chunks, the last one short
+    wire = encode(codec, {"x": x})
+    k = wire["x#idx"].shape[1] // 2
+    assert k == math.ceil(codecs.SPARSE_DENSITY * codecs.SPARSE_CHUNK) == 64
+    assert wire["x"].shape == (4, k * codecs.get(codec).bits // 8)
+    y = decode(codec, wire, {"x": x})["x"]
+    sent = y != 0
+    assert int(sent.sum()) == 4 * k
+    # Each chunk's sent elements are its k largest in magnitude.
+    for c in range(4):
+        part = slice(c * codecs.SPARSE_CHUNK, (c + 1) * codecs.SPARSE_CHUNK)
+        chunk_x, chunk_sent = x[part], sent[part]
+        assert float(chunk_x[~chunk_sent].abs().max()) <= float(chunk_x[chunk_sent].abs().min())
+    levels = 2 ** (codecs.get(codec).bits - 1)
+    span = wire["x#scale"][:, 1] - wire["x#scale"][:, 0]
+    assert float((y - x)[sent].abs().max()) <= float(span.max()) / (2 * levels) + 1e-6
+    assert bool((torch.sign(y[sent]) == torch.sign(x[sent])).all())
+    # Per chunk: 2 bytes an index, bits/8 bytes a value, 8 bytes of scales. 2-bit at density
+    # 1/64: 2.25 bytes a sent element, 0.9% of float32 for whole chunks.
+    bits = codecs.get(codec).bits
+    assert codecs.wire_bytes(wire) == 4 * (2 * k + k * bits // 8 + 8)
+
+
+def test_topk_with_error_feedback_sends_everything_eventually():
+    """What top-k leaves out waits in the residual: the decoded sum tracks the true sum."""
+    g = torch.Generator().manual_seed(9)
+    ef = ErrorFeedback()
+    true_sum, sent_sum = torch.zeros(5000), torch.zeros(5000)
+    for _ in range(100):
+        d = torch.randn(5000, generator=g)
+        true_sum += d
+        sent_sum += decode("topk2", ef.compress("topk2", "P0", {"d": d}), {"d": d})["d"]
+    residual = ef.state_tensors()["P0|d"]
+    torch.testing.assert_close(sent_sum + residual, true_sum, atol=1e-3, rtol=0)
+    assert float(residual.norm()) < 0.5 * float(true_sum.norm())  # bounded, not growing
+
+
+def topk_wire():
+    x = torch.randn(2 * codecs.SPARSE_CHUNK, generator=torch.Generator().manual_seed(1))
+    return x, dict(encode("topk2", {"x": x}))
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda w: w["x#idx"].__setitem__((0, 1), 0x20), "index past its chunk"),
+        (lambda w: w["x#idx"][0, 2:4].copy_(w["x#idx"][0, 0:2]), "repeats an index"),
+        (lambda w: w["x#scale"].__setitem__((1, 0), float("nan")), "non-finite scales"),
+        (lambda w: w["x#scale"].__setitem__((1, 0), 5.0), "0 <= lo <= hi"),
+        (lambda w: w["x#scale"].__setitem__((0, 0), -1.0), "0 <= lo <= hi"),
+        (lambda w: w.__setitem__("x#idx", w["x#idx"][:, :-1]), "not 2k"),
+        (lambda w: w.__setitem__("x#idx", w["x#idx"].to(torch.int32)), "must be uint8"),
+        (lambda w: w.__setitem__("x", w["x"][:, :-1]), "must be uint8"),
+        (lambda w: w.__setitem__("x#scale", w["x#scale"][:1]), r"float32 \[2, 2\]"),
+    ],
+)
+def test_topk_decoder_refuses_what_an_encoder_never_sends(corrupt, message):
+    x, wire = topk_wire()
+    corrupt(wire)
+    with pytest.raises(WireError, match=message):
+        decode("topk2", wire, {"x": x})
+
+
+def test_topk_density_is_the_senders_choice_within_a_chunk():
+    """The decoder reads k from the wire: a peer may send more or fewer per chunk, never more
+    than the chunk holds."""
+    x, _ = topk_wire()
+    dense = codecs.TopK2()
+    dense.density = 1.0  # every element: exact magnitudes only where lo == hi, but all sent
+    wire = dense.encode_tensor("x", x)
+    assert wire["x#idx"].shape[1] // 2 == codecs.SPARSE_CHUNK
+    y = decode("topk2", wire, {"x": x})["x"]
+    assert bool((y != 0).all())
+    too_many = dict(wire)
+    too_many["x#idx"] = torch.cat([wire["x#idx"], wire["x#idx"][:, :2]], dim=1)
+    with pytest.raises(WireError, match="not 2k"):
+        decode("topk2", too_many, {"x": x})
