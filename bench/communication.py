@@ -29,7 +29,7 @@ from rich.table import Table
 from dipaco.config import preset_config
 from dipaco.peer.peer import Peer
 from dipaco.prepare.pipeline import prepare
-from dipaco.protocols import auth
+from dipaco.protocols import auth, codecs
 from dipaco.protocols import messages as m
 from dipaco.protocols.codecs import CODECS
 from dipaco.protocols.hivemind import HivemindNode
@@ -127,10 +127,20 @@ def main() -> None:
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--codecs", nargs="+", default=list(CODECS), choices=CODECS)
     ap.add_argument("--quick", action="store_true", help="H 8 only, 48 steps")
+    ap.add_argument(
+        "--topk-density",
+        type=float,
+        default=None,
+        help=f"the share of each chunk topk2/topk4 send (default {codecs.SPARSE_DENSITY:.4f})",
+    )
     ap.add_argument("--out", default="runs/bench/communication.json")
     args = ap.parse_args()
     if args.quick:
         args.h, args.steps = [8], 48
+    if args.topk_density is not None:  # peers and coordinator share this process's codecs
+        if not 0 < args.topk_density <= 1:
+            ap.error("--topk-density must be in (0, 1]")
+        codecs.TopK.density = args.topk_density
     work = Path(tempfile.mkdtemp(prefix="dipaco-bench-"))
     try:
         console.log("preparing the tiny preset once")
