@@ -39,6 +39,32 @@ def worker_pid(machine: int, peer_id: str) -> int | None:
     return None
 
 
+def run_to_the_end(coordinator, machine, machine_log: Path) -> list[dict]:
+    """Wait for the run to finish and the machine to leave by itself; the machine's events."""
+    out, _ = coordinator.communicate(timeout=300)
+    assert coordinator.returncode == 0 and "run finished" in out, out
+    machine.wait(60)
+    text = machine_log.read_text()
+    assert machine.returncode == 0, text
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def kill_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def worker_1_died_and_came_back(lines: list[dict], starts: int) -> None:
+    """The machine said worker 1 died, started ``starts`` worker processes in all and saw the
+    run finish."""
+    said = " | ".join(e.get("message", "") for e in lines)
+    assert any(e.get("event") == "worker_died" and e.get("worker") == 1 for e in lines), said
+    assert sum(e.get("event") == "worker_started" for e in lines) == starts, said
+    assert "the run has finished" in said, said
+
+
 def test_a_two_worker_machine_trains_a_run_and_survives_a_killed_worker(run_copy, tmp_path):
     root = run_copy()
     start = [BIN / "dipaco-coordinator", "start", "--config", run_config(tmp_path),
@@ -103,22 +129,10 @@ def test_a_two_worker_machine_trains_a_run_and_survives_a_killed_worker(run_copy
         out_text.print(render(snapshot))
         table = out_text.export_text()
         assert "lab (2 workers)" in table and "└ w1 (lab-w1)" in table, table
-        out, _ = coordinator.communicate(timeout=300)
-        assert coordinator.returncode == 0, out
-        assert "run finished" in out
-        machine.wait(60)
-        machine_out = machine_log.read_text()
-        assert machine.returncode == 0, machine_out
+        lines = run_to_the_end(coordinator, machine, machine_log)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    lines = [json.loads(line) for line in machine_out.splitlines() if line.startswith("{")]
-    said = [e.get("message", "") for e in lines]
-    assert any(e.get("event") == "worker_died" and e.get("worker") == 1 for e in lines), said
-    assert sum(e.get("event") == "worker_started" for e in lines) == 3, said  # w1 came back
-    assert any("the run has finished" in s for s in said), said
+        kill_all(procs)
+    worker_1_died_and_came_back(lines, starts=3)  # w0 once, w1 twice
     log = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     deltas = [(e["path"], e["round"]) for e in log if e["event"] == "delta"]
     assert sorted(deltas) == [(p, r) for p in range(4) for r in range(2)]  # each task once
@@ -186,21 +200,10 @@ def test_a_machine_training_each_path_over_two_gloo_ranks_matches_one_device(
         os.kill(victim, signal.SIGKILL)
         assert held[0] in status.request(m.GetStatus()).state["leases"], "rank 0 finished first"
         slow.unlink()  # the rest of the run at full speed
-        out, _ = coordinator.communicate(timeout=300)
-        assert coordinator.returncode == 0 and "run finished" in out, out
-        machine.wait(60)
-        said_all = machine_log.read_text()
-        assert machine.returncode == 0, said_all
+        lines = run_to_the_end(coordinator, machine, machine_log)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    lines = [json.loads(line) for line in said_all.splitlines() if line.startswith("{")]
-    said = " | ".join(e.get("message", "") for e in lines)
-    assert any(e.get("event") == "worker_died" and e.get("worker") == 1 for e in lines), said
-    assert sum(e.get("event") == "worker_started" for e in lines) == 4, said  # the group, twice
-    assert "the run has finished" in said, said
+        kill_all(procs)
+    worker_1_died_and_came_back(lines, starts=4)  # the whole group, twice
 
     ref_root = short_copy("one-device")
     reference = build_coordinator(
