@@ -34,7 +34,7 @@ from rich.progress import (
 from dipaco.cli import stopping
 from dipaco.cli.common import command_parser, console, dispatch, one_line, say
 from dipaco.cli.doctor import add_doctor_command
-from dipaco.cli.machine import follow_path, join_machine, worker_group
+from dipaco.cli.machine import follow_path, join_machine, watch_parent, worker_group
 from dipaco.errors import ConfigError, TransportError
 from dipaco.fileio import write_json_atomic
 from dipaco.net import joins
@@ -90,6 +90,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     # Once the node runs, Ctrl-C (or SIGTERM) stops the peer, which releases its task; before,
     # it interrupts the join. Either way the process ends within seconds (cli/stopping.py).
     stopping.on_stop(stop.set)
+    if args.machine:
+        watch_parent(stop)
     state_dir.mkdir(parents=True, exist_ok=True)
     acks = state_dir / "acks.jsonl"
 
