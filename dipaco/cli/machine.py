@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import threading
 import time
@@ -185,17 +184,3 @@ def follow_path(group: ddp.Group) -> int:
         group.close(synchronise=ended)
     say(f"worker {group.rank}: {steps} steps, done")
     return 0
-
-
-def watch_parent(stop: threading.Event) -> None:
-    """A machine's worker stops (and hands its task back) once the machine's process is gone,
-    even when it was killed outright: no worker trains on, orphaned."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while not stop.wait(1.0):
-            if os.getppid() != parent:
-                say("the machine's process is gone: this worker stops")
-                stop.set()
-
-    threading.Thread(target=watch, daemon=True, name="watch-machine").start()

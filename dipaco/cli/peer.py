@@ -34,7 +34,7 @@ from rich.progress import (
 from dipaco.cli import stopping
 from dipaco.cli.common import command_parser, console, dispatch, one_line, say
 from dipaco.cli.doctor import add_doctor_command
-from dipaco.cli.machine import follow_path, join_machine, watch_parent, worker_group
+from dipaco.cli.machine import follow_path, join_machine, worker_group
 from dipaco.errors import ConfigError, TransportError
 from dipaco.fileio import write_json_atomic
 from dipaco.net import joins
@@ -45,6 +45,7 @@ from dipaco.peer.device import resolve_device
 from dipaco.peer.identity import coordinator_trust, stable_peer_id
 from dipaco.peer.metrics import PeerMetrics
 from dipaco.peer.peer import Peer
+from dipaco.peer.workers import watch_parent
 from dipaco.protocols.auth import Identity, check_public_key
 
 

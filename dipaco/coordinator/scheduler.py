@@ -10,7 +10,8 @@ Deadlines come from what the run has observed, not from a guessed constant: ``ro
 is the median of the observed durations plus max(k * MAD, slack * median). Task durations
 (lease to done) give the task deadline; a peer whose measured speed cannot finish H steps in it
 is offered the steps it trains in the median task's time (never below ``min_step_fraction`` of
-H), so a slow peer's task ends with the others', and its delta weighs the tokens it trained. A peer that stops heartbeating for ``lease_seconds`` has vanished.
+H), so a slow peer's task ends with the others', and its delta weighs the tokens it trained. A
+peer that stops heartbeating for ``lease_seconds`` has vanished.
 """
 
 from __future__ import annotations

@@ -121,8 +121,9 @@ def machines(peers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             row["machine"], {"workers": [], "devices": [], "tasks_done": 0, "state": "gone"}
         )
         caps = row.get("capabilities") or {}
-        if caps.get("shard_path") is True and isinstance(caps.get("workers"), int):
-            m["shard_path"], m["devices_per_path"] = True, caps["workers"]  # one rank speaks
+        ranks = caps.get("workers")
+        if caps.get("shard_path") is True and type(ranks) is int and 1 <= ranks <= 1024:
+            m["shard_path"], m["devices_per_path"] = True, ranks  # one rank speaks for all
         m["workers"].append(pid)
         m["devices"].append(row.get("device", ""))
         m["tasks_done"] += row.get("tasks_done", 0)

@@ -249,3 +249,17 @@ class Machine:
                 w.state = "stopped"
         for reader in self._readers:
             reader.join(1.0)
+
+
+def watch_parent(stop: threading.Event) -> None:
+    """In a machine's worker: set ``stop`` (the worker hands its task back and exits) once the
+    machine's process is gone, even when it was killed outright: no worker trains on, orphaned."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not stop.wait(1.0):
+            if os.getppid() != parent:
+                log.warning("the machine's process is gone: this worker stops")
+                stop.set()
+
+    threading.Thread(target=watch, daemon=True, name="watch-machine").start()

@@ -125,3 +125,36 @@ def test_gpu_specs():
     for bad, count in (("all", 0), ("2", 2), ("0,0", 2), ("cpu:x", 0), ("cpu:0", 0), ("a", 1)):
         with pytest.raises(Exception, match="--gpus"):
             parse_gpus(bad, count)
+
+
+# A worker (grandchild) whose machine (child) is killed outright: its watch sets its stop.
+ORPHAN = """
+import sys, threading, time
+from pathlib import Path
+from dipaco.peer.workers import watch_parent
+stop = threading.Event()
+watch_parent(stop)
+Path(sys.argv[1]).write_text("watching")
+if stop.wait(30):
+    Path(sys.argv[1]).write_text("stopped")
+"""
+MACHINE = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+time.sleep(60)
+"""
+
+
+def test_a_worker_stops_when_its_machine_is_killed(tmp_path):
+    import subprocess
+
+    mark = tmp_path / "mark"
+    machine = subprocess.Popen([sys.executable, "-c", MACHINE, ORPHAN, str(mark)])
+    try:
+        wait(lambda: mark.exists() and mark.read_text() == "watching")
+        machine.kill()  # SIGKILL: no goodbye to its worker
+        machine.wait()
+        wait(lambda: mark.read_text() == "stopped", timeout=10)
+    finally:
+        if machine.poll() is None:
+            machine.kill()
