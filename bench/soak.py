@@ -54,6 +54,13 @@ def side_for(peers: int) -> int:
     return max(2, math.ceil(math.sqrt(peers)))
 
 
+def _switches() -> int:
+    """This process's context switches so far, all threads, voluntary (a wait: a lock, the
+    GIL, a socket, the disk) and not."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_nvcsw + usage.ru_nivcsw
+
+
 def _rss_bytes() -> int:
     """Resident set size of this process now (Linux /proc; peak RSS elsewhere)."""
     try:
@@ -106,6 +113,7 @@ def serve(root: Path, side: int, rounds: int, dim: int) -> None:
             "peers": len(co.peers),
             "cpu_s": time.process_time(),  # this process's CPU seconds, all threads
             "sys_s": os.times().system,  # of which in the kernel (file system calls, sockets)
+            "switches": _switches(),
         }
 
     def on_event(event: dict) -> None:
@@ -162,6 +170,7 @@ def serve(root: Path, side: int, rounds: int, dim: int) -> None:
         "pid": os.getpid(),
         "cpu_s": time.process_time(),
         "sys_s": os.times().system,
+        "switches": _switches(),
     }
     tmp = root / "server.json.tmp"
     tmp.write_text(json.dumps(info))
@@ -396,6 +405,7 @@ def _summarise(
         "attempts_final": final.get("attempts"),
         "coordinator_cpu_s": final.get("cpu_s", 0.0) - info.get("cpu_s", 0.0),
         "coordinator_sys_s": final.get("sys_s", 0.0) - info.get("sys_s", 0.0),
+        "coordinator_switches": final.get("switches", 0) - info.get("switches", 0),
     }
 
 
@@ -535,6 +545,9 @@ def _print(result: dict[str, Any], label: str) -> None:
         f"{result['coordinator_sys_s'] / per:.1f} ms), simulated "
         f"peers {result['peers_cpu_s'] / per:.1f} ms (of {result['wall_s'] / per:.1f} ms of wall "
         "time per delta)"
+    )
+    print(
+        f"  coordinator context switches per delta: {result['coordinator_switches'] / per / 1000:.0f}"
     )
     print(
         f"  issued tasks remembered: max {result['issued_max']}, final "
