@@ -24,6 +24,7 @@ import torch
 
 from dipaco.protocols import codecs
 from dipaco.protocols import messages as m
+from dipaco.protocols.feedback import ErrorFeedback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import add_report_args, best, path_modules, record, submit_delta  # noqa: E402
@@ -72,8 +73,8 @@ def main() -> None:
     for codec in codecs.CODECS:
         wire = codecs.encode(codec, delta)
         t_enc = best(lambda c=codec: codecs.encode(c, delta), args.repeat)
-        feedback = codecs.ErrorFeedback()
-        t_fb = best(lambda c=codec, f=feedback: f.compress(c, "P0", delta), args.repeat)
+        ef = ErrorFeedback()
+        t_fb = best(lambda c=codec, f=ef: f.compress(c, "P0", delta), args.repeat)
         t_dec = best(lambda c=codec, w=wire: codecs.decode(c, w, delta), args.repeat)
         decoded = codecs.decode(codec, wire, delta)
         err = max(float((decoded[n] - delta[n]).abs().max()) for n in names)

@@ -10,6 +10,11 @@ H), and the round overhead: the time from the last delta of a round arriving at 
 to the new module versions being committed and fetchable.
 
     python bench/communication.py [--h 8 32] [--steps 96] [--peers 4] [--quick]
+    python bench/communication.py --h 8 --codecs int8 --peers 8 --serve-modules  # peer to peer
+
+With ``--serve-modules`` every peer has its own hivemind node and serves the module versions
+it holds (``dipaco-peer join --serve-modules``); the table's last column is the module owner's
+share of the bytes served to the peers (the rest came from other peers).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from rich.table import Table
 
 from dipaco.config import preset_config
 from dipaco.peer.peer import Peer
+from dipaco.peer.seeds import SeedFetcher, SeedServer
 from dipaco.prepare.pipeline import prepare
 from dipaco.protocols import auth, codecs
 from dipaco.protocols import messages as m
@@ -40,15 +46,33 @@ from dipaco.run.metrics_log import MetricsLog
 console = Console(width=150)
 
 
-def one_run(prepared: Path, work: Path, codec: str, h: int, steps: int, n_peers: int) -> dict:
-    root = work / f"{codec}-H{h}"
+def tiny(source: str, topology: str = "2x2"):
+    """The tiny preset on a corpus (builtin, builtin:mixed, a file...) and topology."""
+    return preset_config("tiny").replace(data={"source": source}, topology={"levels": topology})
+
+
+def one_run(
+    prepared: Path,
+    work: Path,
+    codec: str,
+    h: int,
+    steps: int,
+    n_peers: int,
+    outer: dict | None = None,
+    source: str = "builtin",
+    network: dict | None = None,
+    serve: bool = False,
+    topology: str = "2x2",
+) -> dict:
+    root = work / f"{codec}-H{h}{'-p2p' if serve else ''}"
     shutil.copytree(prepared, root, ignore=shutil.ignore_patterns("coordinator", "peers"))
-    prep = prepare(root, preset_config("tiny"))
+    prep = prepare(root, tiny(source, topology))
     rounds = max(1, steps // h)
     prep.config = prep.config.replace(
         train={"inner_steps": h, "rounds": rounds},
-        network={"codec": codec},
+        network={"codec": codec, **(network or {})},
         scheduler={"quorum": 1.0, "heartbeat_seconds": 1.0},
+        **({"outer": outer} if outer else {}),
     )
     coordinator = build_coordinator(prep, MetricsLog(root / "metrics.jsonl"), evaluate=False)
     overheads: list[float] = []
@@ -63,25 +87,39 @@ def one_run(prepared: Path, work: Path, codec: str, h: int, steps: int, n_peers:
         return reply
 
     server = HivemindNode()
-    client = HivemindNode(initial_peers=server.visible_maddrs(), client_mode=True)
+    # One client node for all the peers; with --serve-modules each peer has its own node that
+    # others can dial, and serves the module versions it holds (peer/seeds.py).
+    nodes = [HivemindNode(initial_peers=server.visible_maddrs(), client_mode=not serve)]
+    seeders: list[tuple[SeedFetcher, SeedServer]] = []
     try:
         server.serve(timed)
         addresses = server.visible_maddrs()
         links: dict[int, list] = {i: [] for i in range(n_peers)}
+        identities = [auth.Identity.generate() for _ in range(n_peers)]
+        if serve:
+            nodes += [HivemindNode(initial_peers=addresses) for _ in range(n_peers - 1)]
+            for i, node in enumerate(nodes):
+                fetcher = SeedFetcher(
+                    node, coordinator.run_id, identities[i], f"bench-{i}", serving=True
+                )
+                seeders.append((fetcher, SeedServer(identities[i], fetcher.held)))
+                node.serve(seeders[-1][1].handle, workers=2)
 
         def link(i: int):
-            t = client.transport(server.peer_id, addresses)
+            t = nodes[i % len(nodes)].transport(server.peer_id, addresses)
             links[i].append(t)
             return t
 
         stop = threading.Event()
         peers = [
             Peer(
-                link(i),
+                link(i).authenticate(identities[i], coordinator.identity.public_key),
                 f"bench-{i}",
                 root / "peers",
                 stop=stop,
                 connect=lambda owner, addrs, i=i: link(i),
+                identity=identities[i],
+                seeds=seeders[i][0] if serve else None,
             )
             for i in range(n_peers)
         ]
@@ -95,8 +133,18 @@ def one_run(prepared: Path, work: Path, codec: str, h: int, steps: int, n_peers:
         assert coordinator.finished, "the run did not finish"
         sent = sum(t.bytes_sent for ts in links.values() for t in ts)
         received = sum(t.bytes_received for ts in links.values() for t in ts)
+        owner_out = server.stats["bytes_out"]
+        seed_out = sum(srv.bytes_out for _, srv in seeders)
+        received += sum(f.seed_bytes for f, _ in seeders)
+        fetched = {
+            k: sum(f.counts()[k] for f, _ in seeders)
+            for k in ("from_seeds", "from_owner", "refused")
+        }
     finally:
-        client.shutdown()
+        for f, _ in seeders:
+            f.close()
+        for node in nodes:
+            node.shutdown()
         server.shutdown()
     tokens = sum(p["tokens"] for p in coordinator.status().state["peers"].values())
     c = prep.config
@@ -116,6 +164,10 @@ def one_run(prepared: Path, work: Path, codec: str, h: int, steps: int, n_peers:
         "ratio_down": ddp_each_way / (received / tokens),
         "ppl": result["ppl"],
         "round_overhead_ms": 1000 * statistics.median(overheads) if overheads else None,
+        "p2p": serve,
+        "module_fetches": fetched if serve else None,
+        # of the bytes served to the peers, the module owner's share (the rest: other peers)
+        "owner_share": owner_out / (owner_out + seed_out) if owner_out + seed_out else 1.0,
         "wall_s": wall,
     }
 
@@ -125,39 +177,81 @@ def main() -> None:
     ap.add_argument("--h", type=int, nargs="+", default=[8, 32], help="inner steps per round")
     ap.add_argument("--steps", type=int, default=96, help="inner steps per path in all")
     ap.add_argument("--peers", type=int, default=4)
+    ap.add_argument("--topology", default="2x2", help="the tiny preset's levels (default 2x2)")
     ap.add_argument("--codecs", nargs="+", default=list(CODECS), choices=CODECS)
     ap.add_argument("--quick", action="store_true", help="H 8 only, 48 steps")
+    ap.add_argument(
+        "--serve-modules",
+        action="store_true",
+        help="every peer serves the module versions it holds to the others (peer to peer)",
+    )
     ap.add_argument(
         "--topk-density",
         type=float,
         default=None,
-        help=f"the share of each chunk topk2/topk4 send (default {codecs.SPARSE_DENSITY:.4f})",
+        help=f"network.topk_density: the share of each chunk topk2/topk4 send (default "
+        f"{codecs.SPARSE_DENSITY:g})",
     )
+    ap.add_argument("--source", default="builtin", help="corpus (builtin, builtin:mixed, a file)")
+    ap.add_argument(
+        "--ef-decay", type=float, help="network.error_feedback_decay: the residual's weight"
+    )
+    ap.add_argument("--outer-lr", type=float, help="outer.lr (default: the codec's)")
+    ap.add_argument("--outer-momentum", type=float, help="outer.momentum (default: the codec's)")
+    ap.add_argument("--outer-rescale", help="outer.rescale")
     ap.add_argument("--out", default="runs/bench/communication.json")
     args = ap.parse_args()
+    outer = {
+        k: v
+        for k, v in (
+            ("lr", args.outer_lr),
+            ("momentum", args.outer_momentum),
+            ("rescale", args.outer_rescale),
+        )
+        if v is not None
+    }
+
     if args.quick:
         args.h, args.steps = [8], 48
-    if args.topk_density is not None:  # peers and coordinator share this process's codecs
-        if not 0 < args.topk_density <= 1:
-            ap.error("--topk-density must be in (0, 1]")
-        codecs.TopK.density = args.topk_density
+    network = {
+        k: v
+        for k, v in (("topk_density", args.topk_density), ("error_feedback_decay", args.ef_decay))
+        if v is not None
+    }
     work = Path(tempfile.mkdtemp(prefix="dipaco-bench-"))
     try:
         console.log("preparing the tiny preset once")
         prepared = work / "prepared"
-        prepare(prepared, preset_config("tiny"))
+        prepare(prepared, tiny(args.source, args.topology))
         rows = []
         for h in args.h:
             for codec in args.codecs:
                 console.log(f"codec {codec}, H={h}: training {args.steps} steps per path")
-                rows.append(one_run(prepared, work, codec, h, args.steps, args.peers))
+                rows.append(
+                    one_run(
+                        prepared,
+                        work,
+                        codec,
+                        h,
+                        args.steps,
+                        args.peers,
+                        outer,
+                        args.source,
+                        network,
+                        args.serve_modules,
+                        args.topology,
+                    )
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    table = Table(title=f"bytes per trained token, {args.peers} peers, tiny preset (2x2)")
+    table = Table(
+        title=f"bytes per trained token, {args.peers} peers, tiny preset ({args.topology})"
+    )
     for col in ("codec", "H", "up B/tok", "down B/tok", "DDP B/tok", "DDP/up", "DDP/down"):
         table.add_column(col, justify="right")
     table.add_column("val ppl", justify="right")
     table.add_column("round overhead", justify="right")
+    table.add_column("owner's share down", justify="right")
     for r in rows:
         table.add_row(
             r["codec"],
@@ -169,6 +263,7 @@ def main() -> None:
             f"{r['ratio_down']:.1f}x",
             f"{r['ppl']:.2f}",
             f"{r['round_overhead_ms']:.0f} ms" if r["round_overhead_ms"] is not None else "-",
+            f"{100 * r['owner_share']:.0f}%",
         )
     console.print(table)
     for h in args.h:

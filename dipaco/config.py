@@ -91,8 +91,11 @@ class TrainSection(_Section):
 
 
 class OuterSection(_Section):
-    lr: float = Field(0.7, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
+    # Unset: the paper's Nesterov step (lr 0.7, momentum 0.9), or, with a sparse codec
+    # (network.codec topk2/topk4), plain steps of lr 2.5 without momentum: the peers' error
+    # feedback stands in for it (SparseLoCo; docs/results.md, "Sparse deltas").
+    lr: float | None = Field(None, gt=0)
+    momentum: float | None = Field(None, ge=0, lt=1)
     nesterov: bool = True
     # How a module's averaged delta is scaled by the number n of paths reporting: none, sqrt
     # (the paper's section 2.7), linear (n), or norm (to the mean norm of the deltas, at most
@@ -173,10 +176,46 @@ class SchedulerSection(_Section):
     min_step_fraction: float = Field(0.25, gt=0, le=1)
 
 
+TOPK_DENSITY = 1 / 8  # network.topk_density's default (codecs.SPARSE_DENSITY, the same)
+
+
 class NetworkSection(_Section):
-    # How deltas travel: lossless float32, fp16, bf16, int8 blockwise, or chunked top-k (1/64 of
-    # each chunk's elements) with 2- or 4-bit values; the lossy ones with error feedback.
+    # How deltas travel: lossless float32, fp16, bf16, int8 blockwise, or chunked top-k with 2-
+    # or 4-bit values; the lossy ones with error feedback.
     codec: Literal["lossless", "fp16", "bf16", "int8", "topk2", "topk4"] = "lossless"
+    # Top-k: the share of each 4096-element chunk a delta sends.
+    topk_density: float = Field(TOPK_DENSITY, gt=0, le=1)
+    # The weight of a peer's residual in its next delta (SparseLoCo's beta; 1 keeps all of it).
+    # Unset: 0.9 with a sparse codec, 1 otherwise (docs/results.md, "Sparse deltas").
+    error_feedback_decay: float | None = Field(None, gt=0, le=1)
+
+    @property
+    def sparse(self) -> bool:
+        return self.codec in ("topk2", "topk4")
+
+    @property
+    def decay(self) -> float:
+        """``error_feedback_decay`` as set, else the default for the codec."""
+        if self.error_feedback_decay is not None:
+            return self.error_feedback_decay
+        return SPARSE_FEEDBACK_DECAY if self.sparse else 1.0
+
+
+# The outer step's defaults (OuterSection): the paper's, and those measured for sparse deltas.
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM = 2.5, 0.0
+SPARSE_FEEDBACK_DECAY = 0.9  # network.error_feedback_decay's default with a sparse codec
+
+
+def outer_lr_momentum(c: RunConfig) -> tuple[float, float]:
+    """The run's outer lr and momentum: as set, else the defaults for its codec."""
+    lr, momentum = (
+        (SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM) if c.network.sparse else (OUTER_LR, OUTER_MOMENTUM)
+    )
+    return (
+        c.outer.lr if c.outer.lr is not None else lr,
+        c.outer.momentum if c.outer.momentum is not None else momentum,
+    )
 
 
 class EvalSection(_Section):

@@ -83,6 +83,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             max_mbps=args.max_mbps,
             patience=args.patience,
             on_wait=say,
+            serve_modules=args.serve_modules,
         )
     )
     transport = join.scheduler
@@ -243,6 +244,8 @@ def cmd_join(args: argparse.Namespace) -> int:
         if join.traffic is not None:
             sent, received = join.traffic()
             console.print(f"traffic: {sent / 1e6:.1f} MB up, {received / 1e6:.1f} MB down")
+        if peer.seeds is not None:
+            console.print(seed_summary(peer.seeds, join.seed_server))
     if peer.run_finished:
         say(f"the run has finished; peer {peer_id} trained {done} tasks in this session")
     else:
@@ -267,6 +270,18 @@ def worker_capabilities(args: argparse.Namespace) -> dict[str, Any]:
     index, _, count = (args.worker or "0/1").partition("/")
     caps = {"machine": args.machine, "worker": int(index), "workers": int(count or 1)}
     return caps | ({"shard_path": True} if args.shard_path else {})
+
+
+def seed_summary(seeds: Any, server: Any) -> str:
+    """``modules: 9 from peers (0.4 MB), 3 from owners, 1 refused; served 5 to peers (0.2 MB)``"""
+    c = seeds.counts()
+    line = (
+        f"modules: {c['from_seeds']} from peers ({c['seed_bytes'] / 1e6:.1f} MB), "
+        f"{c['from_owner']} from owners, {c['refused']} refused"
+    )
+    if server is None:
+        return line + "; this peer serves none (client mode: pass --serve-modules to serve)"
+    return line + f"; served {server.served} to peers ({server.bytes_out / 1e6:.1f} MB)"
 
 
 def time_summary(timings: dict[str, float]) -> str:
@@ -436,6 +451,14 @@ def main(argv: list[str] | None = None) -> None:
         "(default ~/.cache/dipaco/peer)",
     )
     join.add_argument("--max-tasks", type=int)
+    join.add_argument(
+        "--serve-modules",
+        nargs="?",
+        const="0.0.0.0",
+        metavar="HOST",
+        help="hivemind: listen on HOST (default 0.0.0.0) and serve the module versions this peer "
+        "holds to other peers; needs a reachable address (without it: client mode, fetch only)",
+    )
     join.add_argument(
         "--patience",
         type=float,

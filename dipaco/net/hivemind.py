@@ -23,6 +23,7 @@ from dipaco.coordinator.core import Coordinator
 from dipaco.errors import TransportError
 from dipaco.peer.download import RunFiles
 from dipaco.peer.modules import check_manifest
+from dipaco.peer.seeds import SEED_REQUEST_BYTES, SeedFetcher, SeedServer
 from dipaco.protocols import discovery
 from dipaco.protocols import messages as m
 from dipaco.protocols.auth import Identity
@@ -199,6 +200,8 @@ class HivemindJoin:
     run_over: threading.Event
     links: list[Any] = field(default_factory=list)
     max_mbps: float | None = None
+    seeds: SeedFetcher | None = None  # modules peer to peer: fetched from, served to (if dialled)
+    seed_server: SeedServer | None = None
 
     def connect(self, owner: str, addresses: list[str]) -> Any:
         """A transport to a module owner (counted in ``links``)."""
@@ -213,6 +216,7 @@ class HivemindJoin:
             "shard_source": self.files.shard,
             "manifest_sha256": self.manifest_sha256,
             "run_over": self.run_over,
+            "seeds": self.seeds,
         }
 
     def traffic(self) -> tuple[int, int]:
@@ -221,19 +225,26 @@ class HivemindJoin:
 
     def close(self) -> None:
         self.run_over.set()
+        if self.seeds is not None:
+            self.seeds.close()
         self.publisher.close()
         self.node.shutdown()
 
 
-def start_node(address: str, patience: float, on_wait: Callable[[str], None]) -> Any:
-    """A client hivemind node bootstrapped from ``address``, retried for ``patience`` seconds
-    (the coordinator may be restarting), saying why through ``on_wait``; then a TransportError
-    that points to ``dipaco-peer doctor``."""
+def start_node(
+    address: str, patience: float, on_wait: Callable[[str], None], listen: str | None = None
+) -> Any:
+    """A hivemind node bootstrapped from ``address`` (a client node, unless it ``listen``s on
+    that host for other peers), retried for ``patience`` seconds (the coordinator may be
+    restarting), saying why through ``on_wait``; then a TransportError that points to
+    ``dipaco-peer doctor``."""
     from dipaco.protocols.hivemind import HivemindNode
 
     began = time.monotonic()
     while True:
         try:
+            if listen is not None:
+                return HivemindNode(initial_peers=[address], host=listen)
             return HivemindNode(initial_peers=[address], client_mode=True)
         except TransportError as exc:
             why = str(exc).splitlines()[0].removeprefix("cannot start a hivemind node: ")
@@ -260,11 +271,14 @@ def join_run(
     max_mbps: float | None,
     patience: float,
     on_wait: Callable[[str], None],
+    serve_modules: str | None = None,
 ) -> HivemindJoin:
-    """Join a run's DHT in client mode: find the run, authenticate its scheduler (``trust``:
-    the pinned or given coordinator key, and what to do on first use), fetch the tokenizer,
-    publish this peer's record, and watch the DHT for the run's end."""
-    node = start_node(address, patience, on_wait)
+    """Join a run's DHT: find the run, authenticate its scheduler (``trust``: the pinned or
+    given coordinator key, and what to do on first use), fetch the tokenizer, publish this
+    peer's record, and watch the DHT for the run's end. In client mode, unless
+    ``serve_modules`` names a host to listen on: then the peer serves the module versions it
+    holds to other peers (``peer.seeds``). Either way it fetches from peers that serve."""
+    node = start_node(address, patience, on_wait, serve_modules)
     try:
         run_id, entry, manifest = discovery.find_run(node, run)
         info = {
@@ -272,7 +286,7 @@ def join_run(
             "device": device,
             "memory_gb": memory_gb,
             "max_mbps": max_mbps,
-            "client_mode": True,
+            "client_mode": serve_modules is None,
         }
         publisher = discovery.Publisher(
             node, lambda: [(discovery.key(run_id, "peers"), info, peer_id)], interval=10.0
@@ -281,6 +295,11 @@ def join_run(
             node, run_id, None, entry["manifest"], None, info, publisher, threading.Event(),
             max_mbps=max_mbps,
         )  # fmt: skip
+        join.seeds = SeedFetcher(node, run_id, me, peer_id, serving=serve_modules is not None)
+        if serve_modules is not None:
+            join.seed_server = SeedServer(me, join.seeds.held)
+            # FetchSeed requests are small; two uploads at a time at most
+            node.serve(join.seed_server.handle, workers=2, max_request_bytes=SEED_REQUEST_BYTES)
         join.scheduler = SchedulerLink(node, run_id, entry, join.connect)
         join.scheduler.authenticate(me, *trust)
         join.files = RunFiles(

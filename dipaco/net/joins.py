@@ -39,6 +39,7 @@ class JoinRequest:
     memory_gb: float | None = None
     max_mbps: float | None = None
     patience: float = 60.0  # seconds to keep retrying an address that does not answer yet
+    serve_modules: str | None = None  # hivemind: the host to listen on and serve modules from
     on_wait: Callable[[str], None] = lambda line: None  # says why it is still retrying
 
 
@@ -52,6 +53,7 @@ class Joined:
     note: str | None = None  # one line for the user (what was checked)
     traffic: Callable[[], tuple[int, int]] | None = None  # bytes up and down, where counted
     close: Callable[[], None] = lambda: None
+    seed_server: Any = None  # what this peer serves to other peers (peer.seeds.SeedServer)
 
 
 Joiner = Callable[[JoinRequest], Joined]
@@ -88,7 +90,7 @@ def _join_hivemind(r: JoinRequest) -> Joined:
     j = hivemind.join_run(
         r.address, run=r.run, peer_id=r.peer_id, state_dir=r.state_dir, me=r.me, trust=r.trust,
         device=r.device, memory_gb=r.memory_gb, max_mbps=r.max_mbps, patience=r.patience,
-        on_wait=r.on_wait,
+        on_wait=r.on_wait, serve_modules=r.serve_modules,
     )  # fmt: skip
     return Joined(
         j.scheduler,
@@ -97,6 +99,7 @@ def _join_hivemind(r: JoinRequest) -> Joined:
         note=f"run {j.run_id}: manifest verified (sha256 {j.manifest_sha256[:12]}...)",
         traffic=j.traffic,
         close=j.close,
+        seed_server=j.seed_server,
     )
 
 
@@ -108,6 +111,8 @@ def _join_loopback(r: JoinRequest) -> Joined:
             f"--authkey-file {r.authkey_file}: not a readable key file ({exc})"
         ) from None
     transport = dial_loopback(r.address, key, r.patience, r.on_wait).authenticate(r.me, *r.trust)
+    if r.serve_modules is not None:
+        raise ConfigError("--serve-modules needs a hivemind run (a multiaddr address)")
     return Joined(transport, close=transport.close)
 
 

@@ -14,6 +14,7 @@ import torch
 
 from dipaco.errors import ConfigError
 from dipaco.peer.links import OwnerLinks
+from dipaco.peer.seeds import Release, SeedFetcher
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.discovery import manifest_sha256
@@ -44,30 +45,44 @@ def check_manifest(welcome: m.Welcome, server_key: str | None, announced: str | 
 
 
 def fetch_modules(
-    links: OwnerLinks, task: m.TaskOffer, peer_id: str, run_id: str | None, cache: Cache
+    links: OwnerLinks,
+    task: m.TaskOffer,
+    peer_id: str,
+    run_id: str | None,
+    cache: Cache,
+    seeds: SeedFetcher | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """The path's modules at the task's versions, downloading only what ``cache`` lacks
-    (``cache`` is updated with what was fetched, and loses a module that failed its hash)."""
+    (``cache`` is updated with what was fetched, and loses a module that failed its hash).
+
+    With ``seeds``, a module version other peers announced is fetched from them: its owner is
+    asked for the signed release only (the peer says it has that version), the tensors come
+    from a holder and must match the signed hash, and whatever no holder delivers is asked of
+    the owner again, whole. Every version the peer ends up with is held for others."""
     have = {mid: v for mid, (v, _) in cache.items()}
-    versions: dict[str, int] = {}
-    hashes: dict[str, str] = {}
-    fresh: dict[str, dict[str, torch.Tensor]] = {}
-    for owner, mids in links.by_owner(list(task.module_versions)).items():
-        reply = links.ask(
-            owner,
-            lambda mids=mids: m.FetchModules(
-                peer_id=peer_id,
-                task_id=task.task_id,
-                have={mid: have[mid] for mid in mids if mid in have},
-                ticket=task.ticket,
-            ),
+    if seeds is not None:
+        seeded = seeds.find(
+            {mid: v for mid, v in task.module_versions.items() if have.get(mid) != v}
         )
-        check_releases(links.link(owner).server_key, reply, run_id)
-        versions.update(reply.versions)
-        hashes.update(reply.hashes)
-        for key, tensor in reply.tensors.items():
-            mid, _, name = key.partition("/")
-            fresh.setdefault(mid, {})[name] = tensor
+        have = {**have, **seeded}  # the owner sends those modules' releases, not their tensors
+    versions, hashes, signatures, fresh = _ask_owners(
+        links, task, peer_id, run_id, list(task.module_versions), have
+    )
+    if seeds is not None:
+        for mid, v in seeded.items():
+            if versions.get(mid) != v or mid in fresh:
+                continue  # moved meanwhile (the task is aborted below), or sent anyway
+            tensors = seeds.fetch(mid, v, hashes[mid])
+            if tensors is not None:
+                fresh[mid] = tensors
+        missing = [mid for mid in seeded if mid not in fresh and versions.get(mid) == seeded[mid]]
+        if missing:  # no holder delivered: the owner sends them after all
+            held = {mid: v for mid, (v, _) in cache.items()} | {mid: versions[mid] for mid in fresh}
+            honest = {mid: v for mid, v in held.items() if mid not in missing}
+            more = _ask_owners(links, task, peer_id, run_id, missing, honest)
+            for table, extra in zip((versions, hashes, signatures, fresh), more, strict=True):
+                table.update(extra)
+            seeds.from_owner += sum(1 for mid in missing if mid in more[3])
     modules = {}
     for mid, want in task.module_versions.items():
         version = versions.get(mid)
@@ -87,7 +102,46 @@ def fetch_modules(
             raise TaskAborted(f"module {mid} v{version} failed its hash check")
         cache[mid] = (version, tensors)
         modules[mid] = tensors
+        if seeds is not None:
+            if mid in fresh and mid not in seeded:
+                seeds.from_owner += 1
+            seeds.hold(mid, Release(version, hashes[mid], signatures[mid], tensors))
     return modules
+
+
+def _ask_owners(
+    links: OwnerLinks,
+    task: m.TaskOffer,
+    peer_id: str,
+    run_id: str | None,
+    mids: list[str],
+    have: dict[str, int],
+) -> tuple[dict[str, int], dict[str, str], dict[str, str], dict[str, dict[str, torch.Tensor]]]:
+    """Ask each owner of ``mids`` for its modules (the tensors of those not in ``have`` at
+    their version), with every release signature checked: (versions, hashes, signatures,
+    tensors by module)."""
+    versions: dict[str, int] = {}
+    hashes: dict[str, str] = {}
+    signatures: dict[str, str] = {}
+    fresh: dict[str, dict[str, torch.Tensor]] = {}
+    for owner, owned in links.by_owner(mids).items():
+        reply = links.ask(
+            owner,
+            lambda owned=owned: m.FetchModules(
+                peer_id=peer_id,
+                task_id=task.task_id,
+                have={mid: have[mid] for mid in owned if mid in have},
+                ticket=task.ticket,
+            ),
+        )
+        check_releases(links.link(owner).server_key, reply, run_id)
+        versions.update(reply.versions)
+        hashes.update(reply.hashes)
+        signatures.update(reply.signatures)
+        for key, tensor in reply.tensors.items():
+            mid, _, name = key.partition("/")
+            fresh.setdefault(mid, {})[name] = tensor
+    return versions, hashes, signatures, fresh
 
 
 def check_releases(server_key: str | None, reply: m.Modules, run_id: str | None) -> None:

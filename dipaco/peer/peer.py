@@ -46,11 +46,13 @@ from dipaco.peer.modules import (
     check_releases,
     fetch_modules,
 )
-from dipaco.peer.push import Pusher, Tensors
+from dipaco.peer.push import Pusher, Tensors, codec_settings
+from dipaco.peer.seeds import SeedFetcher
 from dipaco.peer.state import InnerState, TaskCheckpoint
 from dipaco.peer.training import PathTrainer, TaskRun, timed
-from dipaco.protocols import auth, codecs
+from dipaco.protocols import auth
 from dipaco.protocols import messages as m
+from dipaco.protocols.feedback import ErrorFeedback
 from dipaco.protocols.reasons import Reason
 from dipaco.protocols.transport import Transport
 
@@ -93,6 +95,7 @@ class Peer:
         capabilities: dict[str, Any] | None = None,
         inner_dir: str | Path | None = None,
         shard_group: ddp.Group | None = None,
+        seeds: SeedFetcher | None = None,
     ) -> None:
         if parallel < 1:
             raise ConfigError(f"parallel must be at least 1, got {parallel}")
@@ -124,7 +127,7 @@ class Peer:
         self.micro_batch: int | None = None
         self.patience = Patience(peer_id, give_up_seconds, retry_seconds, self.stop, self.run_over)
         self.links = OwnerLinks(transport, self.identity, self.patience, connect)
-        self.feedback = codecs.ErrorFeedback()
+        self.feedback = ErrorFeedback()
         self.pusher = Pusher(self.links, self.feedback, peer_id, on_ack or (lambda info: None))
         self.checkpoint = TaskCheckpoint(self.state_dir / "task", peer_id)
         # A machine's workers share one inner-state folder (dipaco.peer.workers): a path's AdamW
@@ -133,6 +136,7 @@ class Peer:
         self.inner = InnerState(inner, self.feedback, peer_id)
         self.capabilities = capabilities or {}  # said in Hello (a machine's worker: which one)
         self.shard_group = shard_group  # rank 0 of a machine training each path over its devices
+        self.seeds = seeds  # modules peer to peer (peer/seeds.py): fetched from, served to peers
 
     # ---- the loop -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -144,6 +148,7 @@ class Peer:
         )
         self.check_manifest(welcome)
         self.config = welcome.config
+        self.feedback.decay, self.feedback.density = codec_settings(self.config)
         self.links.scheduler_id = self.config.get("owner_id", "")
         self.trainer = trainer = make_trainer(self)
         self.model_cfg, self.topology = trainer.model_cfg, trainer.topology
@@ -304,7 +309,7 @@ class Peer:
     def fetch(self, task: m.TaskOffer) -> Tensors:
         """The path's modules at the task's versions, downloading only what the cache lacks."""
         run_id = self.config.get("run_id")
-        return fetch_modules(self.links, task, self.peer_id, run_id, self.cache)
+        return fetch_modules(self.links, task, self.peer_id, run_id, self.cache, self.seeds)
 
     def _check_releases(self, owner: str, reply: m.Modules) -> None:
         """Every module version served is signed by the owner that serves it."""

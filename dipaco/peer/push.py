@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from dipaco.config import NetworkSection
 from dipaco.errors import RejectedError
 from dipaco.peer.links import OwnerLinks
-from dipaco.protocols import codecs
+from dipaco.protocols import feedback
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
 
@@ -35,13 +36,23 @@ def module_deltas(base: Tensors, trained: Tensors) -> Tensors:
     }
 
 
+def codec_settings(config: dict[str, Any]) -> tuple[float, float]:
+    """The run's error-feedback decay and top-k density, from the Welcome config's ``run``
+    section (fields this version does not know are a newer coordinator's business)."""
+    said = config.get("run", {}).get("network", {})
+    network = NetworkSection.model_validate(
+        {k: v for k, v in said.items() if k in NetworkSection.model_fields}
+    )
+    return network.decay, network.topk_density
+
+
 class Pusher:
     """Encodes a task's deltas (with error feedback) and pushes them until acknowledged."""
 
     def __init__(
         self,
         links: OwnerLinks,
-        feedback: codecs.ErrorFeedback,
+        feedback: feedback.ErrorFeedback,
         peer_id: str,
         on_ack: Callable[[dict[str, Any]], None],
     ) -> None:

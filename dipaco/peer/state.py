@@ -22,7 +22,7 @@ import torch
 from dipaco.errors import CorruptFileError
 from dipaco.fileio import write_json_atomic
 from dipaco.model.optim import load_optimizer_state_tensors, optimizer_state_tensors
-from dipaco.protocols import codecs
+from dipaco.protocols import feedback
 from dipaco.protocols.wire import Frame, read_tensor_file, write_tensor_file
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class InnerState:
     """Each path's inner optimizer state and error-feedback residuals, in ``folder``
     (``<state-dir>/inner``); ``feedback`` holds the residuals while the peer runs."""
 
-    def __init__(self, folder: Path, feedback: codecs.ErrorFeedback, peer_id: str) -> None:
+    def __init__(self, folder: Path, feedback: feedback.ErrorFeedback, peer_id: str) -> None:
         self.folder = folder
         self.feedback = feedback
         self.peer_id = peer_id

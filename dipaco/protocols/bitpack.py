@@ -1,6 +1,7 @@
-"""Packing small integers into bytes for the wire: ``bits``-bit codes four or two to a byte, and
-indices below 65536 as little-endian byte pairs (the wire allows uint8, not 16-bit integers).
-Used by the sparse top-k codecs (:mod:`dipaco.protocols.codecs`)."""
+"""Packing small integers into bytes for the wire: ``bits``-bit codes four or two to a byte;
+indices below 65536 as little-endian byte pairs (the wire allows uint8, not 16-bit integers), or,
+when that is smaller, a chunk's chosen positions as a bitmap, one bit per element. Used by the
+sparse top-k codecs (:mod:`dipaco.protocols.codecs`)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,37 @@ def index_values(index: torch.Tensor) -> torch.Tensor:
     """:func:`index_bytes`'s pairs back to int64 indices [n, k] (any byte pair: 0..65535)."""
     pairs = index.to(torch.int64).view(index.shape[0], index.shape[1] // 2, 2)
     return pairs[:, :, 0] | (pairs[:, :, 1] << 8)
+
+
+def mask_width(chunk: int) -> int:
+    """Bytes of a bitmap over ``chunk`` elements."""
+    return -(-chunk // 8)
+
+
+def mask_bytes(idx: torch.Tensor, chunk: int) -> torch.Tensor:
+    """int64 positions [n, k] below ``chunk`` -> bitmaps uint8 [n, ceil(chunk / 8)]: bit ``j``
+    of byte ``b`` is position ``8 b + j``."""
+    n = idx.shape[0]
+    bits = torch.zeros(n, mask_width(chunk) * 8, dtype=torch.int32)
+    bits.scatter_(1, idx, 1)
+    shifts = torch.arange(8, dtype=torch.int32)
+    return (bits.view(n, mask_width(chunk), 8) << shifts).sum(dim=2).to(torch.uint8)
+
+
+def mask_positions(mask: torch.Tensor, chunk: int) -> torch.Tensor:
+    """:func:`mask_bytes`'s bitmaps back to ascending positions, int64 [n, k].
+
+    Raises ``ValueError`` when a bit past ``chunk`` is set, or the rows do not all set the
+    same number k >= 1 of bits. No rows (an empty tensor): k is 1."""
+    n = mask.shape[0]
+    if n == 0:  # an empty tensor: no chunks, and k = 1 as for any one-element chunk
+        return torch.zeros(0, 1, dtype=torch.int64, device=mask.device)
+    shifts = torch.arange(8, dtype=torch.int32, device=mask.device)
+    bits = ((mask.to(torch.int32).unsqueeze(2) >> shifts) & 1).reshape(n, -1)
+    if bool(bits[:, chunk:].any()):
+        raise ValueError(f"a bitmap sets a position past its chunk of {chunk}")
+    counts = bits.sum(dim=1)
+    k = int(counts[0])
+    if k < 1 or bool((counts != k).any()):
+        raise ValueError("bitmaps must set the same number (at least 1) of positions per chunk")
+    return bits.nonzero()[:, 1].view(n, k)

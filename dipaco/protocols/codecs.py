@@ -46,7 +46,15 @@ from typing import ClassVar, TypeVar
 import torch
 
 from dipaco.errors import WireError
-from dipaco.protocols.bitpack import index_bytes, index_values, pack_codes, unpack_codes
+from dipaco.protocols.bitpack import (
+    index_bytes,
+    index_values,
+    mask_bytes,
+    mask_positions,
+    mask_width,
+    pack_codes,
+    unpack_codes,
+)
 
 BLOCK = 256  # elements per int8 block
 SCALE_SUFFIX = "#scale"
@@ -142,7 +150,7 @@ def __getattr__(attr: str) -> tuple[str, ...]:
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
-def _as_float32(name: str, t: torch.Tensor) -> torch.Tensor:
+def as_float32(name: str, t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         kind = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"tensor {name!r} must be a floating-point tensor, got {kind}")
@@ -310,8 +318,13 @@ class Int8Blockwise(Codec):
 
 
 SPARSE_CHUNK = 4096  # elements per top-k chunk (a smaller tensor is one chunk)
-SPARSE_DENSITY = 1 / 64  # the share of each chunk's elements sent (1.6%)
+SPARSE_DENSITY = 1 / 8  # the share of each chunk's elements sent (config.TOPK_DENSITY)
 INDEX_SUFFIX = "#idx"
+
+
+def _masked(k: int, chunk: int) -> bool:
+    """Whether a chunk's k positions go as a bitmap (smaller than k byte pairs, or as small)."""
+    return 2 * k >= mask_width(chunk)
 
 
 def _chunking(numel: int) -> tuple[int, int]:
@@ -372,7 +385,7 @@ class TopK(Codec):
         codes = level.to(torch.uint8) | ((values < 0).to(torch.uint8) << (self.bits - 1))
         return {
             name: pack_codes(codes, self.bits),
-            name + INDEX_SUFFIX: index_bytes(idx),
+            name + INDEX_SUFFIX: mask_bytes(idx, chunk) if _masked(k, chunk) else index_bytes(idx),
             name + SCALE_SUFFIX: torch.stack([lo, hi], dim=1),
         }
 
@@ -388,14 +401,23 @@ class TopK(Codec):
                 raise WireError(f"wire entry {wname!r} is not a tensor")
         if index.dtype != torch.uint8 or index.dim() != 2 or index.shape[0] != nchunks:
             raise WireError(
-                f"tensor {iname!r} must be uint8 [{nchunks}, 2k], got {index.dtype} "
-                f"{list(index.shape)}"
+                f"tensor {iname!r} must be uint8 [{nchunks}, 2k] or [{nchunks}, "
+                f"{mask_width(chunk)}], got {index.dtype} {list(index.shape)}"
             )
-        k = index.shape[1] // 2
-        if index.shape[1] % 2 or not 1 <= k <= chunk:
-            raise WireError(
-                f"tensor {iname!r} holds {index.shape[1]} bytes a chunk: not 2k for 1 <= k <= {chunk}"
-            )
+        masked = index.shape[1] == mask_width(chunk)
+        if masked:
+            try:
+                idx = mask_positions(index, chunk)
+            except ValueError as exc:
+                raise WireError(f"tensor {iname!r}: {exc}") from None
+            k = idx.shape[1]
+        else:
+            k = index.shape[1] // 2
+            if index.shape[1] % 2 or not 1 <= k <= chunk:
+                raise WireError(
+                    f"tensor {iname!r} holds {index.shape[1]} bytes a chunk: not 2k for "
+                    f"1 <= k <= {chunk}, nor a bitmap of {mask_width(chunk)}"
+                )
         width = -(-k * self.bits // 8)
         if packed.dtype != torch.uint8 or tuple(packed.shape) != (nchunks, width):
             raise WireError(
@@ -409,18 +431,23 @@ class TopK(Codec):
         lo, hi = scale[:, 0], scale[:, 1]
         if bool((lo < 0).any()) or bool((hi < lo).any()):
             raise WireError(f"tensor {sname!r} has scales outside 0 <= lo <= hi")
-        idx = index_values(index)
-        if bool((idx >= chunk).any()):
-            raise WireError(f"tensor {iname!r} has an index past its chunk of {chunk}")
-        if k > 1 and bool((idx.sort(dim=1).values.diff(dim=1) == 0).any()):
-            raise WireError(f"tensor {iname!r} repeats an index within a chunk")
+        if not masked:  # a bitmap's positions are in range and distinct by construction
+            idx = index_values(index)
+            if bool((idx >= chunk).any()):
+                raise WireError(f"tensor {iname!r} has an index past its chunk of {chunk}")
+            if k > 1 and bool((idx.sort(dim=1).values.diff(dim=1) == 0).any()):
+                raise WireError(f"tensor {iname!r} repeats an index within a chunk")
         return self._rebuild(packed, idx, scale, k, chunk, nchunks, shape)
 
     def decode_own(
         self, name: str, wire: dict[str, torch.Tensor], shape: torch.Size
     ) -> torch.Tensor:
         chunk, nchunks = _chunking(math.prod(shape))
-        idx = index_values(wire[name + INDEX_SUFFIX])
+        index = wire[name + INDEX_SUFFIX]
+        if index.shape[1] == mask_width(chunk):
+            idx = mask_positions(index, chunk)
+        else:
+            idx = index_values(index)
         return self._rebuild(
             wire[name], idx, wire[name + SCALE_SUFFIX], idx.shape[1], chunk, nchunks, shape
         )
@@ -453,8 +480,13 @@ class TopK4(TopK):
     bits = 4
 
 
-def encode(codec: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def encode(
+    codec: str, tensors: dict[str, torch.Tensor], density: float | None = None
+) -> dict[str, torch.Tensor]:
     """float32 tensors -> wire tensors (cpu, contiguous).
+
+    ``density`` is the share of each chunk a sparse codec sends (the run's
+    ``network.topk_density``; its class default otherwise); the dense codecs ignore it.
 
     Wire names are the original names, plus ``f"{name}#scale"`` companions for ``int8``.
     ``lossless`` returns the float32 tensors themselves (no copy when already contiguous cpu
@@ -463,10 +495,15 @@ def encode(codec: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     ``|x| > 65504`` for ``fp16``).
     """
     c = get(codec)
+    if density is not None and isinstance(c, TopK) and density != c.density:
+        if not 0 < density <= 1:
+            raise ValueError(f"a top-k density must be in (0, 1], got {density}")
+        c = type(c)()
+        c.density = density
     wire: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         c.check_name(name)
-        wire.update(c.encode_tensor(name, _as_float32(name, tensor)))
+        wire.update(c.encode_tensor(name, as_float32(name, tensor)))
     return wire
 
 
@@ -509,78 +546,3 @@ def decode(
 def wire_bytes(wire: dict[str, torch.Tensor]) -> int:
     """Total payload bytes of the wire tensors (headers not included)."""
     return sum(t.numel() * t.element_size() for t in wire.values())
-
-
-class ErrorFeedback:
-    """Per-stream residuals kept by a peer (error feedback, as in EF-SGD).
-
-    ``compress(codec, key, delta)`` sends ``encode(codec, delta + residual)`` and keeps
-    ``residual = (delta + residual) - decode(sent)``, per ``(key, tensor name)``. So the sum of
-    all decoded deltas of a stream equals the sum of the true deltas minus the current residual:
-    compression error does not accumulate. A lossless codec sends ``delta + residual`` exactly
-    and stores nothing (any residual left from an earlier lossy round is flushed into it).
-    Residuals are float32 cpu tensors; they are replaced, never modified in place.
-    """
-
-    SEP = "|"
-
-    def __init__(self) -> None:
-        self._residuals: dict[str, dict[str, torch.Tensor]] = {}
-
-    def compress(
-        self, codec: str, key: str, tensors: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        c = get(codec)
-        if self.SEP in key:
-            raise ValueError(f"stream key {key!r} must not contain {self.SEP!r}")
-        res = self._residuals.get(key, {})
-        target: dict[str, torch.Tensor] = {}
-        for name, tensor in tensors.items():
-            x = _as_float32(name, tensor)
-            r = res.get(name)
-            if r is not None:
-                if r.shape != x.shape:
-                    raise ValueError(
-                        f"tensor {name!r} of stream {key!r} has shape {list(x.shape)}, but its "
-                        f"residual has shape {list(r.shape)}; reset({key!r}) first"
-                    )
-                x = x + r
-            target[name] = x
-        wire = encode(codec, target)
-        if c.lossless:
-            for name in target:
-                res.pop(name, None)
-        else:
-            for name, x in target.items():
-                res[name] = x - c.decode_own(name, wire, x.shape)
-        if res:
-            self._residuals[key] = res
-        else:
-            self._residuals.pop(key, None)
-        return wire
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Residuals as flat ``f"{key}|{name}"`` tensors, e.g. for a tensor file on disk."""
-        return {
-            f"{key}{self.SEP}{name}": r
-            for key, res in self._residuals.items()
-            for name, r in res.items()
-        }
-
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Replace all residuals with ones saved by :meth:`state_tensors`."""
-        loaded: dict[str, dict[str, torch.Tensor]] = {}
-        for flat, t in tensors.items():
-            key, sep, name = flat.partition(self.SEP)
-            if not sep:
-                raise ValueError(f"residual name {flat!r} is not of the form 'key|name'")
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-                raise ValueError(f"residual {flat!r} must be a float32 tensor")
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"residual {flat!r} has non-finite values")
-            loaded.setdefault(key, {})[name] = t.detach().to("cpu").clone()
-        self._residuals = loaded
-
-    def reset(self, key: str) -> None:
-        """Forget the residuals of one stream (e.g. after its module was re-synchronised)."""
-        self._residuals.pop(key, None)

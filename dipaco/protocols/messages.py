@@ -108,6 +108,17 @@ class GetOwners:
 
 
 @message
+class FetchSeed:
+    """One released module version from a peer that holds it (peer to peer, docs/protocol.md
+    §5): answered with ``Modules`` carrying the owner's release signature, which the asking
+    peer checks as if the owner had served it."""
+
+    peer_id: str = bounded(256)
+    module: str = bounded(256)
+    version: int = 0
+
+
+@message
 class FetchReleases:
     """The latest released version of modules this coordinator owns, outside any task: for
     gathering a run whole (``dipaco gather``, eval, export) once it has trained."""

@@ -106,3 +106,5 @@ class Reason(StrEnum):
     """a StandbySync not signed by the scheduler's own key, or sent to a coordinator that does not lease tasks"""
     CORRUPT_FILE = "corrupt-file"
     """a damaged file found on the coordinator's start (counted, quarantined; never sent)"""
+    NOT_HELD = "not-held"
+    """a peer asked another peer (FetchSeed) for a module version that one does not hold"""

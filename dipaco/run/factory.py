@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dipaco.config import RunConfig, load_config_dict
+from dipaco.config import RunConfig, load_config_dict, outer_lr_momentum
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.early_stopping import EarlyStopping
 from dipaco.coordinator.outer import OuterSettings
@@ -52,8 +52,9 @@ def aggregation(c: RunConfig) -> str:
 def outer_settings(c: RunConfig) -> OuterSettings:
     """The outer step of the run config, with the validation section's aggregation."""
     v = c.validation
+    lr, momentum = outer_lr_momentum(c)
     return OuterSettings(
-        **c.outer.model_dump(),
+        **{**c.outer.model_dump(), "lr": lr, "momentum": momentum},
         aggregation=aggregation(c),
         trim_fraction=v.trim_fraction,
         min_paths_for_robust=v.min_paths_for_robust,

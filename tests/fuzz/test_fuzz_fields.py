@@ -32,9 +32,10 @@ from hypothesis import strategies as st
 from test_fuzz_coordinator import Rig
 
 from dipaco.errors import DipacoError
+from dipaco.peer.seeds import Held, Release, SeedServer
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
-from dipaco.protocols.wire import INT_LIMIT, MAX_TEXT
+from dipaco.protocols.wire import INT_LIMIT, MAX_TEXT, tensors_sha256
 
 # Raw JSON tokens a Python value cannot stand for: json.dumps writes the marker, then it is
 # replaced by the token in the frame's text.
@@ -89,6 +90,7 @@ SAMPLES: dict[str, Any] = {
     "TaskDone": m.TaskDone("p0", "P0-r0-e0-a0", "tk", 100, [1.0], ["L0.M0"]),
     "GetOwners": m.GetOwners(),
     "FetchReleases": m.FetchReleases("p0", ["L0.M0"]),
+    "FetchSeed": m.FetchSeed("p0", "L0.M0", 3),
     "FetchFile": m.FetchFile("p0", "tokenizer.model", 0, 10),
     "OwnerReport": m.OwnerReport("o1", "proof", {"L0.M0": {"version": 1}}, ["/ip4/1"]),
     "HandOver": m.HandOver("o1", "proof", ["L0.M0"]),
@@ -305,3 +307,30 @@ def test_hostile_envelope_fields_are_refused_cleanly(rig, field, value, body):
     # The coordinator answers the same bytes with a signed reply, whatever they hold.
     reply = rig.call(raw)
     assert isinstance(reply, m.Error | m.Status | m.Welcome), reply
+
+
+@pytest.fixture(scope="module")
+def seed_server() -> SeedServer:
+    held = Held()
+    tensors = {"w": torch.ones(2, 3)}
+    held.put("L0.M0", Release(3, tensors_sha256(tensors), "sig", tensors))
+    return SeedServer(auth.Identity.generate(), held)
+
+
+@FUZZ
+@given(case=hostile_frames(sorted(SAMPLES)))
+def test_a_peer_serving_modules_answers_hostile_requests_with_a_counted_error(seed_server, case):
+    """What a peer that serves modules (--serve-modules) gets from anyone on the DHT: every
+    message type, with one hostile field. Only a well-formed FetchSeed of a held version gets
+    modules; everything else an Error reply, counted, and never an exception."""
+    name, target, raw = case
+    refused, served = sum(seed_server.refused.values()), seed_server.served
+    sealed, nonce = auth.seal_request(auth.Identity.generate(), raw)
+    reply = m.decode_message(auth.open_reply(seed_server.handle(sealed), nonce, None).body)
+    if isinstance(reply, m.Modules):
+        assert name == "FetchSeed" and seed_server.served == served + 1
+        assert set(reply.versions) == {"L0.M0"}
+    else:
+        assert isinstance(reply, m.Error) and reply.reason and reply.message.strip()
+        assert sum(seed_server.refused.values()) == refused + 1
+    event(f"{name}: {reply.reason if isinstance(reply, m.Error) else 'served'}")

@@ -8,6 +8,7 @@ codec and a deterministic schedule, ends with exactly the local transport's para
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -181,7 +182,8 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
         time.sleep(1.0)
         slow.p.send_signal(signal.SIGKILL)  # mid-upload: nothing of this task is acknowledged
 
-        steady = start_peer(address, tmp_path, "peer1")
+        # peer1 and peer3 serve the module versions they hold to other peers (peer to peer).
+        steady = start_peer(address, tmp_path, "peer1", "--serve-modules", "127.0.0.1")
         # A slow quitter (0.2 s a step, 6 s a task), so that its Ctrl-C lands mid-task on a fast
         # machine too (a 30-step task trains in 0.5 s on CI's).
         slowly = {"DIPACO_FAULTS": "peer.inner_step=sleep:0.2"}
@@ -207,7 +209,7 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
         procs.remove(owner)
         owner = start_owner(address, root, owner_dir)  # restarts from its own folder, allowed
         procs.append(owner)
-        late = start_peer(address, tmp_path, "peer3")
+        late = start_peer(address, tmp_path, "peer3", "--serve-modules", "127.0.0.1")
         procs.append(late)
 
         assert coordinator.finish(600) == 0, coordinator.output
@@ -219,6 +221,10 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
             proc.kill_group()
 
     assert "resumed from its folder" in owner.output
+    for peer in (steady, late):  # each says where its modules came from, and what it served
+        assert re.search(r"modules: \d+ from peers .* served \d+ to peers", peer.output), (
+            peer.output
+        )
     assert "run finished" in coordinator.output
     modules = final_modules(root, owner_dir)
     assert sorted(modules) == ["L0.M0", "L0.M1", "L1.M0", "L1.M1", "S.embed", "S.head"]

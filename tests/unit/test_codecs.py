@@ -11,11 +11,11 @@ from dipaco.protocols.codecs import (
     BLOCK,
     CODECS,
     Codec,
-    ErrorFeedback,
     decode,
     encode,
     wire_bytes,
 )
+from dipaco.protocols.feedback import ErrorFeedback
 
 
 def sample_delta(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -372,14 +372,16 @@ def wire_digest(wire: dict[str, torch.Tensor]) -> str:
 
 
 # Computed with the codecs as they were before they became classes: the bytes on the wire must
-# never change, or peers and coordinators of different versions would misread each other.
+# never change, or peers and coordinators of different versions would misread each other. (The
+# top-k pins changed once, on purpose, while top-k was still marked as not for runs: positions
+# as a bitmap where that is smaller, and the default density 1/8.)
 PINNED = {
     "lossless": "cf2c3b8d03905e1525173b967c951cbf8714a89969fdf3e2478a2e4f1a9958f6",
     "fp16": "2446f608987fececbdfa84fc1398d5fb4e9683407ef69ebe8ff4aede03a8b02a",
     "bf16": "a64906012d3aec8a5e08bf85e061f29517f2f2525a245a1815cbde78ec46740d",
     "int8": "d112dc71eb89bbfea8fdd8029c214557ddc8b23f428b82463b84f094512427bc",
-    "topk2": "c31c1a016e200952bcf7d39c789bb8d5affca0c2524fd45f443f45fad95b909e",
-    "topk4": "cdadf103cd16497df54787b0a6c50bbf47d35f3332ed876d37985d6785b49c8a",
+    "topk2": "7ad716d540fe1c308b9968c47c19362e5e10534959abb896a5ecfcea9d1b3e4e",
+    "topk4": "73df6d078fe2fb052108d9322ce386997aced983938a0556b5c88e528b0f1f59",
 }
 
 
@@ -479,9 +481,9 @@ def test_unregistered_codec_is_unknown_again(toy_codec):
 def test_topk_sends_the_largest_elements_of_each_chunk_within_half_a_level(codec):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3 * codecs.SPARSE_CHUNK + 100, generator=g)  # 4 chunks, the last one short
-    wire = encode(codec, {"x": x})
+    wire = encode(codec, {"x": x}, density=1 / 64)  # positions as byte pairs
     k = wire["x#idx"].shape[1] // 2
-    assert k == math.ceil(codecs.SPARSE_DENSITY * codecs.SPARSE_CHUNK) == 64
+    assert k == 64
     assert wire["x"].shape == (4, k * codecs.get(codec).bits // 8)
     y = decode(codec, wire, {"x": x})["x"]
     sent = y != 0
@@ -517,7 +519,7 @@ def test_topk_with_error_feedback_sends_everything_eventually():
 
 def topk_wire():
     x = torch.randn(2 * codecs.SPARSE_CHUNK, generator=torch.Generator().manual_seed(1))
-    return x, dict(encode("topk2", {"x": x}))
+    return x, dict(encode("topk2", {"x": x}, density=1 / 64))  # positions as byte pairs
 
 
 @pytest.mark.parametrize(
@@ -548,10 +550,63 @@ def test_topk_density_is_the_senders_choice_within_a_chunk():
     dense = codecs.TopK2()
     dense.density = 1.0  # every element: exact magnitudes only where lo == hi, but all sent
     wire = dense.encode_tensor("x", x)
-    assert wire["x#idx"].shape[1] // 2 == codecs.SPARSE_CHUNK
+    assert wire["x#idx"].shape[1] == codecs.SPARSE_CHUNK // 8  # a bitmap, not 4096 byte pairs
     y = decode("topk2", wire, {"x": x})["x"]
     assert bool((y != 0).all())
     too_many = dict(wire)
-    too_many["x#idx"] = torch.cat([wire["x#idx"], wire["x#idx"][:, :2]], dim=1)
+    too_many["x#idx"] = torch.zeros(2, 2 * (codecs.SPARSE_CHUNK + 1), dtype=torch.uint8)
     with pytest.raises(WireError, match="not 2k"):
         decode("topk2", too_many, {"x": x})
+
+
+@pytest.mark.parametrize("density", [1 / 16, 0.25])
+def test_dense_topk_sends_positions_as_a_bitmap_when_it_is_smaller(density):
+    """From 1/16 of a chunk on, k byte pairs take as much as a bit per element: the positions
+    go as a bitmap, and the bytes per element fall to 1/8 plus the values'."""
+    x, _ = topk_wire()
+    codec = codecs.TopK2()
+    codec.density = density
+    wire = codec.encode_tensor("x", x)
+    k = math.ceil(density * codecs.SPARSE_CHUNK)
+    assert wire["x#idx"].shape == (2, codecs.SPARSE_CHUNK // 8)
+    assert codecs.wire_bytes(wire) == 2 * (codecs.SPARSE_CHUNK // 8 + k * 2 // 8 + 8)
+    y = decode("topk2", wire, {"x": x})["x"]
+    sent = y != 0
+    assert int(sent.sum()) == 2 * k
+    for c in range(2):  # still each chunk's k largest
+        part = slice(c * codecs.SPARSE_CHUNK, (c + 1) * codecs.SPARSE_CHUNK)
+        assert float(x[part][~sent[part]].abs().max()) <= float(x[part][sent[part]].abs().min())
+    assert torch.equal(y, codec.decode_own("x", wire, x.shape))
+
+
+def bitmap_wire(density: float = 0.25):
+    x, _ = topk_wire()
+    return x, dict(encode("topk2", {"x": x}, density=density))
+
+
+def flip_bit(wire, row, position):
+    wire["x#idx"][row, position // 8] ^= 1 << (position % 8)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda w: flip_bit(w, 1, int(w["x#idx"][1].argmin()) * 8), "same number"),
+        (lambda w: w["x#idx"].zero_(), "at least 1"),
+        (lambda w: w["x#idx"].__setitem__(..., 255), "must be uint8"),  # k = chunk: values too few
+    ],
+)
+def test_topk_decoder_refuses_a_bitmap_an_encoder_never_sends(corrupt, message):
+    x, wire = bitmap_wire()
+    corrupt(wire)
+    with pytest.raises(WireError, match=message):
+        decode("topk2", wire, {"x": x})
+
+
+def test_topk_decoder_refuses_a_bitmap_bit_past_a_short_chunk():
+    x = torch.randn(12, generator=torch.Generator().manual_seed(3))  # one chunk of 12: 2 bytes
+    wire = dict(encode("topk2", {"x": x}))
+    assert wire["x#idx"].shape == (1, 2)  # k = 1: one byte pair would be as large
+    wire["x#idx"][0, 1] |= 0x80  # position 15
+    with pytest.raises(WireError, match="past its chunk"):
+        decode("topk2", wire, {"x": x})

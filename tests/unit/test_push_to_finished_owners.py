@@ -6,7 +6,7 @@ import torch
 
 from dipaco.errors import RejectedError
 from dipaco.peer.push import Pusher
-from dipaco.protocols import codecs
+from dipaco.protocols import feedback
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
 
@@ -69,7 +69,7 @@ def finished():
 
 def push(links):
     acks = []
-    Pusher(links, codecs.ErrorFeedback(), "p3", acks.append).push(TASK, DELTA, 100, [1.0])
+    Pusher(links, feedback.ErrorFeedback(), "p3", acks.append).push(TASK, DELTA, 100, [1.0])
     return acks
 
 

@@ -1,0 +1,144 @@
+"""Serving modules peer to peer, one part at a time: what a peer serves (``SeedServer``), what
+it keeps (``Held``), and what it accepts from another peer (``SeedFetcher``'s check). The
+whole path over real hivemind nodes is tests/integration/test_seeds.py."""
+
+import torch
+
+from dipaco.peer.seeds import Held, Release, SeedFetcher, SeedServer
+from dipaco.protocols import auth
+from dipaco.protocols import messages as m
+from dipaco.protocols.reasons import Reason
+from dipaco.protocols.transport import LocalTransport
+from dipaco.protocols.wire import tensors_sha256
+
+TENSORS = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
+DIGEST = tensors_sha256(TENSORS)
+
+
+def release(version: int = 3) -> Release:
+    return Release(version, DIGEST, "sig", dict(TENSORS))
+
+
+def serving() -> tuple[SeedServer, auth.Identity]:
+    me = auth.Identity.generate()
+    held = Held()
+    held.put("L0.M1", release())
+    return SeedServer(me, held), me
+
+
+def ask(server: SeedServer, me: auth.Identity, msg):
+    return (
+        LocalTransport(server.handle)
+        .authenticate(auth.Identity.generate(), me.public_key)
+        .request(msg)
+    )
+
+
+def test_a_held_version_is_served_with_the_owners_release():
+    server, me = serving()
+    reply = ask(server, me, m.FetchSeed(peer_id="p", module="L0.M1", version=3))
+    assert reply.versions == {"L0.M1": 3} and reply.hashes == {"L0.M1": DIGEST}
+    assert reply.signatures == {"L0.M1": "sig"}
+    assert {k: v.tolist() for k, v in reply.tensors.items()} == {
+        f"L0.M1/{k}": v.tolist() for k, v in TENSORS.items()
+    }
+    assert server.served == 1 and server.bytes_out == 9 * 4
+
+
+def test_what_is_not_held_or_not_a_seed_request_is_refused_and_counted():
+    server, me = serving()
+    for msg, reason in [
+        (m.FetchSeed(peer_id="p", module="L0.M1", version=2), Reason.NOT_HELD),  # an old one
+        (m.FetchSeed(peer_id="p", module="L9.M9", version=3), Reason.NOT_HELD),
+        (m.GetStatus(), Reason.BAD_MESSAGE),
+    ]:
+        try:
+            ask(server, me, msg)
+        except Exception as exc:  # noqa: BLE001 - the refusal, as the asking peer sees it
+            assert getattr(exc, "reason", None) == reason, exc
+        else:
+            raise AssertionError(f"{msg} was answered")
+    assert server.refused == {Reason.NOT_HELD: 2, Reason.BAD_MESSAGE: 1} and server.served == 0
+
+
+def test_a_replayed_or_unsigned_request_is_refused():
+    server, me = serving()
+    sealed, nonce = auth.seal_request(
+        auth.Identity.generate(),
+        m.encode_message(m.FetchSeed(peer_id="p", module="L0.M1", version=3)),
+    )
+    first = auth.open_reply(server.handle(sealed), nonce, me.public_key)
+    assert isinstance(m.decode_message(first.body), m.Modules)
+    again = m.decode_message(auth.open_reply(server.handle(sealed), nonce, me.public_key).body)
+    assert isinstance(again, m.Error) and again.reason == Reason.REPLAY
+    garbage = m.decode_message(auth.open_reply(server.handle(b"\x00" * 40), "", None).body)
+    assert isinstance(garbage, m.Error)
+    assert server.served == 1 and sum(server.refused.values()) == 2
+
+
+def test_held_keeps_the_newest_version_of_each_module():
+    held = Held()
+    assert held.put("M", release(2)) and not held.put("M", release(1))
+    assert held.get("M", 2) is not None and held.get("M", 1) is None
+    assert held.put("M", release(4)) and held.get("M", 2) is None
+
+
+def fetcher() -> SeedFetcher:
+    return SeedFetcher(None, "run", auth.Identity.generate(), "me", serving=False)
+
+
+def test_a_module_that_is_not_the_signed_release_is_refused_and_its_holder_dropped():
+    f = fetcher()
+    good = m.Modules({"M": 3}, {"M": DIGEST}, {f"M/{k}": v for k, v in TENSORS.items()})
+    assert f._checked("h0", good, "M", 3, DIGEST) is not None
+    tampered = dict(good.tensors)
+    tampered["M/b"] = torch.full((3,), 2.0)
+    extra = {**good.tensors, "N/x": torch.zeros(1)}
+    renamed = {"M/w2": TENSORS["w"], "M/b": TENSORS["b"]}
+    for i, reply in enumerate(
+        [
+            m.Modules({"M": 3}, {"M": DIGEST}, tampered),  # one value changed, hash kept
+            m.Modules({"M": 3}, {"M": DIGEST}, extra),  # another module smuggled in
+            m.Modules({"M": 3}, {"M": DIGEST}, renamed),
+            m.Modules({"M": 2}, {"M": DIGEST}, good.tensors),  # another version
+            m.Modules({"M": 3}, {"M": "0" * 64}, good.tensors),  # another release
+            m.Error(reason="x", message="y"),
+        ]
+    ):
+        assert f._checked(f"h{i + 1}", reply, "M", 3, DIGEST) is None
+    assert f.refused == {f"h{i}": 1 for i in range(1, 7)}
+    assert f.bad == {f"h{i}" for i in range(1, 7)}
+
+
+class Records:
+    """A DHT's answer for one key (the holders of a module version), as a node returns it."""
+
+    peer_id = "self"
+
+    def __init__(self, found):
+        self.found = found
+
+    def get(self, key):
+        return self.found
+
+
+def test_holders_are_the_well_formed_records_of_others_fastest_first():
+    ok = {"key": "k", "addresses": ["/ip4/127.0.0.1/tcp/1"]}
+    f = fetcher()
+    f.node = Records(
+        {
+            "self": ok,  # this peer
+            "slow": ok,
+            "fast": ok,
+            "banned": ok,
+            "no-key": {"addresses": []},
+            "bad-addresses": {"key": "k", "addresses": "x"},
+            "not-a-dict": [1, 2],
+            7: ok,
+        }
+    )
+    f.bad.add("banned")
+    f.speed.update({"slow": 1.0, "fast": 100.0})
+    assert [h for h, _ in f.holders("M", 1)] == ["fast", "slow"]
+    f.node = Records(["not", "a", "dict"])
+    assert f.holders("M", 1) == []
