@@ -38,6 +38,7 @@ PASSED = {
     "--patience": "patience",
     "--precision": "precision",
     "--compile": "compile",
+    "--serve-modules": "serve_modules",  # each worker serves what it holds, on its own port
 }
 
 

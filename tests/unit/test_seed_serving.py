@@ -1,6 +1,6 @@
 """Serving modules peer to peer, one part at a time: what a peer serves (``SeedServer``), what
 it keeps (``Held``), and what it accepts from another peer (``SeedFetcher``'s check). The
-whole path over real hivemind nodes is tests/integration/test_seeds.py."""
+whole path over real hivemind nodes is tests/integration/test_modules_peer_to_peer.py."""
 
 import torch
 
