@@ -131,6 +131,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     acked_tasks: set[str] = set()  # on_ack comes once per module of a task
     announced: set[str] = set()  # tasks whose acknowledgement was printed
     said: dict[str, float] = {}  # task -> when its last progress line was printed (plain output)
+    said_link: list[bool] = []  # the link line (after the first task) was printed
 
     def traffic() -> tuple[int, int]:
         return join.traffic() if join.traffic is not None else (0, 0)
@@ -149,6 +150,9 @@ def cmd_join(args: argparse.Namespace) -> int:
                 task=info["task"], step=info["step"], steps=info["steps"], loss=info["loss"]
             )
         if info["task"] not in current:
+            if len(acked_tasks) == 1 and not said_link:  # the first task is done: the link
+                said_link.append(True)
+                console.print(link_line(peer.timings, traffic() if join.traffic else None))
             for old in current.values():
                 progress.update(old, visible=False)
             current.clear()
@@ -282,6 +286,26 @@ def seed_summary(seeds: Any, server: Any) -> str:
     if server is None:
         return line + "; this peer serves none (client mode: pass --serve-modules to serve)"
     return line + f"; served {server.served} to peers ({server.bytes_out / 1e6:.1f} MB)"
+
+
+THIN_LINK = 0.25  # a share of a task's time in transfers past which the peer says so
+
+
+def link_line(timings: dict[str, float], traffic: tuple[int, int] | None = None) -> str:
+    """One line on the link, from the peer's time so far (printed when its second task starts):
+    transfers (fetch and push) against training, the bytes where the transport counts them,
+    and what to change when the transfers take more than a quarter of the time."""
+    moving, training = timings.get("fetch", 0.0) + timings.get("push", 0.0), timings["train"]
+    share = moving / max(moving + training, 1e-9)
+    line = f"link: transfers took {moving:.1f} s so far, training {training:.1f} s"
+    if traffic is not None and moving > 0:
+        line += f" ({traffic[0] / 1e6:.1f} MB up, {traffic[1] / 1e6:.1f} MB down)"
+    if share <= THIN_LINK:
+        return line + f": {100 * share:.0f}% on transfers, fine"
+    return line + (
+        f": {100 * share:.0f}% on transfers, a thin link for this run: join from a faster link, "
+        'or ask the operator for smaller deltas ([network] codec = "int8" or "topk2")'
+    )
 
 
 def time_summary(timings: dict[str, float]) -> str:

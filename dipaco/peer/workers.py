@@ -215,7 +215,9 @@ class Machine:
         if proc is None or worker.state != "running" or proc.poll() is None:
             return
         worker.returncode = code = proc.returncode
-        if code == 0:
+        if code == 0 or (self.together and any(w.state == "done" for w in self.workers)):
+            # A group's rank that dies once another ended normally (the run is over) was on its
+            # way out (gloo's threads may abort an exiting process): nothing is left to redo.
             worker.state = "done"
             self.on_event(worker, {"event": "worker_done"})
             return

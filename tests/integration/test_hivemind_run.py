@@ -221,6 +221,7 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
             proc.kill_group()
 
     assert "resumed from its folder" in owner.output
+    assert "link: transfers took " in steady.output  # said once its second task started
     for peer in (steady, late):  # each says where its modules came from, and what it served
         assert re.search(r"modules: \d+ from peers .* served \d+ to peers", peer.output), (
             peer.output

@@ -118,6 +118,35 @@ def test_a_group_restarts_as_a_whole_at_a_new_rendezvous(tmp_path):
     t.join(10)
 
 
+# Rank 0 ends the run normally; rank 1 then aborts while its process exits (what gloo's threads
+# did to a --shard-path follower at interpreter exit, once the run was over).
+ENDING_GROUP = """
+import os, sys, time
+if sys.argv[1] == "0":
+    time.sleep(0.2)
+    sys.exit(0)
+time.sleep(0.8)
+os.abort()
+"""
+
+
+def test_a_group_that_ended_is_not_restarted_for_a_rank_dying_on_its_way_out(tmp_path):
+    events: list[tuple[int, dict]] = []
+    machine = Machine(
+        "box",
+        ["cpu", "cpu"],
+        tmp_path,
+        lambda w: [sys.executable, "-c", ENDING_GROUP, str(w.index)],
+        lambda w, e: events.append((w.index, e)),
+        threading.Event(),
+        restart_seconds=0.1,
+        together=True,
+    )
+    assert machine.run() == 0
+    assert [w.state for w in machine.workers] == ["done", "done"]
+    assert started(events, 0) == started(events, 1) == 1  # no restart after the end
+
+
 def test_gpu_specs():
     assert parse_gpus("cpu:3", 0) == ["cpu"] * 3
     assert parse_gpus("all", 2) == ["cuda:0", "cuda:1"]

@@ -1,6 +1,6 @@
 """A peer accounts for its time (claim, fetch, train, push, save) and for the tokens it trained."""
 
-from dipaco.cli.peer import time_summary
+from dipaco.cli.peer import link_line, time_summary
 from dipaco.peer.peer import TIMED, Peer
 from dipaco.prepare.pipeline import prepare
 from dipaco.protocols.transport import LocalTransport
@@ -19,6 +19,16 @@ def test_a_peer_times_each_part_of_its_tasks_and_counts_its_tokens(run_copy, tin
     assert all(seconds > 0 for seconds in peer.timings.values()), peer.timings
     line = time_summary(peer.timings)
     assert line.startswith("time: train ") and "waiting for work" in line
+    # In-process transfers are quick next to training: the link line says so, with no advice.
+    link = link_line(peer.timings)
+    assert link.startswith("link: transfers took ") and link.endswith("fine"), link
+
+
+def test_a_thin_link_is_named_with_what_to_change():
+    thin = link_line({"fetch": 30.0, "push": 12.0, "train": 50.0}, (40_000_000, 90_000_000))
+    assert "46% on transfers, a thin link" in thin and "codec" in thin
+    assert "(40.0 MB up, 90.0 MB down)" in thin
+    assert link_line({"fetch": 1.0, "push": 1.0, "train": 18.0}).endswith("10% on transfers, fine")
 
 
 def test_a_peer_served_malformed_modules_by_its_own_coordinator_hands_the_task_back(
