@@ -221,6 +221,12 @@ class SeedFetcher:
                          holder[:12], mid, version, exc)  # fmt: skip
                 self._forget(holder)
                 continue
+            except Exception as exc:  # noqa: BLE001 - its DHT record (anyone's) is unusable
+                log.info("peer %s: holder %s cannot be dialled (%s): skipped for good",
+                         self.peer_id, holder[:12], exc)  # fmt: skip
+                with self._lock:
+                    self.bad.add(holder)
+                continue
             tensors = self._checked(holder, reply, mid, version, digest)
             if tensors is None:
                 continue

@@ -142,3 +142,17 @@ def test_holders_are_the_well_formed_records_of_others_fastest_first():
     assert [h for h, _ in f.holders("M", 1)] == ["fast", "slow"]
     f.node = Records(["not", "a", "dict"])
     assert f.holders("M", 1) == []
+
+
+class Unreachable(Records):
+    """A DHT whose records name addresses no transport can dial."""
+
+    def transport(self, holder, addresses, timeout):
+        raise ValueError(f"invalid multiaddr {addresses[0]!r}")
+
+
+def test_a_holder_whose_record_cannot_be_dialled_is_skipped_for_good():
+    f = fetcher()
+    f.node = Unreachable({"junk": {"key": "k", "addresses": ["not an address"]}})
+    assert f.fetch("M", 1, DIGEST) is None  # no exception: the owner serves it instead
+    assert f.bad == {"junk"} and not f.refused and f.from_seeds == 0
