@@ -158,6 +158,7 @@ class SeedFetcher:
         self.refused: Counter[str] = Counter()
         self.from_seeds = self.from_owner = self.seed_bytes = 0
         self._addresses: list[str] | None = None
+        self._announced: dict[str, float] = {}  # DHT key -> when this peer last announced it
 
     # -- holders ---------------------------------------------------------------------------
 
@@ -293,18 +294,25 @@ class SeedFetcher:
     # -- holding ---------------------------------------------------------------------------
 
     def hold(self, mid: str, release: Release) -> None:
-        """Keep a checked module version to serve, and announce it (when this peer serves)."""
-        if not self.held.put(mid, release) or not self.serving:
+        """Keep a checked module version to serve, and announce it (when this peer serves);
+        a version still held is announced again once half its record's life has passed."""
+        newer = self.held.put(mid, release)
+        if not self.serving:
             return
+        key = seed_key(self.run_id, mid, release.version)
+        now = time.monotonic()
+        if not newer and now - self._announced.get(key, -SEED_TTL) < SEED_TTL / 2:
+            return
+        if not newer and self.held.get(mid, release.version) is None:
+            return  # an older version than the one held: nothing to say
+        self._announced = {k: t for k, t in self._announced.items() if now - t < SEED_TTL}
+        self._announced[key] = now
         if self._addresses is None:
             self._addresses = self.node.visible_maddrs()
         record = {"peer": self.peer_id, "key": self.identity.public_key,
                   "addresses": self._addresses}  # fmt: skip
         try:
-            self.node.store(
-                seed_key(self.run_id, mid, release.version), record, SEED_TTL,
-                subkey=self.node.peer_id,
-            )  # fmt: skip
+            self.node.store(key, record, SEED_TTL, subkey=self.node.peer_id)
         except Exception as exc:  # noqa: BLE001 - best effort: others fetch from the owner
             log.info("peer %s: could not announce %s v%d: %s", self.peer_id, mid,
                      release.version, exc)  # fmt: skip

@@ -156,3 +156,43 @@ def test_a_holder_whose_record_cannot_be_dialled_is_skipped_for_good():
     f.node = Unreachable({"junk": {"key": "k", "addresses": ["not an address"]}})
     assert f.fetch("M", 1, DIGEST) is None  # no exception: the owner serves it instead
     assert f.bad == {"junk"} and not f.refused and f.from_seeds == 0
+
+
+class Announcements(Records):
+    """Records what a serving peer announces (the DHT's ``store``)."""
+
+    def __init__(self):
+        super().__init__({})
+        self.stored: list[tuple[str, float]] = []
+
+    def visible_maddrs(self):
+        return ["/ip4/127.0.0.1/tcp/1/p2p/self"]
+
+    def store(self, key, value, ttl, subkey=None):
+        self.stored.append((key, ttl))
+        return True
+
+
+def test_a_serving_peer_announces_each_version_once_and_again_before_its_record_expires(
+    monkeypatch,
+):
+    from dipaco.peer import seeds
+
+    clock = [100.0]
+    monkeypatch.setattr(seeds.time, "monotonic", lambda: clock[0])
+    f = SeedFetcher(Announcements(), "run", auth.Identity.generate(), "me", serving=True)
+    f.hold("M", release(1))
+    f.hold("M", release(1))  # trained from again a minute later: no new record
+    clock[0] += 60
+    f.hold("M", release(1))
+    assert [k for k, _ in f.node.stored] == ["dipaco.run.seeds.M.v1"]
+    clock[0] += seeds.SEED_TTL / 2  # half the record's life: announced again
+    f.hold("M", release(1))
+    f.hold("M", release(0))  # an older version than the one held: never announced
+    f.hold("M", release(2))
+    assert [k for k, _ in f.node.stored] == ["dipaco.run.seeds.M.v1"] * 2 + [
+        "dipaco.run.seeds.M.v2"
+    ]
+    quiet = SeedFetcher(Announcements(), "run", auth.Identity.generate(), "me", serving=False)
+    quiet.hold("M", release(1))  # client mode: holds (for nothing) and announces nothing
+    assert quiet.node.stored == [] and quiet.held.get("M", 1) is not None
