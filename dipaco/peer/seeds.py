@@ -159,6 +159,7 @@ class SeedFetcher:
         self.from_seeds = self.from_owner = self.seed_bytes = 0
         self._addresses: list[str] | None = None
         self._announced: dict[str, float] = {}  # DHT key -> when this peer last announced it
+        self._found: dict[tuple[str, int], list] = {}  # (module, version) -> holders find read
 
     # -- holders ---------------------------------------------------------------------------
 
@@ -191,7 +192,8 @@ class SeedFetcher:
         fetches from the owner and announces, and the others find it. Only for modules whose
         previous version someone else held: a peer alone (or among peers that cannot be
         dialled) never waits."""
-        found = {mid: v for mid, v in needed.items() if self.holders(mid, v)}
+        self._found = {(mid, v): self.holders(mid, v) for mid, v in needed.items()}
+        found = {mid: v for mid, v in needed.items() if self._found[mid, v]}
         rest = {
             mid: v
             for mid, v in needed.items()
@@ -202,7 +204,8 @@ class SeedFetcher:
             while rest and time.monotonic() < end:
                 time.sleep(0.1)
                 for mid, v in list(rest.items()):
-                    if self.holders(mid, v):
+                    if holders := self.holders(mid, v):
+                        self._found[mid, v] = holders
                         found[mid] = rest.pop(mid)
         return found
 
@@ -210,8 +213,14 @@ class SeedFetcher:
 
     def fetch(self, mid: str, version: int, digest: str) -> Tensors | None:
         """``mid`` v``version`` from a holder, its tensors matching ``digest`` (the hash the
-        owner signed), or None when no holder delivered it."""
-        for holder, info in self.holders(mid, version):
+        owner signed), or None when no holder delivered it. The holders ``find`` just read are
+        asked; the DHT is read again only for a version ``find`` did not look up."""
+        holders = self._found.pop((mid, version), None)
+        if holders is None:
+            holders = self.holders(mid, version)
+        for holder, info in holders:
+            if holder in self.bad:  # refused while fetching another module meanwhile
+                continue
             began = time.monotonic()
             try:
                 reply = self._link(holder, info).request(
