@@ -39,7 +39,7 @@ from dipaco.errors import ConfigError, TransportError
 from dipaco.fileio import write_json_atomic
 from dipaco.net import joins
 from dipaco.net.joins import JoinRequest, kind_of
-from dipaco.peer.checks import check_device
+from dipaco.peer.checks import check_device, clock_check
 from dipaco.peer.ddp import quit_followers
 from dipaco.peer.device import resolve_device
 from dipaco.peer.identity import coordinator_trust, stable_peer_id
@@ -233,6 +233,17 @@ def cmd_join(args: argparse.Namespace) -> int:
         f"device: {device_check.detail}"
         + (f" [yellow]({device_check.advice})[/]" if device_check.advice else "")
     )
+    said_clock: list[bool] = []
+
+    def on_setup(peer: Peer) -> None:  # after Hello: the clock, once, in one line
+        if peer.clock_offset is not None and not said_clock:
+            said_clock.append(True)
+            check = clock_check(*peer.clock_offset, "measured at Hello")
+            console.print(
+                f"clock: {check.detail}" + ("" if check.ok else f" [yellow]({check.advice})[/]")
+            )
+
+    peer.on_setup = on_setup
     ended = False
     try:
         with progress if not console.lines else contextlib.nullcontext():

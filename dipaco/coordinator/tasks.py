@@ -27,12 +27,22 @@ log = logging.getLogger(__name__)
 
 
 def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
-    core._seen(req.peer_id, device=req.device, capabilities=req.capabilities)
+    asked_clock = bool(req.capabilities.get("clock"))  # a question, not a capability to show
+    capabilities = {k: v for k, v in req.capabilities.items() if k != "clock"}
+    core._seen(req.peer_id, device=req.device, capabilities=capabilities)
     return m.Welcome(
         run_id=core.run_id,
         config=core.peer_config,
         signature=auth.sign_payload(core.identity, "manifest", core.peer_config),
         rotations=list(getattr(core, "key_rotations", [])),
+        clock=(
+            {
+                "now": time.time(),
+                "window": core.security.clock_skew_seconds,
+            }  # as the guard reads it
+            if asked_clock
+            else {}
+        ),
     )
 
 

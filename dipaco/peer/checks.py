@@ -12,6 +12,7 @@ skipped, not passed.
 
 from __future__ import annotations
 
+import dataclasses
 import email.utils
 import re
 import socket
@@ -20,7 +21,10 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass
 
+from dipaco import faults
 from dipaco.config import RunConfig
+from dipaco.protocols import messages as m
+from dipaco.protocols.transport import Transport
 
 _GIB = 2**30
 _RTT_WARN_MS = 500.0
@@ -299,8 +303,15 @@ def check_clock(time_url: str | None, limit: float, timeout: float) -> Check:
             "check --time-url (the dashboard `dipaco-coordinator start` printed)",
             skipped=True,
         )
-    skew = ours - theirs  # Date has 1 s resolution: +-1 s is noise
-    detail = f"this clock is {skew:+.1f} s from the coordinator's (HTTP Date, +-1 s)"
+    # Date has 1 s resolution: +-1 s is noise
+    return clock_check(ours - theirs, limit, "HTTP Date, +-1 s")
+
+
+def clock_check(skew: float, limit: float, how: str) -> Check:
+    """The clock-skew check from a measured offset (this clock minus the coordinator's):
+    failed past half the window the coordinator allows, so that the user hears before drift
+    takes the peer past it."""
+    detail = f"this clock is {skew:+.1f} s from the coordinator's ({how})"
     if abs(skew) > limit / 2:
         return Check(
             "clock skew",
@@ -332,3 +343,18 @@ def run_checks(
     limit = config.security.clock_skew_seconds if config is not None else 300.0
     checks.append(check_clock(time_url, limit, timeout))
     return checks
+
+
+def hello_with_clock(
+    transport: Transport, hello: m.Hello
+) -> tuple[m.Welcome, tuple[float, float] | None]:
+    """Send ``hello`` asking for the coordinator's clock; its Welcome, and this clock (as it
+    stamps requests) minus the coordinator's at the middle of the exchange with the window the
+    coordinator allows (None from a coordinator that does not tell its clock)."""
+    sent = faults.now()
+    asking = dataclasses.replace(hello, capabilities={**hello.capabilities, "clock": 1})
+    welcome = transport.request(asking)
+    now, window = welcome.clock.get("now"), welcome.clock.get("window")
+    if not isinstance(now, int | float) or not isinstance(window, int | float):
+        return welcome, None
+    return welcome, ((sent + faults.now()) / 2 - now, float(window))

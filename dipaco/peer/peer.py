@@ -30,6 +30,7 @@ from dipaco.data.shards import TokenShard
 from dipaco.errors import ConfigError, DipacoError, RejectedError, TransportError
 from dipaco.peer import ddp
 from dipaco.peer import device as devices
+from dipaco.peer.checks import hello_with_clock
 from dipaco.peer.links import (
     Connect,
     Lease,
@@ -137,14 +138,15 @@ class Peer:
         self.capabilities = capabilities or {}  # said in Hello (a machine's worker: which one)
         self.shard_group = shard_group  # rank 0 of a machine training each path over its devices
         self.seeds = seeds  # modules peer to peer (peer/seeds.py): fetched from, served to peers
+        self.clock_offset: tuple[float, float] | None = None  # see hello_with_clock
+        self.on_setup: Callable[[Peer], None] = lambda peer: None  # after Hello, before training
 
     # ---- the loop -----------------------------------------------------------------------------
     def setup(self) -> None:
         """Say hello, check the run manifest, and size micro-batches for this device."""
-        welcome = self.patience.call(
-            lambda: self.transport.request(
-                m.Hello(peer_id=self.peer_id, device=self.device, capabilities=self.capabilities)
-            )
+        hello = m.Hello(peer_id=self.peer_id, device=self.device, capabilities=self.capabilities)
+        welcome, self.clock_offset = self.patience.call(
+            lambda: hello_with_clock(self.transport, hello)
         )
         self.check_manifest(welcome)
         self.config = welcome.config
@@ -153,13 +155,7 @@ class Peer:
         self.trainer = trainer = make_trainer(self)
         self.model_cfg, self.topology = trainer.model_cfg, trainer.topology
         self.train_cfg, self.micro_batch = trainer.train_cfg, trainer.micro_batch
-        if self.micro_batch < self.train_cfg["batch_size"]:
-            log.info(
-                "peer %s: micro-batch %d, accumulating to the run's batch of %d",
-                self.peer_id,
-                self.micro_batch,
-                self.train_cfg["batch_size"],
-            )
+        self.on_setup(self)
 
     def check_manifest(self, welcome: m.Welcome) -> None:
         """The manifest is the one announced, and names and is signed by the scheduler's key."""
@@ -386,5 +382,14 @@ def make_trainer(peer: Peer) -> PathTrainer:
         shard_source=peer.shard_source,
     )
     if peer.shard_group is not None:
-        return ddp.ShardedTrainer(peer.shard_group, peer.config, **kwargs)
-    return PathTrainer(peer.config, **kwargs)
+        trainer: PathTrainer = ddp.ShardedTrainer(peer.shard_group, peer.config, **kwargs)
+    else:
+        trainer = PathTrainer(peer.config, **kwargs)
+    if trainer.micro_batch < trainer.train_cfg["batch_size"]:
+        log.info(
+            "peer %s: micro-batch %d, accumulating to the run's batch of %d",
+            peer.peer_id,
+            trainer.micro_batch,
+            trainer.train_cfg["batch_size"],
+        )
+    return trainer

@@ -196,6 +196,10 @@ class Welcome:
     # The scheduler's key rotations, oldest first (dipaco.protocols.keyrotation): each signed by
     # the key it retires, so that a party trusting an older key can follow them to this one.
     rotations: list[dict[str, Any]] = field(default_factory=list)
+    # The coordinator's clock when it answered ({"now": seconds since the epoch, "window": the
+    # clock-skew seconds it allows}), for a peer whose Hello asked (capabilities["clock"]); left
+    # out of the frame otherwise, so that a peer from before the field decodes the Welcome.
+    clock: dict[str, float] = field(default_factory=dict, metadata={"omit_empty": True})
 
 
 @message
@@ -311,7 +315,11 @@ def to_frame(msg: Message) -> Frame:
     name = type(msg).__name__
     if REGISTRY.get(name) is not type(msg):
         raise WireError(f"{name} is not a registered message")
-    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg) if f.name != "tensors"}
+    fields = {
+        f.name: getattr(msg, f.name)
+        for f in dataclasses.fields(msg)
+        if f.name != "tensors" and (getattr(msg, f.name) or not f.metadata.get("omit_empty"))
+    }
     return Frame(name, fields, getattr(msg, "tensors", {}))
 
 

@@ -104,7 +104,11 @@ def test_a_full_disk_refuses_deltas_until_it_is_freed(cluster, reference):
 
 
 def test_a_peer_with_a_skewed_clock(cluster, reference):
-    # 90 s ahead: inside the signed requests' clock-skew window, so the run is unaffected.
-    c = cluster(peer_env={1: {"DIPACO_CLOCK_SKEW": "90"}})
+    # 200 s ahead: inside the signed requests' 300 s clock-skew window, so the run is
+    # unaffected; past half of it, so the peer's join says so, and what to do, before it trains.
+    c = cluster(peer_env={1: {"DIPACO_CLOCK_SKEW": "200"}})
     c.run()
     assert_sound(c, reference)
+    assert c.peers_saw("clock: this clock is +200.") or c.peers_saw("clock: this clock is +199.")
+    assert c.peers_saw("signed requests more than 300 s off are refused: sync this clock")
+    assert c.rejections().get("clock-skew", 0) == 0

@@ -1,5 +1,7 @@
 """The coordinator core driven through its wire handler, as every transport drives it."""
 
+import time
+
 import pytest
 import torch
 from _tiny import TOPO, constant_delta, delta_message, initial_modules, tiny_coordinator
@@ -271,3 +273,17 @@ def test_an_expired_lease_takes_its_ticket_with_it_and_the_reissued_task_counts(
     tr.request(delta_for(co, again, peer="late-comer"))  # the path's current holder counts
     assert all(3 in co.store.modules[mid].pending for mid in TOPO.path_modules(3))
     assert not any(r.late for r in co.store.modules.values())
+
+
+def test_hello_tells_its_clock_only_to_a_peer_that_asks(tmp_path):
+    co = make(tmp_path)
+    tr = LocalTransport(co.handle)
+    asked = tr.request(m.Hello(peer_id="new", capabilities={"clock": 1}))
+    assert abs(asked.clock["now"] - time.time()) < 5
+    assert asked.clock["window"] == co.security.clock_skew_seconds
+    assert tr.request(m.Hello(peer_id="old")).clock == {}
+    # A peer from before the field refuses unknown fields: a Welcome without a clock leaves
+    # the field out of the frame, and one with it decodes to the same clock.
+    assert "clock" not in m.to_frame(m.Welcome(run_id="r", config={})).fields
+    back = m.decode_message(m.encode_message(asked))
+    assert back.clock == asked.clock and "clock" in m.to_frame(asked).fields

@@ -10,6 +10,7 @@ from dipaco.peer.checks import (
     Check,
     all_passed,
     check_memory,
+    clock_check,
     parse_address,
     run_checks,
 )
@@ -156,3 +157,10 @@ def test_a_loopback_coordinator_is_recognised():
 def test_a_plain_listener_is_reachable_but_questioned(listening):
     reach = by_name(run_checks(listening, device="cpu", timeout=0.5))["reachability"]
     assert reach.ok and "key challenge" in reach.advice
+
+
+def test_a_measured_clock_offset_fails_past_half_the_window():
+    assert clock_check(12.0, 300.0, "measured at Hello").ok
+    late = clock_check(-160.0, 300.0, "measured at Hello")
+    assert not late.ok and "-160.0 s from the coordinator's" in late.detail
+    assert "more than 300 s off are refused" in late.advice
