@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from hivemind.utils.asyncio import as_aiter  # noqa: E402
 from dipaco.errors import RejectedError, TransportError  # noqa: E402
 from dipaco.procs import child_pids as _child_pids  # noqa: E402
 from dipaco.protocols.hivemind import HivemindNode, HivemindTransport  # noqa: E402
+from dipaco.protocols.hivemind import node as node_module  # noqa: E402
 from dipaco.protocols.hivemind.server import _ByteServicer  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
@@ -380,3 +382,37 @@ def test_server_process_killed_mid_transfer(server_process, phase):
         # a new call to the dead server fails quickly and cleanly
         with pytest.raises(TransportError):
             transport._roundtrip(b"hello")
+
+
+def test_a_node_that_cannot_start_says_why_and_what_to_change():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(TransportError, match=f"127.0.0.1:{port} is taken: stop what listens"):
+            HivemindNode(port=port)
+        # Nobody listens where the address to join points (the port just closed).
+        nobody = (
+            f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWPvUbQ8Ptm5VrcCFY7GhTqiGiRqvCDngedcEgoq9nt1zT"
+        )
+        taken.close()
+        with pytest.raises(TransportError, match="answered: is the coordinator running"):
+            HivemindNode(initial_peers=[nobody], client_mode=True)
+        with pytest.raises(TransportError, match="must be a whole multiaddr"):
+            HivemindNode(initial_peers=["/ip4/127.0.0.1/tcp/1"], client_mode=True)
+    finally:
+        taken.close()
+
+
+def test_a_daemon_slow_to_start_is_waited_for_longer(monkeypatch, caplog):
+    # The first waits are far too short for p2pd: the node tries again, waiting longer, and
+    # starts within its start_timeout; the log says what happened.
+    monkeypatch.setattr(node_module, "P2PD_FIRST_WAIT", 0.01)
+    with caplog.at_level("WARNING", logger=node_module.__name__):
+        node = HivemindNode(start_timeout=60)
+    try:
+        assert node.peer_id and node.visible_maddrs()
+        assert "the p2p daemon did not start within" in caplog.text
+    finally:
+        node.shutdown()

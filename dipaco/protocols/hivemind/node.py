@@ -38,6 +38,62 @@ log = logging.getLogger(__name__)
 use_hivemind_log_handler("nowhere")
 
 
+P2PD_FIRST_WAIT = 15.0  # seconds p2pd gets to start at first (hivemind's default)
+P2PD_WAIT_GROWTH = 4.0  # each later try waits this many times longer, within start_timeout
+
+
+def start_dht(initial_peers: list[str], kwargs: dict[str, Any], start_timeout: float) -> WatchedDHT:
+    """A started DHT (and its p2pd). A daemon too slow to start (a loaded or slow machine) is
+    tried again, waiting longer each time, until ``start_timeout`` is spent; the wait is logged."""
+    deadline = time.monotonic() + start_timeout
+    wait = min(P2PD_FIRST_WAIT, start_timeout)
+    while True:
+        dht = WatchedDHT(
+            initial_peers=initial_peers,
+            start=False,
+            shutdown_timeout=5,
+            startup_timeout=wait,
+            **kwargs,
+        )
+        try:
+            dht.run_in_background(await_ready=True, timeout=max(1.0, deadline - time.monotonic()))
+            return dht
+        except Exception as exc:
+            dht.shutdown()
+            if dht.is_alive():
+                dht.kill()
+                dht.join(5.0)
+            left = deadline - time.monotonic()
+            if "failed to start in" not in str(exc) or left < 1.0:
+                raise
+            log.warning(
+                "the p2p daemon did not start within %.3g s (a loaded machine?): "
+                "waiting up to %.3g s",
+                wait,
+                min(wait * P2PD_WAIT_GROWTH, left),
+            )
+            wait = min(wait * P2PD_WAIT_GROWTH, left)
+
+
+def start_advice(why: str, initial_peers: Sequence[str], host: str, port: int) -> str:
+    """What to change, for the daemon's start-up failures people meet (empty if none fits)."""
+    if "address already in use" in why:
+        return f"{host}:{port} is taken: stop what listens there, or listen on another port"
+    if "bootstrap peers" in why:
+        return (
+            f"none of {', '.join(initial_peers)} answered: is the coordinator running, and is "
+            "this the address it printed? `dipaco-peer doctor ADDRESS` checks the route"
+        )
+    if "multiaddr" in why:
+        return (
+            "an address to join must be a whole multiaddr (/ip4/HOST/tcp/PORT/p2p/PEER_ID): "
+            "copy the one the coordinator printed"
+        )
+    if "failed to start in" in why:
+        return "the p2p daemon was too slow to start, even waiting longer; is the machine loaded?"
+    return ""
+
+
 class HivemindNode:
     """One hivemind DHT node plus a P2P handle (dht.replicate_p2p()) driven from a private asyncio
     loop thread."""
@@ -79,11 +135,9 @@ class HivemindNode:
             kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
         if identity_path is not None:
             kwargs["identity_path"] = str(identity_path)
-        self._dht = WatchedDHT(
-            initial_peers=list(initial_peers), start=False, shutdown_timeout=5, **kwargs
-        )
+        self._dht: WatchedDHT | None = None  # shutdown() below copes with a DHT never started
         try:
-            self._dht.run_in_background(await_ready=True, timeout=start_timeout)
+            self._dht = start_dht(list(initial_peers), kwargs, start_timeout)
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(
                 target=self._loop.run_forever, name="dipaco-hivemind-loop", daemon=True
@@ -97,7 +151,10 @@ class HivemindNode:
             if isinstance(exc, Exception):
                 # one line, without the daemon's own "2026/11/25 15:43:58" log stamps
                 why = re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", " ".join(str(exc).split()))
-                raise TransportError(f"cannot start a hivemind node: {why}") from exc
+                advice = start_advice(why, initial_peers, host, port)
+                raise TransportError(
+                    f"cannot start a hivemind node: {why}" + (f": {advice}" if advice else "")
+                ) from exc
             raise
         self.peer_id: str = self._p2p.peer_id.to_base58()
         log.debug("hivemind node %s started (client_mode=%s)", self.peer_id, client_mode)
@@ -234,19 +291,20 @@ class HivemindNode:
                 log.debug("hivemind node: closing the loop failed", exc_info=True)
             loop.call_soon_threadsafe(loop.stop)
             thread.join(0.5 if quick else 10.0)
-        if quick:
-            self._dht.shutdown_timeout = 1.0
         if loop is not None and not loop.is_running():
             loop.close()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
-        try:
-            self._dht.shutdown()
-        except Exception:
-            log.debug("hivemind node: DHT shutdown failed", exc_info=True)
-        if self._dht.is_alive():
-            self._dht.kill()
-            self._dht.join(5.0)
+        if self._dht is not None:
+            if quick:
+                self._dht.shutdown_timeout = 1.0
+            try:
+                self._dht.shutdown()
+            except Exception:
+                log.debug("hivemind node: DHT shutdown failed", exc_info=True)
+            if self._dht.is_alive():
+                self._dht.kill()
+                self._dht.join(5.0)
         remove_stale_sockets(self._started_at)
 
     def __enter__(self) -> HivemindNode:
