@@ -315,12 +315,17 @@ def to_frame(msg: Message) -> Frame:
     name = type(msg).__name__
     if REGISTRY.get(name) is not type(msg):
         raise WireError(f"{name} is not a registered message")
-    fields = {
-        f.name: getattr(msg, f.name)
-        for f in dataclasses.fields(msg)
-        if f.name != "tensors" and (getattr(msg, f.name) or not f.metadata.get("omit_empty"))
-    }
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg) if f.name != "tensors"}
+    for omittable in _omit_empty(type(msg)):  # left out when empty (older decoders lack them)
+        if not fields[omittable]:
+            del fields[omittable]
     return Frame(name, fields, getattr(msg, "tensors", {}))
+
+
+@functools.cache
+def _omit_empty(cls: type) -> tuple[str, ...]:
+    """A message class's fields marked ``omit_empty`` (none for most), found once per class."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("omit_empty"))
 
 
 @functools.cache
