@@ -17,8 +17,17 @@ efficiency ratio / N; and where the peers' time went, time-weighted over the pee
 On a machine with C cores the ratio cannot exceed about C: with more peers than cores, peers
 share cores (the script says so in what it prints).
 
+With ``--slow-peer`` the last peer of each run trains at a quarter of the others' speed (it
+sleeps three times the 1-peer run's time per inner step after each step: the fault point
+``peer.inner_step``), and the scheduler offers it fewer steps as a run's does by default (down
+to a quarter of H; ``--full-steps``: all H, as every other peer). With ``--overlap`` each run with more than one peer is done twice, with
+``scheduler.overlap`` off and on (peers that find no open path train their path's next round,
+docs/operations.md "Overlap"), and the final validation perplexity of each is measured, so that
+what overlap costs in quality is printed beside the waiting it saves.
+
     python bench/scale.py                 # --peers 1 2 4 8, 3 rounds of H = 100
     python bench/scale.py --quick         # 1 and 2 peers, 1 round (CI's short form)
+    python bench/scale.py --peers 3 --slow-peer --overlap --rounds 6
 """
 
 from __future__ import annotations
@@ -31,14 +40,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from _report import add_report_args, record
 from rich.console import Console
 from rich.table import Table
 
-from dipaco.config import preset_config
+from dipaco.config import SchedulerSection, preset_config
 from dipaco.prepare.pipeline import prepare
+from dipaco.run.evaluate import evaluate_modules
+from dipaco.run.export import open_run
 
 BIN = Path(sys.executable).parent
 TOPOLOGY = "2x4"
@@ -66,12 +78,25 @@ def pinned(core: int):
     return pin
 
 
-def run_config(work: Path, rounds: int, inner_steps: int) -> Path:
-    file = work / "run.toml"
+def run_config(
+    work: Path,
+    rounds: int,
+    inner_steps: int,
+    overlap: bool = False,
+    outer: dict | None = None,
+    source: str = "builtin",
+    step_fraction: float = 1.0,
+) -> Path:
+    file = work / ("run-overlap.toml" if overlap else "run.toml")
     file.write_text(
-        f'preset = "tiny"\n[topology]\nlevels = "{TOPOLOGY}"\n'
+        f'preset = "tiny"\n[data]\nsource = "{source}"\n[topology]\nlevels = "{TOPOLOGY}"\n'
         f"[train]\ninner_steps = {inner_steps}\nrounds = {rounds}\n"
-        "[scheduler]\nquorum = 1.0\nmin_step_fraction = 1.0\nheartbeat_seconds = 1.0\n"
+        f"[scheduler]\nquorum = 1.0\nmin_step_fraction = {step_fraction}\n"
+        "heartbeat_seconds = 1.0\n"
+        f"overlap = {'true' if overlap else 'false'}\n"
+        # The default 10 s floor under task deadlines is longer than this run's tasks.
+        + ("deadline_floor = 0.5\n" if step_fraction < 1 else "")
+        + ("[outer]\n" + "".join(f"{k} = {v}\n" for k, v in outer.items()) if outer else "")
     )
     return file
 
@@ -96,12 +121,25 @@ def events(root: Path) -> list[dict]:
     return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
 
 
-def one_run(prepared: Path, work: Path, config: Path, n: int, rounds: int, timeout: float) -> dict:
-    root = work / f"peers{n}"
+def one_run(
+    prepared: Path,
+    work: Path,
+    config: Path,
+    n: int,
+    rounds: int,
+    timeout: float,
+    slow: float = 0.0,
+    label: str = "",
+    quality: bool = False,
+) -> dict:
+    """One run with ``n`` peers; ``slow`` > 0: the last peer sleeps that long after each inner
+    step; ``quality``: measure the final model's validation perplexity too."""
+    root = work / f"peers{n}{label}"
     shutil.copytree(prepared, root)
-    logs = work / f"logs{n}"
+    logs = work / f"logs{n}{label}"
     logs.mkdir()
     env = one_thread_env()
+    slow_env = {**env, "DIPACO_FAULTS": f"peer.inner_step=sleep:{slow:.4f}"}
     procs: list[subprocess.Popen] = []
     try:
         coordinator = subprocess.Popen(
@@ -139,7 +177,7 @@ def one_run(prepared: Path, work: Path, config: Path, n: int, rounds: int, timeo
                     ],
                     stdout=open(logs / f"peer{i}.log", "w"),  # noqa: SIM115
                     stderr=subprocess.STDOUT,
-                    env=env,
+                    env=slow_env if slow > 0 and n > 1 and i == n - 1 else env,
                     preexec_fn=pinned(where[i % len(where)]),
                 )  # fmt: skip
             )
@@ -168,8 +206,25 @@ def one_run(prepared: Path, work: Path, config: Path, n: int, rounds: int, timeo
     # small machine and says nothing about how a long run scales.
     wall = last[0] - (min(issued) if issued else began)
     tokens = sum(p["tokens"] for p in peers)
+    # Every acknowledged delta is applied in exactly one outer step of its module.
+    applied = Counter(
+        (e["module"], t) for e in log if e["event"] == "outer_step" for t in e["tasks"]
+    )
+    acked = {(e["module"], e["task"]) for e in log if e["event"] == "delta_acked"}
+    ppl = None
+    if quality:
+        run = open_run(root)
+        ppl = evaluate_modules(run.prep, run.store.params)["ppl"]
     return {
         "peers": n,
+        "overlap": "overlap" in config.name,
+        "slow_sleep_s": slow if n > 1 else 0.0,
+        "ppl": ppl,
+        # Tasks trained ahead (overlap): some module's base older than the task's round.
+        "ahead_tasks": len(
+            {e["task"] for e in log if e["event"] == "delta_acked" and "round" in e}
+        ),
+        "applied_once": all(applied[k] == 1 for k in acked),
         "wall_s": wall,
         "start_s": min(issued) - began if issued else None,  # launch to the first task issued
         "tasks": sum(p["tasks"] for p in peers),
@@ -205,6 +260,62 @@ def plot(rows: list[dict], file: Path) -> Path | None:
     return file
 
 
+def report_overlap(rows: list[dict], args: argparse.Namespace) -> None:
+    """The runs with overlap off and on side by side: where the peers' time went, and the
+    final perplexity of each (what overlap costs in quality)."""
+    slow = ", the last peer at a quarter speed" if args.slow_peer else ""
+    table = Table(
+        title=f"overlap: tiny preset {TOPOLOGY}, {args.rounds} rounds x 8 paths x "
+        f"H={args.inner_steps}{slow}, {len(cores())} cores"
+    )
+    cols = ("peers", "overlap", "wall", "tokens/s", "ahead tasks", "compute", "transfer",
+            "waiting", "ppl")  # fmt: skip
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["peers"]),
+            "on" if r["overlap"] else "off",
+            f"{r['wall_s']:.1f} s",
+            f"{r['tokens_per_s']:,.0f}",
+            str(r["ahead_tasks"]),
+            f"{100 * r['compute']:.1f}%",
+            f"{100 * r['transfer']:.1f}%",
+            f"{100 * r['waiting']:.1f}%",
+            f"{r['ppl']:.2f}",
+        )
+    console.print(table)
+    once = all(r["applied_once"] for r in rows)
+    console.print(f"every acknowledged delta applied in exactly one outer step: {once}")
+    pairs = [
+        (off, on)
+        for off in rows
+        for on in rows
+        if off["peers"] == on["peers"] > 1 and on["overlap"] and not off["overlap"]
+    ]
+    parts = []
+    for off, on in pairs:
+        cost = 100 * (on["ppl"] / off["ppl"] - 1)
+        line = (
+            f"{on['peers']} peers: waiting {100 * off['waiting']:.1f}% -> "
+            f"{100 * on['waiting']:.1f}% of the peers' time, tokens/s "
+            f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x, perplexity {off['ppl']:.2f} -> "
+            f"{on['ppl']:.2f} ({cost:+.2f}%)"
+        )
+        console.print(line)
+        parts.append(line)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"cores": len(cores()), "rows": rows}, indent=2))
+    console.print(f"results: {out}")
+    record(
+        args,
+        "scale",
+        f"overlap{slow}: {'; '.join(parts)}; tiny {TOPOLOGY} on {args.source}, {args.rounds} "
+        f"rounds, H={args.inner_steps}",
+    )
+
+
 def machine_cores() -> str:
     return f"{len(cores())} CPU cores"
 
@@ -217,7 +328,25 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 and 2 peers, 1 round of H = 40")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run at most")
     ap.add_argument("--out", default="runs/bench/scale.json")
+    ap.add_argument("--keep", action="store_true", help="keep the runs' folders and logs")
+    ap.add_argument("--source", default="builtin", help="corpus (builtin, builtin:mixed, a file)")
+    ap.add_argument("--outer-lr", type=float, help="outer learning rate (default: the run's)")
+    ap.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum")
     ap.add_argument("--plot", default="runs/bench/scale.html", help="'' to skip the plot")
+    ap.add_argument(
+        "--slow-peer", action="store_true", help="the last peer trains at a quarter speed"
+    )
+    ap.add_argument(
+        "--full-steps",
+        action="store_true",
+        help="with --slow-peer: offer it all H steps too (min_step_fraction 1.0)",
+    )
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="each run with more than one peer twice: scheduler.overlap off and on, with the "
+        "final perplexity",
+    )
     add_report_args(ap)
     args = ap.parse_args()
     if args.quick:
@@ -228,22 +357,75 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="dipaco-scale-"))
     rows = []
     try:
-        config = run_config(work, args.rounds, args.inner_steps)
+        outer = {
+            k: v
+            for k, v in (("lr", args.outer_lr), ("momentum", args.outer_momentum))
+            if v is not None
+        }
+        # The same work for every N, except that a slow peer is offered fewer steps as a run's
+        # scheduler does by default (at least a quarter of H), so that its tasks end with the
+        # others' rather than hold every round back.
+        default = SchedulerSection().min_step_fraction
+        fraction = default if args.slow_peer and not args.full_steps else 1.0
+        config = run_config(
+            work, args.rounds, args.inner_steps, outer=outer, source=args.source,
+            step_fraction=fraction,
+        )  # fmt: skip
         prepared = work / "prepared"
         console.log(f"preparing the tiny preset ({TOPOLOGY}) once")
         prepare(
             prepared,
             preset_config("tiny").replace(
+                data={"source": args.source},
                 topology={"levels": TOPOLOGY},
                 train={"inner_steps": args.inner_steps, "rounds": args.rounds},
-                scheduler={"quorum": 1.0, "min_step_fraction": 1.0, "heartbeat_seconds": 1.0},
+                scheduler={
+                    "quorum": 1.0,
+                    "min_step_fraction": 1.0,
+                    "heartbeat_seconds": 1.0,
+                },
+                **({"outer": outer} if outer else {}),
             ),
         )
+        slow = 0.0
         for n in peers:
-            console.log(f"{n} peer(s): {args.rounds} rounds x 8 paths x H={args.inner_steps}")
-            rows.append(one_run(prepared, work, config, n, args.rounds, args.timeout))
+            for overlap in (False, True) if args.overlap and n > 1 else (False,):
+                what = f" (overlap {'on' if overlap else 'off'})" if args.overlap else ""
+                console.log(
+                    f"{n} peer(s){what}: {args.rounds} rounds x 8 paths x H={args.inner_steps}"
+                    + (f", the last one sleeping {slow * 1e3:.0f} ms a step" if slow else "")
+                )
+                cfg = (
+                    run_config(
+                        work, args.rounds, args.inner_steps, overlap, outer, args.source, fraction
+                    )
+                    if overlap
+                    else config
+                )
+                rows.append(
+                    one_run(
+                        prepared,
+                        work,
+                        cfg,
+                        n,
+                        args.rounds,
+                        args.timeout,
+                        slow,
+                        label="-overlap" if overlap else "",
+                        quality=args.overlap,
+                    )  # fmt: skip
+                )
+            if n == 1 and args.slow_peer:  # a quarter of one peer's speed: 3x its step's time
+                one = rows[0]
+                slow = 3 * one["peer_seconds"]["train"] / (one["tasks"] * args.inner_steps)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            console.print(f"runs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.overlap:
+        report_overlap(rows, args)
+        return
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["ratio"] = r["tokens_per_s"] / base

@@ -174,6 +174,10 @@ class SchedulerSection(_Section):
     stale_damping: float = Field(0.5, gt=0, le=1)
     # A slow peer gets fewer inner steps (never below this fraction of H) to finish in time.
     min_step_fraction: float = Field(0.25, gt=0, le=1)
+    # Peers wait less for a round: a peer that finds no open path gets the next round of a
+    # path it trained for this one, from where that ended (one round stale, applied with the
+    # staleness rule above); the outer step defaults to a plain one. docs/operations.md.
+    overlap: bool = False
 
 
 TOPK_DENSITY = 1 / 8  # network.topk_density's default (codecs.SPARSE_DENSITY, the same)
@@ -204,14 +208,20 @@ class NetworkSection(_Section):
 # The outer step's defaults (OuterSection): the paper's, and those measured for sparse deltas.
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM = 2.5, 0.0
+OVERLAP_OUTER_LR, OVERLAP_OUTER_MOMENTUM = 1.0, 0.0  # with scheduler.overlap (measured)
 SPARSE_FEEDBACK_DECAY = 0.9  # network.error_feedback_decay's default with a sparse codec
 
 
 def outer_lr_momentum(c: RunConfig) -> tuple[float, float]:
-    """The run's outer lr and momentum: as set, else the defaults for its codec."""
-    lr, momentum = (
-        (SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM) if c.network.sparse else (OUTER_LR, OUTER_MOMENTUM)
-    )
+    """The run's outer lr and momentum: as set, else the defaults for its codec (and for
+    overlap, a plain step: Nesterov momentum on one-round-stale deltas cost 84% perplexity
+    on the scale benchmark, a plain step 3%; docs/operations.md "Overlap")."""
+    if c.network.sparse:
+        lr, momentum = SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM
+    elif c.scheduler.overlap:
+        lr, momentum = OVERLAP_OUTER_LR, OVERLAP_OUTER_MOMENTUM
+    else:
+        lr, momentum = OUTER_LR, OUTER_MOMENTUM
     return (
         c.outer.lr if c.outer.lr is not None else lr,
         c.outer.momentum if c.outer.momentum is not None else momentum,

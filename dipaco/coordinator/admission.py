@@ -13,6 +13,7 @@ import errno
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -30,13 +31,25 @@ from dipaco.protocols.reasons import Reason
 log = logging.getLogger(__name__)
 
 
+class Slot(NamedTuple):
+    """Where a delta goes in one module: its base version, how many versions stale it will be
+    at the step it joins (its weight is damped per version), the module's version when this was
+    planned, and the round it reports for (its task's)."""
+
+    mid: str
+    base: int
+    stale: int
+    seen: int
+    round: int
+
+
 @dataclass
 class Plan:
-    """A delta's admission planned under the lock: the modules to store it for (module, base
-    version, lateness, the module's version then), those that already hold it, and the
-    reservations (``core.inflight``) that keep another delta of the path out meanwhile."""
+    """A delta's admission planned under the lock: the modules to store it for (:class:`Slot`),
+    those that already hold it, and the reservations (``core.inflight``) that keep another
+    delta of the path out meanwhile."""
 
-    store: list[tuple[str, int, int, int]] = field(default_factory=list)
+    store: list[Slot] = field(default_factory=list)
     already: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # modules the delta is not for
     keys: list[tuple[str, int, int]] = field(default_factory=list)
@@ -79,7 +92,7 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
         core._reject(req.peer_id, Reason.STALE, f"the modules of path {path} keep moving")
     fault_point("submit.before_ack")
     covers_path = set(mids) == set(path_mids)
-    stored = [mid for mid, _, _, _ in plan.store]
+    stored = [s.mid for s in plan.store]
     with core.lock:
         if stored and covers_path and core.is_scheduler:
             core._task_done(task, req.peer_id, req.tokens, req.losses)
@@ -129,13 +142,16 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
             )
     for mid in mids:
         record = core.store.modules[mid]
-        base = task.versions.get(mid)
-        if base is None or req.base_versions.get(mid) != base:
+        issued, base = task.versions.get(mid), req.base_versions.get(mid)
+        # The task's base; or, for an ahead task (overlap) whose module reached the task's
+        # round before the peer fetched it, that newer version.
+        newer = type(base) is int and issued is not None and issued < base <= task.round
+        if issued is None or not (base == issued or newer) or base > record.version:
             core._reject(
                 req.peer_id,
                 Reason.WRONG_BASE,
-                f"delta for {mid} claims base {req.base_versions.get(mid)}, "
-                f"the task was issued against {base}",
+                f"delta for {mid} claims base {base}, the task was issued against {issued}"
+                + (f" (the module is at {record.version})" if newer else ""),
             )
         if req.task_id in record.applied:
             plan.already.append(mid)  # applied in an earlier step; its ack was lost: ack again
@@ -148,8 +164,11 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
             # modules, which wait for it, admit theirs.
             plan.dropped.append(mid)
             continue
-        lateness = record.version - base
-        if not 0 <= lateness <= core.policy.max_staleness:
+        # Late (the module stepped past the task's round), on time, or ahead (-1: an overlap
+        # task's delta, for the step after the module's next).
+        rnd = task.round
+        lateness = record.version - rnd
+        if lateness > core.policy.max_staleness:
             if core.is_scheduler:  # the task can never be applied: free its path
                 core.scheduler.release(req.task_id, req.peer_id)
             core._reject(
@@ -158,13 +177,13 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
                 f"delta for {mid} is against version {base}, module is at "
                 f"{record.version} (at most {core.policy.max_staleness} late is applied)",
             )
-        if path in record.reported.get(base, []):
+        if path in record.reported.get(rnd, []):
             core._reject(
                 req.peer_id,
                 Reason.DUPLICATE,
-                f"path {path} already reported for {mid} version {base} (another task)",
+                f"path {path} already reported for {mid} version {rnd} (another task)",
             )
-        table = record.pending if lateness == 0 else record.late
+        table = record.ahead if lateness < 0 else record.pending if lateness == 0 else record.late
         if path in table:
             if table[path].task_id == req.task_id:
                 plan.already.append(mid)  # a retry of an acknowledged delta: ack it again
@@ -172,10 +191,11 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
             core._reject(
                 req.peer_id,
                 Reason.DUPLICATE,
-                f"path {path} already reported for {mid} version {base}",
+                f"path {path} already reported for {mid} version {rnd}",
             )
-        plan.store.append((mid, base, lateness, record.version))
-        plan.keys.append((mid, base, path))
+        stale = max(record.version, rnd) - base  # versions behind the step it joins
+        plan.store.append(Slot(mid, base, stale, record.version, rnd))
+        plan.keys.append((mid, rnd, path))
     finished = [mid for mid in plan.dropped if core.store.modules[mid].version >= core.rounds]
     if finished and not plan.store and not plan.already:
         core._reject(
@@ -196,22 +216,24 @@ def write(
     """Judge the planned deltas, write them durably (outside the lock), then commit them
     (under it). False, with nothing committed, if a module stepped meanwhile: the caller
     plans again, for the delta is now late."""
-    norms, trust = check_content(core, req, req.path, deltas, [s[0] for s in plan.store])
+    norms, trust = check_content(core, req, req.path, deltas, [s.mid for s in plan.store])
     staged, folders = {}, set()
     try:
-        for mid, base, lateness, _ in plan.store:
-            damped = weight * trust * core.policy.stale_damping**lateness
-            meta = delta_meta(req.path, damped, req.task_id, req.peer_id, base, core.voter_of(req))
+        for mid, base, stale, _, rnd in plan.store:
+            damped = weight * trust * core.policy.stale_damping**stale
+            meta = delta_meta(
+                req.path, damped, req.task_id, req.peer_id, base, core.voter_of(req), rnd
+            )
             staged[mid] = (core.store.stage_delta(mid, req.task_id, meta, deltas[mid]), meta)
         with core.lock:
             while any(mid in core.stepping for mid in staged):
                 core.step_cond.wait(timeout=1.0)
-            if any(core.store.version(mid) != seen for mid, _, _, seen in plan.store):
+            if any(core.store.version(s.mid) != s.seen for s in plan.store):
                 return False
             folders = {
                 core.store.commit_delta(mid, *staged.pop(mid), deltas[mid]) for mid in list(staged)
             }
-            for mid, _, _, _ in plan.store:  # only now durable: the norm statistics count it
+            for mid in (s.mid for s in plan.store):  # only now durable: the norms count it
                 core.norms.record(mid, norms[mid])
             if plan.store:
                 core.norm_file.save()
@@ -223,16 +245,17 @@ def write(
             file.unlink(missing_ok=True)
     for folder in folders:
         fsync_path(folder)
-    for mid, base, lateness, _ in plan.store:
-        if lateness > 0:
+    for mid, base, stale, seen, rnd in plan.store:
+        damped = weight * trust * core.policy.stale_damping**stale
+        if seen > rnd:
             core.metrics(
                 {
                     "event": "late_delta",
                     "module": mid,
                     "task": req.task_id,
                     "path": req.path,
-                    "late_by": lateness,
-                    "weight": weight * trust * core.policy.stale_damping**lateness,
+                    "late_by": stale,
+                    "weight": damped,
                 }
             )
         core.metrics(
@@ -244,7 +267,8 @@ def write(
                 "task": req.task_id,
                 "peer": req.peer_id,
                 "tokens": req.tokens,
-                "weight": weight * trust * core.policy.stale_damping**lateness,
+                "weight": damped,
+                **({"round": rnd} if rnd != base else {}),
             }
         )
     return True

@@ -162,6 +162,9 @@ class CoordinatorBase:
         self.work_generation = 0
         self.handing: dict[str, tuple[str, float]] = {}  # module -> (new owner, since)
         self.done: set[tuple[int, int]] = set()  # (path, round) whose task every owner acked
+        # (path, round) -> the peer whose task it was, since that peer's last Hello: overlap
+        # offers a path's next round only to the peer that holds where it ended (in memory).
+        self.trained_by: dict[tuple[int, int], str] = {}
         # (path, round) whose task ran past the deadline: rounds may close without them.
         self.overdue: set[tuple[int, int]] = set()
         self.void: dict[str, int] = {}  # an owner's copy of the scheduler's ended leases
@@ -225,6 +228,13 @@ class CoordinatorBase:
             return set(self.store.modules[mid].pending)
         info = self.remote.get(mid)
         return set(info.pending) if info else set()
+
+    def reported_ahead(self, mid: str) -> set[int]:
+        """The paths whose deltas for the module's next step are held already (overlap)."""
+        if self.owns(mid):
+            return set(self.store.modules[mid].ahead)
+        info = self.remote.get(mid)
+        return set(info.ahead) if info else set()
 
     def path_round(self, path: int) -> int:
         return min(self.version(mid) or 0 for mid in self.topology.path_modules(path))

@@ -65,6 +65,7 @@ class Coordinator(CoordinatorBase):
 
     # rounds.py
     open_paths = rounds.open_paths
+    ahead_paths = rounds.ahead_paths
     free_paths = rounds.free_paths
     tick = rounds.tick
     _tick = rounds.tick_now

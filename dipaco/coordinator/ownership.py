@@ -15,6 +15,7 @@ import torch
 from dipaco.coordinator import tickets
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.records import ReportedModule
+from dipaco.coordinator.store import delta_meta
 from dipaco.errors import CorruptFileError
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
@@ -99,15 +100,17 @@ def hand_over(core: CoordinatorBase, req: m.HandOver) -> m.ModuleState:
         record = core.store.modules[mid]
         core.handing[mid] = (req.owner_id, core.clock())
         deltas = []
-        for i, delta in enumerate([*record.pending.values(), *record.late.values()]):
-            frame_fields = {
-                "path": delta.path,
-                "weight": delta.weight,
-                "task_id": delta.task_id,
-                "peer_id": delta.peer_id,
-                "base_version": delta.base_version,
-                "voter": delta.voter,
-            }
+        held = [*record.pending.values(), *record.late.values(), *record.ahead.values()]
+        for i, delta in enumerate(held):
+            frame_fields = delta_meta(
+                delta.path,
+                delta.weight,
+                delta.task_id,
+                delta.peer_id,
+                delta.base_version,
+                delta.voter,
+                delta.for_round,
+            )
             deltas.append(frame_fields)
             tensors.update(_prefixed(core.store.delta_tensors(delta), f"{mid}/delta/{i}/"))
         modules[mid] = {"version": record.version, "hash": record.hash, "deltas": deltas}
@@ -146,6 +149,7 @@ def report(core: CoordinatorBase) -> m.OwnerReport:
                 "version": core.store.version(mid),
                 "hash": core.store.modules[mid].hash,
                 "pending": sorted(core.store.modules[mid].pending),
+                "ahead": sorted(core.store.modules[mid].ahead),
             }
             for mid in core.owned_modules()
         }

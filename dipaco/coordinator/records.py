@@ -131,6 +131,7 @@ class ReportedModule:
     version: int
     hash: str
     pending: tuple[int, ...] = ()  # paths whose deltas it holds for this version
+    ahead: tuple[int, ...] = ()  # ... and for the next version's step (overlap)
 
     @classmethod
     def of(cls, info: Any) -> ReportedModule | None:
@@ -138,14 +139,20 @@ class ReportedModule:
         if not isinstance(info, dict) or not _count(info.get("version")):
             return None
         digest, pending = info.get("hash", ""), info.get("pending", [])
-        if not isinstance(digest, str) or not isinstance(pending, list | tuple):
+        ahead = info.get("ahead", [])  # absent from older owners' reports
+        if not isinstance(digest, str) or not all(
+            isinstance(x, list | tuple) for x in (pending, ahead)
+        ):
             return None
-        if not all(_count(p) for p in pending):
+        if not all(_count(p) for p in (*pending, *ahead)):
             return None
-        return cls(info["version"], digest, tuple(pending))
+        return cls(info["version"], digest, tuple(pending), tuple(ahead))
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "hash": self.hash, "pending": list(self.pending)}
+        out = {"version": self.version, "hash": self.hash, "pending": list(self.pending)}
+        if self.ahead:
+            out["ahead"] = list(self.ahead)
+        return out
 
 
 def _count(v: Any) -> bool:

@@ -42,6 +42,35 @@ def open_paths(core: CoordinatorBase) -> dict[int, int]:
     return out
 
 
+def ahead_paths(core: CoordinatorBase, peer_id: str) -> dict[int, int]:
+    """Overlap (``scheduler.overlap``): the paths ``peer_id`` trained for their round, with the
+    round after it (path -> round), for a peer that would otherwise wait for the round to
+    close. Such a task trains from where the peer's last one of the path ended, against the
+    versions there are now (one round stale once the round closes), and its delta is its
+    path's report for the next round (admission.check_state). Only that peer holds where the
+    path ended; from the release, the delta would carry the last round's move again."""
+    version = {mid: core.version(mid) for mid in core.topology.module_ids()}
+    out = {}
+    for p in range(core.topology.num_paths):
+        mids = core.topology.path_modules(p)
+        if any(version[mid] is None for mid in mids):
+            continue
+        v = min(version[mid] for mid in mids)
+        nxt = v + 1
+        waiting = [mid for mid in mids if version[mid] == v]
+        reported = (p, v) in core.done or all(p in core.reported(mid) for mid in waiting)
+        if (
+            reported
+            and core.trained_by.get((p, v)) == peer_id
+            and nxt < core.rounds
+            and (p, nxt) not in core.done
+            and core.phase_of(nxt) in core.phases
+            and core.phase_of(nxt) == core.phase_of(v)  # a new phase may route anew
+        ):
+            out[p] = nxt
+    return out
+
+
 def tick(core: CoordinatorBase) -> None:
     """Expire leases and close overdue rounds; servers call this every second or so. The
     outer steps run outside the lock."""
@@ -181,6 +210,7 @@ def after_change(core: CoordinatorBase) -> None:
             horizon = core.round - core.policy.max_staleness
             core.scheduler.forget_before(horizon)
             core.done = {(p, r) for p, r in core.done if r >= horizon}
+            core.trained_by = {k: v for k, v in core.trained_by.items() if k[1] >= horizon}
             if core.on_round is not None:
                 core.on_round(core.round)
     finally:  # a round callback that fails must not leave the run's end unsaid
@@ -237,14 +267,19 @@ def unacked(core: CoordinatorBase, task: Task) -> list[str]:
             continue  # no delta is awaited: it would be dropped (admission.check_state)
         if core.owns(mid):
             record = core.store.modules[mid]
-            held = [d.task_id for d in (*record.pending.values(), *record.late.values())]
+            held = [
+                d.task_id
+                for d in (*record.pending.values(), *record.late.values(), *record.ahead.values())
+            ]
             if task.task_id not in held and task.task_id not in record.applied:
                 missing.append(mid)
             continue
         version = core.version(mid)
         if version is None or base is None:
             missing.append(mid)
-        elif version == base and task.path not in core.reported(mid):
+        elif version < task.round and task.path not in core.reported_ahead(mid):
+            missing.append(mid)  # an ahead task's (overlap): held for the next step
+        elif version == task.round and task.path not in core.reported(mid):
             missing.append(mid)
     return missing
 
@@ -253,6 +288,7 @@ def record_done(
     core: CoordinatorBase, task: Task, peer_id: str, tokens: int, losses: list[float]
 ) -> None:
     core.done.add((task.path, task.round))
+    core.trained_by[(task.path, task.round)] = peer_id
     core.scheduler.finish(task.task_id)
     peer = core.peers.setdefault(peer_id, PeerInfo())
     peer.tasks_done += 1

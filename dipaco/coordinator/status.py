@@ -23,6 +23,7 @@ def status(core: CoordinatorBase, req: m.GetStatus | None = None) -> m.Status:
             "version": r.version,
             "pending": sorted(r.pending),
             "late": sorted(r.late),
+            "ahead": sorted(r.ahead),
             "hash": r.hash,
             "owner": core.owner_id,
         }

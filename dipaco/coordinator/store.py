@@ -87,10 +87,17 @@ class StepResult:
 
 
 def delta_meta(
-    path: int, weight: float, task_id: str, peer_id: str, base_version: int, voter: str
+    path: int,
+    weight: float,
+    task_id: str,
+    peer_id: str,
+    base_version: int,
+    voter: str,
+    round: int | None = None,
 ) -> dict:
-    """A delta file's header fields."""
-    return {
+    """A delta file's header fields. ``round``: the version whose step the delta is its path's
+    report for, when that is not its base (an ahead task's: overlap)."""
+    meta = {
         "path": path,
         "weight": weight,
         "task_id": task_id,
@@ -98,6 +105,9 @@ def delta_meta(
         "base_version": base_version,
         "voter": voter,
     }
+    if round is not None and round != base_version:
+        meta["round"] = round
+    return meta
 
 
 class _Workers:
@@ -271,20 +281,29 @@ class ModuleStore:
         while the store's ``held_budget`` allows."""
         record = self.modules[mid]
         base, path = meta["base_version"], meta["path"]
-        late = base != record.version
+        rnd = meta.get("round", base)
+        # On time (its round is this version), ahead (the next version's: overlap), or late.
+        table = (
+            record.pending
+            if rnd == record.version
+            else record.ahead
+            if rnd == record.version + 1
+            else record.late
+        )
+        late = table is record.late
         name = f"P{path}-b{base}.dpt" if late else f"P{path}.dpt"
-        folder = self.root / "deltas" / mid / f"v{record.version}"
+        folder = self.root / "deltas" / mid / f"v{record.version + (table is record.ahead)}"
         folder.mkdir(parents=True, exist_ok=True)
         file = folder / name
         os.replace(staged, file)
         delta = PendingDelta(
-            path, meta["weight"], meta["task_id"], meta["peer_id"], file, base, meta["voter"],
-            tensors,
+            path, meta["weight"], meta["task_id"], meta["peer_id"], file, base, rnd,
+            meta["voter"], tensors,
         )  # fmt: skip
         if self.held + delta.held_bytes > self.held_budget:
             delta.tensors = None  # past the budget: the step reads the file
         self.held += delta.held_bytes
-        (record.late if late else record.pending)[path] = delta
+        table[path] = delta
         return folder
 
     def adopt(
@@ -307,11 +326,11 @@ class ModuleStore:
                 Frame("OuterMomentum", {"module": mid, "version": version}, momentum),
             )
         for meta, tensors in deltas:
-            base = meta["base_version"]
-            name = f"P{meta['path']}-b{base}.dpt" if base != version else f"P{meta['path']}.dpt"
-            write_tensor_file(
-                self.root / "deltas" / mid / f"v{version}" / name, Frame("Delta", meta, tensors)
-            )
+            base, rnd = meta["base_version"], meta.get("round", meta["base_version"])
+            late = rnd not in (version, version + 1)  # else its round's: on time or ahead
+            name = f"P{meta['path']}-b{base}.dpt" if late else f"P{meta['path']}.dpt"
+            at = f"v{version + 1}" if rnd == version + 1 else f"v{version}"
+            write_tensor_file(self.root / "deltas" / mid / at / name, Frame("Delta", meta, tensors))
         write_json_atomic(
             folder / "head.json", {"version": version, "hash": tensors_sha256(params)}
         )
@@ -375,19 +394,21 @@ class ModuleStore:
         del deltas
         v = record.version + 1
         applied = (record.applied + [p.task_id for p in included])[-APPLIED_KEPT:]
-        on_time = sorted(p.path for p in included if p.base_version == record.version)
+        # The paths' reports for v (by round: an ahead task's base is older), and the late.
+        on_time = sorted(p.path for p in included if p.for_round == record.version)
         reported = {**record.reported, record.version: on_time}
         reported = {b: ps for b, ps in reported.items() if b > record.version - REPORTED_KEPT}
         # The release hash (SHA-256, what peers check) on another core; readers of
         # ``new.hash`` wait for it.
         new = ModuleRecord(v, _Job(tensors_sha256, params), params, momentum, applied, reported)
-        if (self.root / "deltas" / mid / f"v{v}").is_dir():  # a redo after a restart (above)
-            new.pending, new.late = self.opener.pending(mid, v, params)
+        # The deltas acknowledged for v+1 already: ahead tasks' (overlap), and after a restart
+        # that redoes the step, those acknowledged against v+1 before the crash (above).
+        new.pending = dict(record.ahead)
         info = {
             "module": mid,
             "version": v,
             "paths": on_time,
-            "late_paths": sorted(p.path for p in included if p.base_version != record.version),
+            "late_paths": sorted(p.path for p in included if p.for_round != record.version),
             "tasks": [p.task_id for p in included],
             "weights": [p.weight for p in included],
             "outer_grad_norm": norm,
@@ -420,7 +441,7 @@ class ModuleStore:
         self.held = sum(
             d.held_bytes
             for r in self.modules.values()
-            for d in (*r.pending.values(), *r.late.values())
+            for d in (*r.pending.values(), *r.late.values(), *r.ahead.values())
         )
         return result.info
 

@@ -38,6 +38,7 @@ class PendingDelta:
     peer_id: str
     file: Path
     base_version: int = -1
+    round: int = -1  # the version whose step it belongs to (-1: its base, as before overlap)
     voter: str = ""  # the key that sent it (one vote per key in a robust combiner); "": peer_id
     # The file's tensors, held in memory since admission (ModuleStore.commit_delta, within
     # its budget): the step reads them instead of the file. None: read the file (a restart).
@@ -46,6 +47,11 @@ class PendingDelta:
     @property
     def held_bytes(self) -> int:
         return 0 if self.tensors is None else sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def for_round(self) -> int:
+        """The version whose step this delta counts for as its path's report."""
+        return self.base_version if self.round < 0 else self.round
 
     @property
     def vote(self) -> str:
@@ -62,6 +68,9 @@ class ModuleRecord:
     reported: dict[int, list[int]] = field(default_factory=dict)  # base version -> on-time paths
     pending: dict[int, PendingDelta] = field(default_factory=dict)  # on time: base == version
     late: dict[int, PendingDelta] = field(default_factory=dict)  # late: base < version, damped
+    # Ahead (overlap): a path's delta for the next version's step, trained from this one while
+    # this round waits for others; it becomes pending when the module steps.
+    ahead: dict[int, PendingDelta] = field(default_factory=dict)
 
     @property
     def hash(self) -> str:
@@ -182,6 +191,7 @@ class StoreOpener:
         record = ModuleRecord(v, head["hash"], params, momentum, head["applied"], head["reported"])
         self._discard_uncommitted(mid, folder, v)
         record.pending, record.late = self.pending(mid, v, params)
+        record.ahead, _ = self.pending(mid, v + 1, params)  # acked for the next step
         return record
 
     @staticmethod
@@ -255,7 +265,7 @@ class StoreOpener:
         for f in sorted((self.root / "deltas" / mid / f"v{version}").glob("P*.dpt")):
             try:
                 path, delta = self._read_pending(f, version, params)
-                table = pending if delta.base_version == version else late
+                table = pending if delta.for_round == version else late
                 if path in table:
                     raise CorruptFileError(f"{f}: a second delta of path {path} for v{version}")
             except CorruptFileError as exc:
@@ -269,12 +279,15 @@ class StoreOpener:
         frame = read_tensor_file(f)
         fields = frame.fields
         base = fields.get("base_version", version)
+        rnd = fields.get("round", base)
         path, weight = fields.get("path"), fields.get("weight")
         if not (
             _is_int(path)
             and path >= 0
             and _is_int(base)
             and 0 <= base <= version
+            and _is_int(rnd)
+            and base <= rnd <= version
             and isinstance(weight, int | float)
             and not isinstance(weight, bool)
             and math.isfinite(weight)
@@ -292,5 +305,6 @@ class StoreOpener:
             fields["peer_id"],
             f,
             base,
+            rnd,
             fields.get("voter", ""),
         )

@@ -30,6 +30,8 @@ def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
     asked_clock = bool(req.capabilities.get("clock"))  # a question, not a capability to show
     capabilities = {k: v for k, v in req.capabilities.items() if k != "clock"}
     core._seen(req.peer_id, device=req.device, capabilities=capabilities)
+    # A peer saying Hello has (re)started: it no longer holds where its paths ended (overlap).
+    core.trained_by = {k: p for k, p in core.trained_by.items() if p != req.peer_id}
     return m.Welcome(
         run_id=core.run_id,
         config=core.peer_config,
@@ -53,8 +55,9 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
         return m.NoTask(reason="run finished", retry_after=0.0, finished=True)
     for held in core.scheduler.leases_of(req.peer_id):
         # A peer back from a restart gets its task again, unless its round has moved on
-        # without it: then the task cannot be trained from its base any more; drop it.
-        if any(core.version(mid) != v for mid, v in held.module_versions.items()):
+        # without it: then the task cannot be trained from its base any more; drop it. (An
+        # ahead task's modules may move on to its round: overlap.)
+        if any(core.version(mid) not in (v, held.round) for mid, v in held.module_versions.items()):
             core.scheduler.release(held.task_id, req.peer_id)
             core.metrics({"event": "task_dropped", "task": held.task_id, "peer": req.peer_id})
     # A path-parallel peer names the tasks it holds already: it asks for one more.
@@ -72,9 +75,7 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
                 f"this key already holds {len(held)} live tasks "
                 f"(at most {core.security.max_tasks_per_key})",
             )
-    lease = core.scheduler.claim(
-        req.peer_id, core.open_paths(), req.prefer_path, core.inner_steps, req.holding
-    )
+    lease = lease_open_or_ahead(core, req)
     if lease is None and req.wait > 0 and not req.holding:
         lease = wait_for_work(core, req)
     if core.finished:
@@ -257,6 +258,23 @@ def lease_task(core: CoordinatorBase, lease: Lease, key: str | None = None) -> T
     )
 
 
+def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
+    """Lease an open path; with overlap, else the next round of a path the peer trained
+    (rounds.ahead_paths) rather than wait for this round to close. None if neither."""
+    lease = core.scheduler.claim(
+        req.peer_id, core.open_paths(), req.prefer_path, core.inner_steps, req.holding
+    )
+    if lease is None and core.policy.overlap:
+        lease = core.scheduler.claim(
+            req.peer_id,
+            core.ahead_paths(req.peer_id),
+            req.prefer_path,
+            core.inner_steps,
+            req.holding,
+        )
+    return lease
+
+
 def wait_for_work(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
     """A long poll: wait, without the lock, for a path to open (an outer step, a report, a
     lease ended: every change notifies ``step_cond``), up to ``req.wait`` seconds (at most
@@ -273,9 +291,7 @@ def wait_for_work(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
             if core.work_generation == seen:  # nothing changed: no path opened
                 continue
             seen = core.work_generation
-            lease = core.scheduler.claim(
-                req.peer_id, core.open_paths(), req.prefer_path, core.inner_steps, req.holding
-            )
+            lease = lease_open_or_ahead(core, req)
             if lease is not None:
                 return lease
         return None

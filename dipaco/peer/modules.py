@@ -22,6 +22,9 @@ from dipaco.protocols.wire import tensors_sha256
 
 # module id -> (version, its tensors by name)
 Cache = dict[str, tuple[int, dict[str, torch.Tensor]]]
+# Overlap: per path, its last task's (round, per-module delta) on this peer
+Ends = dict[int, tuple[int, dict[str, dict[str, torch.Tensor]]]]
+KEEP_ENDS = 8  # the paths whose last delta a peer keeps, to start their next round from
 
 
 class TaskAborted(Exception):
@@ -89,6 +92,10 @@ def fetch_modules(
         if version is None:
             links.refresh()
             raise TaskAborted(f"no owner served module {mid}; owners refreshed")
+        if want < version <= task.round:
+            # An ahead task (overlap) whose module reached the task's round meanwhile: train
+            # from the newer version, and say so as the delta's base (the coordinator allows it).
+            task.module_versions[mid] = want = version
         if version != want:
             raise TaskAborted(f"module {mid} moved to version {version} since the task was issued")
         if mid in fresh:
@@ -154,3 +161,43 @@ def check_releases(server_key: str | None, reply: m.Modules, run_id: str | None)
             server_key or "", reply.signatures.get(mid, ""), "release", release
         ):
             raise TaskAborted(f"module {mid} v{version}: its release signature does not verify")
+
+
+def continued(
+    task: m.TaskOffer,
+    modules: dict[str, dict[str, torch.Tensor]],
+    end: tuple[int, dict[str, dict[str, torch.Tensor]]] | None,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Overlap: an ahead task of a path this peer trained for the round before starts where
+    that training ended. A module still at that round's version has not applied the peer's
+    delta yet, so the start is the release minus that delta (deltas are fetched minus
+    trained); a module past it has applied it and starts from its release. From the release
+    alone, the delta would carry the last round's move again, on top of the step that applies
+    it. ``end``: the path's last task on this peer, as (its round, its per-module delta)."""
+    if end is None or end[0] != task.round - 1:
+        return modules
+    last_round, delta = end
+    return {
+        mid: (
+            {name: t - delta[mid][name] for name, t in tensors.items()}
+            if task.module_versions[mid] == last_round and mid in delta
+            else tensors
+        )
+        for mid, tensors in modules.items()
+    }
+
+
+def keep_end(
+    ends: Ends,
+    task: m.TaskOffer,
+    delta: dict[str, dict[str, torch.Tensor]] | None,
+    config: dict,
+) -> None:
+    """With overlap (the run's ``scheduler.overlap``), remember where a finished task of the
+    path ended, as its round and delta, for :func:`continued`; the newest KEEP_ENDS paths."""
+    if delta is None or not config.get("run", {}).get("scheduler", {}).get("overlap", False):
+        return
+    ends.pop(task.path, None)
+    ends[task.path] = (task.round, delta)
+    while len(ends) > KEEP_ENDS:
+        del ends[next(iter(ends))]

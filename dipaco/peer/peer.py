@@ -45,7 +45,9 @@ from dipaco.peer.modules import (
     TaskAborted,
     check_manifest,
     check_releases,
+    continued,
     fetch_modules,
+    keep_end,
 )
 from dipaco.peer.push import Pusher, Tensors, codec_settings
 from dipaco.peer.seeds import SeedFetcher
@@ -122,6 +124,7 @@ class Peer:
         self.shard_source, self.checkpoint_seconds = shard_source, checkpoint_seconds
         self.cache: Cache = {}
         self.last_path: int | None = None
+        self.ends: dict[int, tuple[int, Tensors]] = {}  # overlap: modules.keep_end
         self.tasks_done, self.tokens_trained = 0, 0
         self.timings: dict[str, float] = dict.fromkeys(TIMED, 0.0)  # see TIMED
         self.config: dict[str, Any] = {}
@@ -278,7 +281,7 @@ class Peer:
         if task.owners:
             self.links.owners.update(task.owners)
         with timed(self.timings, "fetch"):
-            modules = self.fetch(task)
+            modules = continued(task, self.fetch(task), self.ends.get(task.path))
         with timed(self.timings, "train"):
             model = self.trainer.build(task, modules, self.cache)
             run = self.trainer.open(
@@ -294,6 +297,8 @@ class Peer:
         self.tasks_done += 1
         self.tokens_trained += tokens
         self.last_path = run.task.path
+        if self.parallel == 1:
+            keep_end(self.ends, run.task, run.delta, self.config)
         log.info(
             "peer %s: %s done, loss %.3f -> %.3f",
             self.peer_id,

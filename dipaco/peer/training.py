@@ -59,6 +59,7 @@ class TaskRun:
     began: float = 0.0  # when its steps began (on_progress's "elapsed")
     checkpoints: bool = True  # snapshot every checkpoint_seconds (off in path-parallel batches)
     stream: Any = None  # its own CUDA stream in a path-parallel batch on a GPU
+    delta: Tensors | None = None  # per module (CPU), once taken (``PathTrainer.deltas``)
 
     @property
     def finished(self) -> bool:
@@ -322,4 +323,5 @@ class PathTrainer:
             trained = self.topology.split_path_state(
                 run.task.path, {k: v.detach().cpu() for k, v in run.model.state_dict().items()}
             )
-            return module_deltas(run.modules, trained)
+            run.delta = module_deltas(run.modules, trained)
+            return run.delta

@@ -42,6 +42,29 @@ def test_the_benchmark_runs_prints_its_ratio_and_records_its_row(bench, extra, t
     assert f"bench/{bench}.py --quick" in rows[0]  # the command, as typed
 
 
+def test_the_scale_bench_with_a_slow_peer_and_overlap_trains_ahead_and_applies_once(tmp_path):
+    """Real processes: a coordinator and 2 peers, the second at a quarter speed; with overlap
+    the fast peer trains rounds ahead instead of waiting, and every acknowledged delta is
+    applied in exactly one outer step, in both runs."""
+    doc = tmp_path / "b.md"
+    done = subprocess.run(
+        [sys.executable, REPO / "bench" / "scale.py", "--peers", "2", "--slow-peer",
+         "--overlap", "--rounds", "3", "--inner-steps", "16", "--doc", doc,
+         "--out", tmp_path / "scale.json", "--plot", ""],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "scale.json").read_text())["rows"]
+    off, on = (
+        next(r for r in rows if r["peers"] == 2 and r["overlap"] == o) for o in (False, True)
+    )
+    assert off["ahead_tasks"] == 0 and on["ahead_tasks"] >= 1, rows
+    assert all(r["applied_once"] and r["tasks"] == 3 * 8 for r in rows), rows
+    assert all(r["ppl"] > 1 for r in rows)
+    assert "every acknowledged delta applied in exactly one outer step: True" in done.stdout
+    assert "waiting" in done.stdout and "| scale | overlap" in doc.read_text()
+
+
 def test_the_poison_bench_short_form_shows_the_attack_and_the_defence(tmp_path):
     done = subprocess.run(
         [sys.executable, REPO / "bench" / "poison.py", "--quick", "--out", tmp_path,
