@@ -30,8 +30,15 @@ def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
     asked_clock = bool(req.capabilities.get("clock"))  # a question, not a capability to show
     capabilities = {k: v for k, v in req.capabilities.items() if k != "clock"}
     core._seen(req.peer_id, device=req.device, capabilities=capabilities)
-    # A peer saying Hello has (re)started: it no longer holds where its paths ended (overlap).
+    # A peer saying Hello has (re)started: it no longer holds where its paths ended (overlap),
+    # so it can train no path ahead, nor resume such a task: its delta would repeat the move of
+    # the round before. Those tasks are handed back.
     core.trained_by = {k: p for k, p in core.trained_by.items() if p != req.peer_id}
+    if core.is_scheduler:
+        for lease in core.scheduler.leases_of(req.peer_id):
+            if any(v < lease.round for v in lease.module_versions.values()):
+                core.scheduler.release(lease.task_id, req.peer_id)
+                core.metrics({"event": "task_dropped", "task": lease.task_id, "peer": req.peer_id})
     return m.Welcome(
         run_id=core.run_id,
         config=core.peer_config,

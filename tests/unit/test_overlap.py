@@ -133,10 +133,16 @@ def test_only_the_peer_that_trained_a_path_goes_ahead_on_it_until_it_restarts(tm
     round0_with_a_straggler(tr)
     # p9 trained nothing: it does not hold where any path ended, so it waits.
     assert isinstance(claim(tr, "p9", prefer=0), m.NoTask)
-    # p0 restarted (it says Hello again): it lost where path 0 ended, so it waits too.
-    tr.request(m.Hello(peer_id="p0"))
-    assert isinstance(claim(tr, "p0", prefer=0), m.NoTask)
-    assert claim(tr, "p1", prefer=1).round == 1
+    # p1 holds a task ahead when it restarts (it says Hello again): it lost where path 1
+    # ended, so that task is handed back, and it gets no other ahead task; nor does p0 after
+    # its restart.
+    ahead = claim(tr, "p1", prefer=1)
+    assert (ahead.path, ahead.round) == (1, 1)
+    for peer in ("p1", "p0"):
+        tr.request(m.Hello(peer_id=peer))
+        assert isinstance(claim(tr, peer, prefer=int(peer[1])), m.NoTask)
+    assert ahead.task_id not in co.scheduler.leases
+    assert claim(tr, "p2", prefer=2).round == 1
 
 
 def test_the_last_round_has_no_ahead_tasks(tmp_path):
