@@ -20,26 +20,36 @@ from dipaco.protocols.reasons import Reason
 log = logging.getLogger(__name__)
 
 
-def open_paths(core: CoordinatorBase) -> dict[int, int]:
-    # Each module's version and reported paths once, not once per path through it: every
-    # claim asks this.
+def path_rounds(core: CoordinatorBase) -> list[tuple[int, int, bool]]:
+    """Each path whose modules' versions are known, as (path, its round, whether it has
+    reported for that round).
+
+    The path's round is its modules' lowest version v. Modules past it closed that round without
+    the path (or made all their rounds): a task still owes a delta only to those at v. Each
+    module's version and reported paths are read once, not once per path through it: every
+    claim asks this."""
     version = {mid: core.version(mid) for mid in core.topology.module_ids()}
     done = {mid: core.reported(mid) for mid in version}
-    out = {}
+    out = []
     for p in range(core.topology.num_paths):
         mids = core.topology.path_modules(p)
         if any(version[mid] is None for mid in mids):
             continue
         v = min(version[mid] for mid in mids)
-        # The path's round is its modules' lowest version. Modules past it closed that round
-        # without the path (or made all their rounds): a task still owes a delta only to those
-        # at v. Once no one trains it (its overdue straggler vanished), the path is offered
-        # again for them, or they would wait for ever; the others drop its delta (admission).
         waiting = [mid for mid in mids if version[mid] == v]
-        reported = (p, v) in core.done or all(p in done[mid] for mid in waiting)
-        if v < core.rounds and not reported and core.phase_of(v) in core.phases:
-            out[p] = v
+        out.append((p, v, (p, v) in core.done or all(p in done[mid] for mid in waiting)))
     return out
+
+
+def open_paths(core: CoordinatorBase) -> dict[int, int]:
+    """The paths that owe their round a delta (path -> round). Once no one trains a path (its
+    overdue straggler vanished), it is offered again for its modules still at its round, or
+    they would wait for ever; the others drop its delta (admission)."""
+    return {
+        p: v
+        for p, v, reported in path_rounds(core)
+        if v < core.rounds and not reported and core.phase_of(v) in core.phases
+    }
 
 
 def ahead_paths(core: CoordinatorBase, peer_id: str) -> dict[int, int]:
@@ -49,26 +59,16 @@ def ahead_paths(core: CoordinatorBase, peer_id: str) -> dict[int, int]:
     versions there are now (one round stale once the round closes), and its delta is its
     path's report for the next round (admission.check_state). Only that peer holds where the
     path ended; from the release, the delta would carry the last round's move again."""
-    version = {mid: core.version(mid) for mid in core.topology.module_ids()}
-    out = {}
-    for p in range(core.topology.num_paths):
-        mids = core.topology.path_modules(p)
-        if any(version[mid] is None for mid in mids):
-            continue
-        v = min(version[mid] for mid in mids)
-        nxt = v + 1
-        waiting = [mid for mid in mids if version[mid] == v]
-        reported = (p, v) in core.done or all(p in core.reported(mid) for mid in waiting)
-        if (
-            reported
-            and core.trained_by.get((p, v)) == peer_id
-            and nxt < core.rounds
-            and (p, nxt) not in core.done
-            and core.phase_of(nxt) in core.phases
-            and core.phase_of(nxt) == core.phase_of(v)  # a new phase may route anew
-        ):
-            out[p] = nxt
-    return out
+    return {
+        p: v + 1
+        for p, v, reported in path_rounds(core)
+        if reported
+        and core.trained_by.get((p, v)) == peer_id
+        and v + 1 < core.rounds
+        and (p, v + 1) not in core.done
+        and core.phase_of(v + 1) in core.phases
+        and core.phase_of(v + 1) == core.phase_of(v)  # a new phase may route anew
+    }
 
 
 def tick(core: CoordinatorBase) -> None:
