@@ -39,6 +39,9 @@ from dipaco.run.metrics_log import MetricsLog
 
 log = logging.getLogger(__name__)
 
+# The per-round validation's tries at fetching other owners' modules before it skips a round.
+FETCH_TRIES = 3
+
 
 def aggregation(c: RunConfig) -> str:
     """The combiner of the run: ``validation.aggregation``, with "auto" resolved by who may
@@ -243,11 +246,18 @@ def build_coordinator(
                 "cannot fetch them; `dipaco eval --run-dir` after the run gathers them"
             )
             return None
-        try:
-            remote = coordinator.fetch_remote(others)
-        except DipacoError as exc:
-            note(f"per-round validation skipped: cannot fetch other owners' modules ({exc})")
-            return None
+        for attempt in range(FETCH_TRIES):  # a busy owner or a dropped stream: try again
+            try:
+                remote = coordinator.fetch_remote(others)
+                break
+            except DipacoError as exc:
+                if attempt + 1 == FETCH_TRIES:
+                    note(
+                        f"per-round validation skipped: cannot fetch other owners' modules ({exc})"
+                    )
+                    return None
+                log.info("per-round validation: fetching other owners' modules again (%s)", exc)
+                time.sleep(1.0)
         coordinator.eval_note = None
         return lambda mid: remote[mid] if mid in remote else coordinator.store.params(mid)
 

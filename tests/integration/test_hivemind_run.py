@@ -342,7 +342,8 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(
     # The per-round validation saw the whole model too: after the last round, the same figure.
     rounds = {e["round"]: e["ppl"] for e in read_events(root / "metrics.jsonl")
               if e["event"] == "eval" and e["model"] == "dipaco"}  # fmt: skip
-    assert sorted(rounds) == [1, 2] and rounds[2] == networked_eval["ppl"], rounds
+    assert sorted(rounds) == [1, 2], (rounds, coordinator.output)
+    assert rounds[2] == networked_eval["ppl"], rounds
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "export-net" / "model.safetensors").read_bytes() == (
         tmp_path / "export-local" / "model.safetensors"
