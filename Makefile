@@ -18,9 +18,14 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/dipaco demo $(ARGS)
 
+# Two workers (pytest-xdist) for most of the suite, then the tests marked serial alone (they time
+# how fast a command stops, or scan every process for a daemon left behind). Exit code 5 is
+# "nothing selected" (an ARGS that picks no serial test). TEST_WORKERS=0 runs it all in one.
+TEST_WORKERS ?= 2
 test: $(STAMP) lint
 	.ci/need-chromium
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial" $(ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m serial $(ARGS) || [ $$? -eq 5 ]
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dipaco tests bench

@@ -26,7 +26,7 @@ from fault_harness import BIN, free_port, write_config
 
 from dipaco.procs import descendants
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 LIMIT = 5.0  # seconds from the signal to the process's exit
 TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())
 

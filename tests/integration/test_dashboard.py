@@ -17,7 +17,7 @@ from _waiting import wait_for
 
 BIN = Path(sys.executable).parent
 ARTIFACTS = Path(os.environ.get("DIPACO_ARTIFACTS", Path(__file__).parents[2] / "artifacts"))
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def chromium():

@@ -22,6 +22,8 @@ from _waiting import alive, helper_pids, run_config, wait_for
 
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
+# Tests that check no daemon outlived a command scan every process and /tmp: they run alone.
+serial = pytest.mark.serial
 STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d ")
 PEER_ID = "12D3KooWQ6XhUxsJ2Udqf8n2LRWpdP2Skr9boZuZAcWWxfBH4mSp"
 
@@ -170,6 +172,7 @@ def errors_of(*commands, timeout: float = 120) -> list[str]:
     return lines
 
 
+@serial
 def test_join_says_what_address_it_wanted(tmp_path):
     addresses = ["foo", "/ip4/127.0.0.1/tcp/4001", "/ip4/1.2.3/tcp/4001", "127.0.0.1:4001",
                  "http://127.0.0.1:8080/", PEER_ID]  # fmt: skip
@@ -187,6 +190,7 @@ def test_join_says_what_address_it_wanted(tmp_path):
     assert "peer id alone" in lines[5]
 
 
+@serial
 def test_a_dead_address_is_retried_then_pointed_to_doctor(tmp_path):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -201,6 +205,7 @@ def test_a_dead_address_is_retried_then_pointed_to_doctor(tmp_path):
     assert "\n" not in line and "failed to connect to bootstrap peers" in line
 
 
+@serial
 def test_busy_ports_are_refused_before_any_work(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -219,6 +224,7 @@ def test_busy_ports_are_refused_before_any_work(tmp_path):
             assert not run_dir.exists(), "nothing is prepared for a run that cannot serve"
 
 
+@serial
 def test_data_that_looks_like_markup_is_printed_as_it_is(tmp_path):
     odd = tmp_path / "run[/bold] [red]x"
     owner = tmp_path / "owner"
@@ -231,6 +237,7 @@ def test_data_that_looks_like_markup_is_printed_as_it_is(tmp_path):
     assert "is a module owner's folder" in owners and f"--owner-dir {owner}" in owners
 
 
+@serial
 def test_ctrl_c_stops_a_hivemind_coordinator_quickly_and_quietly(run_copy, tmp_path):
     root = run_copy()
     before = sockets()
