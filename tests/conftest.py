@@ -6,32 +6,6 @@ import pytest
 from dipaco.config import preset_config
 from dipaco.prepare.pipeline import prepare
 
-# `make test` runs the suite in two workers (pytest-xdist, --dist worksteal): the longest tests
-# start first, so that the workers finish together rather than one running a long test alone at
-# the end. Files in this order, then the other slow ones, then the rest, each in file order.
-LONGEST_FIRST = (
-    "test_flower_run.py",
-    "test_hivemind_run.py",
-    "test_paper_table.py",
-    "test_standby.py",
-    "test_machine_peer.py",
-    "test_benches.py",
-    "test_demo_cli.py",
-    "test_hostile.py",
-    "test_simulator.py",
-    "test_processes.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item) -> tuple[int, int]:
-        name = item.path.name
-        if name in LONGEST_FIRST:
-            return 0, LONGEST_FIRST.index(name)
-        return (1 if item.get_closest_marker("slow") else 2), 0
-
-    items.sort(key=rank)  # stable: file order within each rank
-
 
 @pytest.fixture(scope="session")
 def tiny_config():

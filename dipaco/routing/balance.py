@@ -15,7 +15,6 @@ import logging
 import math
 
 import numpy as np
-from scipy.sparse.csgraph import csgraph_from_dense, dijkstra
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +174,8 @@ def _shortest_path_moves(
     any cluster below it), then none below ``lo`` (taken from clusters above it); neither
     phase breaks the other's bound.
     """
+    from scipy.sparse.csgraph import csgraph_from_dense, dijkstra  # only when balancing
+
     n, k = scores.shape
     offsets = offsets.copy()
     choice = np.argmin(scores + offsets, axis=1)

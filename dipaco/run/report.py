@@ -5,11 +5,18 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
+from rich.table import Table
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from rich.table import Table  # noqa: E402
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, imported when a chart is drawn (it
+    costs every command that merely imports this module about half a second)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def results_table(rows: list[dict]) -> Table:
@@ -50,6 +57,7 @@ def results_markdown(rows: list[dict]) -> str:
 
 def plot_run(events: list[dict], out: str | Path, title: str = "") -> Path:
     """Training loss per path and for the dense baseline (left); routed validation ppl (right)."""
+    plt = pyplot()
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
     train: dict[str, dict[int, float]] = defaultdict(dict)
     for e in events:
