@@ -31,6 +31,7 @@ def settings(**kw) -> costs.Settings:
     return costs.Settings(**{**base, **kw})
 
 
+@pytest.mark.serial  # its minute is the capacity simulator's promise: timed alone
 @pytest.mark.timeout(60)
 def test_200_simulated_peers_reach_the_last_round_with_every_delta_applied_once():
     # datacenter peers only (short rounds: the test stays quick); 5% of them leave mid-task

@@ -3,6 +3,8 @@ again when a fetch fails, and says why when it cannot validate a round."""
 
 import json
 
+import pytest
+
 from dipaco.errors import TransportError
 from dipaco.prepare.pipeline import prepare
 from dipaco.run import factory
@@ -10,13 +12,31 @@ from dipaco.run.factory import build_coordinator
 from dipaco.run.metrics_log import MetricsLog
 
 
-def scheduler_with_a_remote_module(root, config, fetch):
-    """A scheduler one of whose modules another owner holds, fetched with ``fetch``."""
-    co = build_coordinator(prepare(root, config), MetricsLog(root / "m.jsonl"), evaluate=True)
-    mid = sorted(co.owners)[-1]
-    co.owners[mid] = "another-owner"
-    co.fetch_remote = fetch
-    return co, mid
+@pytest.fixture
+def scheduler(run_copy, tiny_config, monkeypatch):
+    """``make(failures)``: a scheduler one of whose modules another owner holds; fetching it
+    fails ``failures`` times (the owner unreachable), then works. Returns (scheduler, the
+    modules asked for at each try, the run folder)."""
+    monkeypatch.setattr(factory.time, "sleep", lambda s: None)
+
+    def make(failures: int):
+        root = run_copy()
+        co = build_coordinator(
+            prepare(root, tiny_config), MetricsLog(root / "m.jsonl"), evaluate=True
+        )
+        co.owners[sorted(co.owners)[-1]] = "another-owner"
+        asked: list[list[str]] = []
+
+        def fetch(mids):
+            asked.append(list(mids))
+            if len(asked) <= failures:
+                raise TransportError("cannot reach another-owner: connection refused")
+            return {mid: co.store.params(mid) for mid in mids}
+
+        co.fetch_remote = fetch
+        return co, asked, root
+
+    return make
 
 
 def evals(root) -> dict[int, float]:
@@ -26,61 +46,24 @@ def evals(root) -> dict[int, float]:
     return {e["round"]: e["ppl"] for e in events if e["event"] == "eval"}
 
 
-def test_a_fetch_that_fails_once_is_tried_again_and_the_round_is_validated(
-    run_copy, tiny_config, monkeypatch
-):
-    monkeypatch.setattr(factory.time, "sleep", lambda s: None)
-    root = run_copy()
-    asked = []
-
-    def flaky(mids):
-        asked.append(list(mids))
-        if len(asked) == 1:
-            raise TransportError("nothing moved to or from the owner for 30 s")
-        return {m: co.store.params(m) for m in mids}
-
-    co, mid = scheduler_with_a_remote_module(root, tiny_config, flaky)
+def test_a_fetch_that_fails_once_is_tried_again_and_the_round_is_validated(scheduler):
+    co, asked, root = scheduler(failures=1)
     co.on_round(1)
-    assert asked == [[mid], [mid]]
+    remote = [mid for mid, owner in co.owners.items() if owner == "another-owner"]
+    assert asked == [remote, remote]
     assert list(evals(root)) == [1]
     assert co.eval_note is None
 
 
-def test_an_owner_that_cannot_be_reached_skips_the_round_and_says_why(
-    run_copy, tiny_config, monkeypatch
-):
-    monkeypatch.setattr(factory.time, "sleep", lambda s: None)
-    root = run_copy()
-    tries = []
-
-    def down(mids):
-        tries.append(mids)
-        raise TransportError("cannot reach another-owner: connection refused")
-
-    co, _ = scheduler_with_a_remote_module(root, tiny_config, down)
+def test_an_owner_that_cannot_be_reached_skips_the_round_and_says_why(scheduler):
+    co, asked, root = scheduler(failures=factory.FETCH_TRIES)
     co.on_round(1)
-    assert len(tries) == factory.FETCH_TRIES
+    assert len(asked) == factory.FETCH_TRIES
     assert evals(root) == {}
     assert "per-round validation skipped" in co.eval_note
     assert "connection refused" in co.eval_note
 
-
-def test_the_next_round_is_validated_once_the_owner_answers_again(
-    run_copy, tiny_config, monkeypatch
-):
-    monkeypatch.setattr(factory.time, "sleep", lambda s: None)
-    root = run_copy()
-    up = {"now": False}
-
-    def sometimes(mids):
-        if not up["now"]:
-            raise TransportError("cannot reach another-owner")
-        return {m: co.store.params(m) for m in mids}
-
-    co, _ = scheduler_with_a_remote_module(root, tiny_config, sometimes)
-    co.on_round(1)
-    assert co.eval_note is not None
-    up["now"] = True
+    # The owner answers again: the next round is validated and the note is gone.
     co.on_round(2)
     assert list(evals(root)) == [2]
     assert co.eval_note is None
