@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -97,6 +98,18 @@ class AtomicFile:
             self.commit()
         else:
             self.abort()
+
+
+def finite_number(value: Any) -> bool:
+    """A number read from a file (int or float, not bool) that is finite as a float: what a
+    duration, a weight or a scale must be. An integer beyond a float's range (10**400, which
+    JSON allows) is not one, and ``math.isfinite`` would raise on it."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def write_atomic(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from dipaco.coordinator import rotation
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.records import ReportedModule
 from dipaco.errors import CorruptFileError
+from dipaco.fileio import finite_number
 from dipaco.protocols import keyrotation
 from dipaco.protocols.reasons import Reason
 
@@ -229,7 +229,7 @@ def _count(v: Any) -> bool:
 
 
 def _seconds(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    return finite_number(v)
 
 
 def _pairs(value: Any, n: int) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 from dipaco.errors import CorruptFileError
-from dipaco.fileio import write_json_atomic
+from dipaco.fileio import finite_number, write_json_atomic
 from dipaco.protocols.wire import read_tensor_file, tensors_sha256
 
 log = logging.getLogger(__name__)
@@ -288,9 +287,7 @@ class StoreOpener:
             and 0 <= base <= version
             and _is_int(rnd)
             and base <= rnd <= version
-            and isinstance(weight, int | float)
-            and not isinstance(weight, bool)
-            and math.isfinite(weight)
+            and finite_number(weight)
             and weight > 0
             and isinstance(fields.get("task_id"), str)
             and isinstance(fields.get("peer_id"), str)

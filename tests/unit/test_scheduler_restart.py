@@ -219,6 +219,14 @@ def test_the_saved_scheduler_state_is_small_and_has_its_documented_shape(tmp_pat
         (lambda s: s["scheduler"]["live"].update({"x": "soon"}), "scheduler.live"),
         (lambda s: s["scheduler"].update(attempts=[[0, -1, 2]]), "scheduler.attempts"),
         (lambda s: s["scheduler"].update(durations=[-3.0]), "scheduler.durations"),
+        # JSON allows an integer no float holds (the fuzz test found it: an OverflowError).
+        (lambda s: s["scheduler"].update(durations=[10**400]), "scheduler.durations"),
+        (
+            lambda s: s["scheduler"]["live"].update(
+                dict.fromkeys(s["scheduler"]["live"], [10**400, 0])
+            ),
+            "scheduler.live",
+        ),
         (lambda s: s["scheduler"].update(paces={"a": "fast"}), "scheduler.paces"),
         (lambda s: s.update(scheduler=[]), "'scheduler' is not an object"),
         (lambda s: s.update(overdue=[[1]]), "overdue"),
