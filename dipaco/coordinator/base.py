@@ -160,6 +160,7 @@ class CoordinatorBase:
         self.waiting_claims = 0
         self.long_poll_slots = 256
         self.work_generation = 0
+        self.path_rounds_cache: tuple[tuple, list[tuple[int, int, bool]]] | None = None
         self.handing: dict[str, tuple[str, float]] = {}  # module -> (new owner, since)
         self.done: set[tuple[int, int]] = set()  # (path, round) whose task every owner acked
         # (path, round) -> the peer whose task it was, since that peer's last Hello: overlap

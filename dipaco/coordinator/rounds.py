@@ -27,7 +27,30 @@ def path_rounds(core: CoordinatorBase) -> list[tuple[int, int, bool]]:
     The path's round is its modules' lowest version v. Modules past it closed that round without
     the path (or made all their rounds): a task still owes a delta only to those at v. Each
     module's version and reported paths are read once, not once per path through it: every
-    claim asks this."""
+    claim asks this, and every long poll again after each change.
+
+    The answer is kept until what it is made of changes: each module's version and the number
+    of paths reported at it (within a version that only grows; a step makes a new version),
+    whether the module is this coordinator's, and the number of tasks done (which only grows
+    between the rounds that prune it, and those move versions)."""
+    key = (*(_module_key(core, mid) for mid in core.topology.module_ids()), len(core.done))
+    cached = core.path_rounds_cache
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    out = _path_rounds(core)
+    core.path_rounds_cache = (key, out)
+    return out
+
+
+def _module_key(core: CoordinatorBase, mid: str) -> tuple[bool, int | None, int]:
+    if core.owns(mid):
+        record = core.store.modules[mid]
+        return True, record.version, len(record.pending)
+    info = core.remote.get(mid)
+    return False, info.version if info else None, len(info.pending) if info else 0
+
+
+def _path_rounds(core: CoordinatorBase) -> list[tuple[int, int, bool]]:
     version = {mid: core.version(mid) for mid in core.topology.module_ids()}
     done = {mid: core.reported(mid) for mid in version}
     out = []

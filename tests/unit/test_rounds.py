@@ -12,6 +12,7 @@ import torch
 from _tiny import delta_message
 
 from dipaco.config import SchedulerSection
+from dipaco.coordinator import rounds as rounds_module
 from dipaco.coordinator import tickets
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.outer import OuterSettings
@@ -779,3 +780,43 @@ def test_a_path_whose_straggler_vanished_after_its_round_closed_elsewhere_is_off
         assert tr.request(delta_for(task, f"p{p}")).dropped == []
     assert set(versions(co).values()) == {3}
     assert co.status().state["rejections_by_peer"] == {}
+
+
+# ---- the kept answer of which paths owe their round a delta -------------------------------------
+
+
+class Checked:
+    """A transport that, after every request, compares the coordinator's kept answer of each
+    path's round (what claims and long polls read) with one computed afresh."""
+
+    def __init__(self, co):
+        self.co, self.inner, self.checks = co, LocalTransport(co.handle), 0
+
+    def request(self, msg):
+        try:
+            return self.inner.request(msg)
+        finally:
+            kept = rounds_module.path_rounds(self.co)  # as a claim would read it now
+            assert kept == rounds_module._path_rounds(self.co), type(msg).__name__
+            self.checks += 1
+
+
+def test_the_kept_answer_of_each_paths_round_is_the_fresh_one_through_deadlines_and_late_deltas(
+    tmp_path,
+):
+    """Claims and long polls reuse ``path_rounds`` until its inputs change: after every request
+    of a run with a straggler, a deadline, a late delta and a path offered again, the kept
+    answer equals a fresh computation."""
+    clock = Clock()
+    co = make(tmp_path, clock, stale_damping=0.25)
+    tr = Checked(co)
+    task3 = straggling_round(co, tr, clock)
+    clock.now = 26.0
+    co.tick()
+    tr.request(m.GetStatus())
+    tr.request(delta_for(task3, "p3"))  # late: path 3 is open for round 2 again
+    assert co.open_paths() == {0: 2, 1: 2, 2: 2, 3: 2}
+    for _ in range(2):
+        full_round(tr, clock)
+    assert set(versions(co).values()) == {4} and co.finished
+    assert tr.checks > 30
