@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import json
 import secrets
@@ -74,6 +75,13 @@ def parse_public_key(text: str) -> Ed25519PublicKey:
     """``ed25519:<base64url of 32 bytes>`` as a key; a ValueError saying what is wrong else."""
     if not isinstance(text, str) or not text.startswith(KEY_PREFIX):
         raise ValueError(f"a public key looks like {KEY_PREFIX}<43 base64url characters>")
+    return _parse_key(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_key(text: str) -> Ed25519PublicKey:
+    """Every signed request names its key: the few thousand last parsed are kept (a key
+    object is immutable; a refused text is not kept, and a flood of new keys only evicts)."""
     try:
         raw = _unb64(text[len(KEY_PREFIX) :])
     except (binascii.Error, ValueError):
