@@ -177,22 +177,18 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
                 f"delta for {mid} is against version {base}, module is at "
                 f"{record.version} (at most {core.policy.max_staleness} late is applied)",
             )
-        if path in record.reported.get(rnd, []):
-            core._reject(
-                req.peer_id,
-                Reason.DUPLICATE,
-                f"path {path} already reported for {mid} version {rnd} (another task)",
-            )
-        table = record.ahead if lateness < 0 else record.pending if lateness == 0 else record.late
-        if path in table:
-            if table[path].task_id == req.task_id:
-                plan.already.append(mid)  # a retry of an acknowledged delta: ack it again
-                continue
-            core._reject(
-                req.peer_id,
-                Reason.DUPLICATE,
-                f"path {path} already reported for {mid} version {rnd}",
-            )
+        table = record.table_for(rnd)
+        if path in table and table[path].task_id == req.task_id:
+            plan.already.append(mid)  # a retry of an acknowledged delta: ack it again
+            continue
+        if record.holds_path(path, rnd):
+            # An earlier task of the path reported this round here (applied, or held for the
+            # step), and its lease ended before every owner had its delta: the path was offered
+            # again for the modules that lack it. This module keeps the first; the new one is
+            # dropped, and the ack says so, so that the other owners' modules can take theirs.
+            # Two deltas of one path never join one step.
+            plan.dropped.append(mid)
+            continue
         stale = max(record.version, rnd) - base  # versions behind the step it joins
         plan.store.append(Slot(mid, base, stale, record.version, rnd))
         plan.keys.append((mid, rnd, path))

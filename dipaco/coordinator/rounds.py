@@ -281,8 +281,10 @@ def task_done(core: CoordinatorBase, req: m.TaskDone) -> m.Ok:
 
 def unacked(core: CoordinatorBase, task: Task) -> list[str]:
     """The modules of ``task``'s path holding no acknowledged delta of it: for our own
-    modules, its task id among the pending, late or applied deltas; for another owner's, its
-    last report shows the path pending at the task's base, or the module past that base."""
+    modules, its task id among the pending, late or applied deltas, or the path's delta for
+    the task's round from an earlier task of it (this one's was dropped: admission); for
+    another owner's, its last report shows the path pending at the task's base, or the module
+    past that base."""
     missing = []
     for mid in core.topology.path_modules(task.path):
         base = task.versions.get(mid)
@@ -294,7 +296,11 @@ def unacked(core: CoordinatorBase, task: Task) -> list[str]:
                 d.task_id
                 for d in (*record.pending.values(), *record.late.values(), *record.ahead.values())
             ]
-            if task.task_id not in held and task.task_id not in record.applied:
+            if (
+                task.task_id not in held
+                and task.task_id not in record.applied
+                and not record.holds_path(task.path, task.round)
+            ):
                 missing.append(mid)
             continue
         version = core.version(mid)

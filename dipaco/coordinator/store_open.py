@@ -71,6 +71,15 @@ class ModuleRecord:
     # this round waits for others; it becomes pending when the module steps.
     ahead: dict[int, PendingDelta] = field(default_factory=dict)
 
+    def table_for(self, rnd: int) -> dict[int, PendingDelta]:
+        """Where a delta for round ``rnd`` waits for its step: ahead, pending (on time) or late."""
+        lateness = self.version - rnd
+        return self.ahead if lateness < 0 else self.pending if lateness == 0 else self.late
+
+    def holds_path(self, path: int, rnd: int) -> bool:
+        """Whether a delta of ``path`` for round ``rnd`` was applied here or waits for a step."""
+        return path in self.reported.get(rnd, []) or path in self.table_for(rnd)
+
     @property
     def hash(self) -> str:
         """The release hash peers check (``tensors_sha256`` of the parameters)."""

@@ -249,8 +249,9 @@ class DeltaAck:
     accepted: list[str]
     closed: list[str]  # modules whose round this delta completed
     task_done: bool = True  # False: other owners hold modules of the path; send TaskDone
-    # modules this delta was not for (they made all their rounds, or closed the task's round
-    # without its path): their deltas were dropped, not applied
+    # modules this delta was not for (they made all their rounds, closed the task's round
+    # without its path, or hold the path's delta for that round from an earlier task of it):
+    # their deltas were dropped, not applied
     dropped: list[str] = field(default_factory=list)
 
 

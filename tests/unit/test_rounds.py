@@ -484,6 +484,49 @@ def test_an_owner_that_is_not_the_scheduler_needs_tickets_and_leases_nothing(tmp
     assert list(owner.store.modules["L1.M0"].pending) == [0]
 
 
+def test_a_path_one_owner_holds_is_trained_again_for_the_other_and_its_round_closes(tmp_path):
+    """p0 pushed path 0's delta to the scheduler's modules and died before the other owner's
+    (a kill between two uploads; CI once hung here for five minutes, every new task of the
+    path refused as a duplicate). Its lease expires and the path is offered again: the next
+    task's delta is kept by the owner that lacks it and dropped by the one that holds it, the
+    task ends, and the path's round closes with one delta per module."""
+    clock = Clock()
+    primary = make(tmp_path / "a", clock)
+    second = make_owner(tmp_path / "b")
+    take_over(second, LocalTransport(primary.handle), ["L1.M0"])
+    sched = LocalTransport(primary.handle).authenticate(KEY)
+    owner = LocalTransport(second.handle).authenticate(KEY)
+    mine = [mid for mid in TOPO.path_modules(0) if mid != "L1.M0"]
+    first = claim(sched, "p0", prefer=0)
+    ack = sched.request(delta_for(first, "p0", mids=mine))
+    assert sorted(ack.accepted) == sorted(mine) and ack.task_done is False
+    clock.now = LEASE + 1
+    primary.tick()  # p0 is gone: its lease expires with L1.M0 still owed path 0's delta
+    again = claim(sched, "p1", prefer=0)
+    assert (again.path, again.round) == (0, 0) and again.task_id != first.task_id
+    ack = sched.request(delta_for(again, "p1", mids=mine, scale=0.5))
+    assert ack.accepted == [] and sorted(ack.dropped) == sorted(mine)
+    assert owner.request(delta_for(again, "p1", mids=["L1.M0"])).accepted == ["L1.M0"]
+    sched.request(second.report())
+    assert isinstance(sched.request(task_done(again, "p1")), m.Ok)
+    assert 0 not in primary.open_paths()
+    for mid in mine:  # the first task's delta, once; the second's is not held
+        held = primary.store.modules[mid].pending[0]
+        assert held.task_id == first.task_id
+    assert primary.rejections["duplicate"] == 0
+
+
+def task_done(task, peer):
+    return m.TaskDone(
+        peer_id=peer,
+        task_id=task.task_id,
+        ticket=task.ticket,
+        tokens=100,
+        losses=[1.0],
+        modules=list(task.module_versions),
+    )
+
+
 # ---- 5. a restarted peer ----------------------------------------------------------------------
 
 
