@@ -14,6 +14,7 @@ from test_rounds import (
     make,
     make_owner,
     rejected,
+    task_done,
     versions,
 )
 
@@ -178,17 +179,6 @@ def test_an_ahead_delta_held_by_another_owner_completes_the_task(tmp_path):
     sched.request(second.report())
     assert primary.remote["S.head"].ahead == (0,)
     assert isinstance(sched.request(task_done(ahead, "p0")), m.Ok)
-
-
-def task_done(task, peer):
-    return m.TaskDone(
-        peer_id=peer,
-        task_id=task.task_id,
-        ticket=task.ticket,
-        tokens=100,
-        losses=[1.0],
-        modules=list(task.module_versions),
-    )
 
 
 def test_an_ahead_task_starts_where_the_peers_last_task_of_the_path_ended():
