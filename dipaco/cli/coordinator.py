@@ -249,12 +249,14 @@ def start_owner(args: argparse.Namespace) -> int:
         raise ConfigError("a module owner needs --join ADDRESS and --owns MODULES")
     run_dir = Path(args.run_dir)
     me = Identity.load_or_create(run_dir / "coordinator" / "signing.key")
+    say(f"joining the DHT through {args.join}")
     node = joined_node(args, run_dir)
     reporter = ticker = publisher = None
     try:
         run_id, manifest, scheduler = hivemind.contact_scheduler(
             node, me, args.run, args.scheduler_key
         )
+        say(f"found run {run_id} and its scheduler; owning {args.owns}")
         coordinator = build_owner(
             run_dir,
             manifest,

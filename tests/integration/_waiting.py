@@ -6,14 +6,16 @@ from pathlib import Path
 
 
 def wait_for(predicate, timeout, what):
-    """``predicate()``'s first truthy value within ``timeout`` seconds, else an AssertionError."""
+    """``predicate()``'s first truthy value within ``timeout`` seconds, else an AssertionError
+    naming ``what``: a text, or a callable that makes it then (a process's output by the time
+    the wait ended, not when it began)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
 
 
 def run_config(tmp_path: Path) -> Path:

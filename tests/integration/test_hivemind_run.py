@@ -75,6 +75,17 @@ class Proc:
     def saw(self, text: str) -> bool:
         return any(text in line for line in self.lines)
 
+    def stacks(self) -> str:
+        """Its output, ending with every thread's stack if it still runs (``kill -USR1``): where
+        a process that timed a wait out was stuck."""
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGUSR1)
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and not self.saw("most recent call first"):
+                time.sleep(0.1)
+            time.sleep(0.5)  # the other threads' stacks follow the first
+        return f"--- {self.name} (exit {self.p.poll()}) ---\n{self.output[-8000:]}"
+
     @property
     def output(self) -> str:
         return "".join(self.lines)
@@ -92,6 +103,11 @@ def _logs(tmp_path):
     Proc.log_dir = tmp_path
     yield
     Proc.log_dir = None
+
+
+def told(*procs: Proc) -> Callable[[], str]:
+    """For ``wait_for``: what ``procs`` printed by the time the wait failed, with their stacks."""
+    return lambda: "\n" + "\n".join(proc.stacks() for proc in procs)
 
 
 def config_file(tmp_path, rounds: int = 2, extra: str = "", steps: int = 30) -> Path:
@@ -119,7 +135,7 @@ def start_coordinator(root, config, evaluate: bool = False) -> tuple[Proc, str]:
     address = wait_for(
         lambda: proc.saw("another module owner") and address_file.read_text().strip(),
         180,
-        f"the coordinator's address\n{proc.output}",
+        told(proc),
     )
     return proc, address
 
@@ -173,12 +189,12 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
         procs.append(coordinator)
         owner = start_owner(address, root, owner_dir, key())
         procs.append(owner)
-        wait_for(lambda: owner.saw("took over"), 120, f"the hand-over\n{owner.output}")
+        wait_for(lambda: owner.saw("took over"), 120, told(owner, coordinator))
 
         # peer0 alone first, on a slow link, so that its upload can be caught half-way.
         slow = start_peer(address, tmp_path, "peer0", "--max-mbps", "0.3")
         procs.append(slow)
-        wait_for(lambda: slow.saw("pushing the deltas"), 240, f"peer0's upload\n{slow.output}")
+        wait_for(lambda: slow.saw("pushing the deltas"), 240, told(slow, coordinator))
         time.sleep(1.0)
         slow.p.send_signal(signal.SIGKILL)  # mid-upload: nothing of this task is acknowledged
 
@@ -189,7 +205,7 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
         slowly = {"DIPACO_FAULTS": "peer.inner_step=sleep:0.2"}
         quitter = start_peer(address, tmp_path, "peer2", env=slowly)
         procs += [steady, quitter]
-        wait_for(lambda: quitter.saw("training path"), 120, f"peer2 to train\n{quitter.output}")
+        wait_for(lambda: quitter.saw("training path"), 120, told(quitter, coordinator))
         time.sleep(0.5)
         quitter.p.send_signal(signal.SIGINT)  # Ctrl-C: it releases its lease and leaves
         assert quitter.finish(60) == 0, quitter.output
@@ -285,7 +301,7 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(
         procs.append(coordinator)
         owner = start_owner(address, root, owner_dir, key())
         procs.append(owner)
-        wait_for(lambda: owner.saw("took over"), 120, f"the hand-over\n{owner.output}")
+        wait_for(lambda: owner.saw("took over"), 120, told(owner, coordinator))
         peer = start_peer(address, tmp_path, "only")
         procs.append(peer)
         # Anyone on the DHT sees the run, its verified manifest, its owners and its peers.

@@ -20,7 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 from _waiting import wait_for
-from test_hivemind_run import BIN, Proc, config_file, final_modules, read_events, start_peer
+from test_hivemind_run import (
+    BIN,
+    Proc,
+    config_file,
+    final_modules,
+    read_events,
+    start_peer,
+    told,
+)
 
 from dipaco.config import load_config
 from dipaco.prepare.pipeline import prepare
@@ -76,7 +84,7 @@ def test_the_standby_takes_over_a_scheduler_killed_mid_round(run_copy, tmp_path,
                 and (root / "coordinator" / "address").read_text().strip()
             ),
             180,
-            f"the scheduler's address\n{scheduler.output}",
+            told(scheduler),
         )
         owners = [
             start_owner(address, root, folder, share, folder.name)
@@ -84,13 +92,13 @@ def test_the_standby_takes_over_a_scheduler_killed_mid_round(run_copy, tmp_path,
         ]
         procs += owners
         for owner in owners:
-            wait_for(lambda o=owner: o.saw("took over"), 120, f"the hand-over\n{owner.output}")
+            wait_for(lambda o=owner: o.saw("took over"), 120, told(owner, scheduler))
         standby_dir = standby_copy(root, tmp_path / "standby")
         standby = Proc(BIN / "dipaco-coordinator", "-v", "start", "--standby", "--join", address,
                        "--run-dir", standby_dir, "--no-eval", "--takeover-seconds", "5",
                        "--publish-seconds", "2", name="standby")  # fmt: skip
         procs.append(standby)
-        wait_for(lambda: standby.saw("standby for run"), 120, f"the standby\n{standby.output}")
+        wait_for(lambda: standby.saw("standby for run"), 120, told(standby, scheduler))
         peer = start_peer(address, tmp_path, "only")
         procs.append(peer)
 
@@ -102,9 +110,9 @@ def test_the_standby_takes_over_a_scheduler_killed_mid_round(run_copy, tmp_path,
                 if e["event"] == "delta_acked"
             ]
 
-        wait_for(acked, 240, f"a first acknowledged delta\n{peer.output}")
+        wait_for(acked, 240, told(peer, scheduler, *owners))
         scheduler.kill_group()  # SIGKILL, its p2pd with it: no goodbye
-        wait_for(lambda: standby.saw("taking over"), 60, f"the takeover\n{standby.output}")
+        wait_for(lambda: standby.saw("taking over"), 60, told(standby, *owners))
         assert standby.finish(600) == 0, standby.output
         assert peer.finish(120) == 0, peer.output
         for owner in owners:
