@@ -6,6 +6,8 @@ delta applied exactly once. A second test checks that the hivemind transport, wi
 codec and a deterministic schedule, ends with exactly the local transport's parameters.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import re
@@ -74,6 +76,11 @@ class Proc:
 
     def saw(self, text: str) -> bool:
         return any(text in line for line in self.lines)
+
+    def until(self, text: str, timeout: float, *others: Proc) -> None:
+        """Wait until it prints ``text``; fail at once, with its output, if it exits first."""
+        wait_for(lambda: self.saw(text) or self.p.poll() is not None, timeout, told(self, *others))
+        assert self.saw(text), told(self, *others)()
 
     def stacks(self) -> str:
         """Its output, ending with every thread's stack if it still runs (``kill -USR1``): where
@@ -189,7 +196,7 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
         procs.append(coordinator)
         owner = start_owner(address, root, owner_dir, key())
         procs.append(owner)
-        wait_for(lambda: owner.saw("took over"), 120, told(owner, coordinator))
+        owner.until("took over", 240, coordinator)
 
         # peer0 alone first, on a slow link, so that its upload can be caught half-way.
         slow = start_peer(address, tmp_path, "peer0", "--max-mbps", "0.3")
@@ -301,7 +308,7 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(
         procs.append(coordinator)
         owner = start_owner(address, root, owner_dir, key())
         procs.append(owner)
-        wait_for(lambda: owner.saw("took over"), 120, told(owner, coordinator))
+        owner.until("took over", 240, coordinator)
         peer = start_peer(address, tmp_path, "only")
         procs.append(peer)
         # Anyone on the DHT sees the run, its verified manifest, its owners and its peers.

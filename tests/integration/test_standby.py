@@ -92,7 +92,7 @@ def test_the_standby_takes_over_a_scheduler_killed_mid_round(run_copy, tmp_path,
         ]
         procs += owners
         for owner in owners:
-            wait_for(lambda o=owner: o.saw("took over"), 120, told(owner, scheduler))
+            owner.until("took over", 240, scheduler)
         standby_dir = standby_copy(root, tmp_path / "standby")
         standby = Proc(BIN / "dipaco-coordinator", "-v", "start", "--standby", "--join", address,
                        "--run-dir", standby_dir, "--no-eval", "--takeover-seconds", "5",
