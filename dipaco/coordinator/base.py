@@ -107,6 +107,9 @@ class CoordinatorBase:
         # delta between its checks and its commit, so that two of one path never race.
         self.lock = threading.RLock()
         self.step_cond = threading.Condition(self.lock)
+        # Long polls wait on their own condition, woken one at a time (tasks.wait_for_work): a
+        # change that opens nothing wakes one claim, not every waiting one.
+        self.work_cond = threading.Condition(self.lock)
         self.stepping: set[str] = set()
         self.inflight: dict[tuple[str, int, int], str] = {}
         self.clock = clock
@@ -252,9 +255,14 @@ class CoordinatorBase:
 
     def _work_changed(self) -> None:
         """Something that may open a path happened (the caller holds the lock): wake the
-        claims that wait for one, and the deltas waiting for a step to end."""
+        deltas waiting for a step to end, and one claim that waits for a path (the one that
+        leases a path wakes the next: tasks.wait_for_work); every claim once the run ends."""
         self.work_generation += 1
         self.step_cond.notify_all()
+        if self.finished:
+            self.work_cond.notify_all()
+        else:
+            self.work_cond.notify()
 
     def _reject(self, peer_id: str, reason: str, message: str):
         with self.lock:  # admission refuses outside the lock too

@@ -22,6 +22,7 @@ from dipaco.protocols.reasons import Reason
 
 FILE_CHUNK = 4 << 20
 LONG_POLL_SECONDS = 2.0  # the longest a claim waits for a path to open (ClaimTask.wait)
+LOOK_AGAIN_SECONDS = 1.0  # a waiting claim looks for a path this often, woken or not
 
 log = logging.getLogger(__name__)
 
@@ -284,9 +285,14 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
 
 def wait_for_work(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
     """A long poll: wait, without the lock, for a path to open (an outer step, a report, a
-    lease ended: every change notifies ``step_cond``), up to ``req.wait`` seconds (at most
+    lease ended: every change notifies ``work_cond``), up to ``req.wait`` seconds (at most
     LONG_POLL_SECONDS), and lease it. Only ``core.long_poll_slots`` claims wait at once (a
-    hivemind server's handler threads are few); the others get their NoTask at once."""
+    hivemind server's handler threads are few); the others get their NoTask at once.
+
+    A change wakes one waiting claim; one that leases a path wakes the next (a round's close
+    opens many paths, an admitted delta most often none). Every waiting claim also looks
+    again every LOOK_AGAIN_SECONDS, so a claim woken for a path it may not take (another
+    peer's preference) delays the others by at most that."""
     if core.waiting_claims >= core.long_poll_slots:
         return None
     core.waiting_claims += 1
@@ -294,12 +300,13 @@ def wait_for_work(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
         end = time.monotonic() + min(req.wait, LONG_POLL_SECONDS)
         seen = core.work_generation
         while not core.finished and (left := end - time.monotonic()) > 0:
-            core.step_cond.wait(min(left, 1.0))
+            core.work_cond.wait(min(left, LOOK_AGAIN_SECONDS))
             if core.work_generation == seen:  # nothing changed: no path opened
                 continue
             seen = core.work_generation
             lease = lease_open_or_ahead(core, req)
             if lease is not None:
+                core.work_cond.notify()  # another path may be open: the next claim looks
                 return lease
         return None
     finally:

@@ -9,6 +9,7 @@ import time
 
 from _tiny import constant_delta, delta_message, tiny_coordinator
 
+from dipaco.coordinator import tasks
 from dipaco.protocols import messages as m
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
@@ -87,3 +88,41 @@ def test_a_released_lease_wakes_a_waiting_claim_with_its_path(tmp_path):
     thread.join(5)
     reply, seconds = out[0]
     assert isinstance(reply, m.TaskOffer) and reply.path == 2 and seconds < 2.0
+
+
+def test_a_closing_round_wakes_every_waiting_claim_and_a_delta_that_opens_nothing_wakes_one(
+    tmp_path, monkeypatch
+):
+    # Waits long enough that only wake-ups (not a claim's own look again) lease a path in time.
+    monkeypatch.setattr(tasks, "LONG_POLL_SECONDS", 30.0)
+    monkeypatch.setattr(tasks, "LOOK_AGAIN_SECONDS", 30.0)
+    looks = []
+    real = tasks.lease_open_or_ahead
+
+    def counted(core, req):
+        lease = real(core, req)
+        looks.append(lease is not None)
+        return lease
+
+    monkeypatch.setattr(tasks, "lease_open_or_ahead", counted)
+    co = tiny_coordinator(tmp_path)
+    leased = lease_every_path(co)
+    waiting = [claim_in_background(co, f"late{i}", wait=30.0) for i in range(4)]
+    deadline = time.monotonic() + 5
+    while co.waiting_claims < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert co.waiting_claims == 4
+    changes = co.work_generation
+    looks.clear()  # the claims' first looks, before they waited
+    for p, task in enumerate(leased):
+        peer(co, f"p{p}").request(delta_message(task, f"p{p}", constant_delta(co, task)))
+    for thread, _ in waiting:
+        thread.join(10)
+    assert all(out for _, out in waiting), "a waiting claim had no answer 10 s after the close"
+    offers = [out[0][0] for _, out in waiting]
+    # The round's close opened four paths: each of the four waiting claims leased one.
+    assert all(isinstance(o, m.TaskOffer) for o in offers), offers
+    assert sorted(o.path for o in offers) == [0, 1, 2, 3]
+    # Each change woke one claim (plus one per lease, for the next): not every waiting claim.
+    assert looks.count(True) == 4
+    assert len(looks) <= (co.work_generation - changes) + 4, (len(looks), co.work_generation)
