@@ -37,6 +37,13 @@ from pathlib import Path
 from dipaco.cli import stopping
 from dipaco.cli.common import choose_config, command_parser, console, dispatch, say
 from dipaco.cli.events import print_events
+from dipaco.cli.nodes import (
+    add_join_options,
+    check_relay_flags,
+    check_relayed,
+    joined_node,
+    relays_for_owners,
+)
 from dipaco.config import load_config_dict
 from dipaco.coordinator.access import change_access
 from dipaco.coordinator.core import Coordinator
@@ -46,7 +53,7 @@ from dipaco.errors import ConfigError, DipacoError, RejectedError
 from dipaco.fileio import write_private
 from dipaco.net import hivemind
 from dipaco.prepare.pipeline import prepare
-from dipaco.protocols.addresses import check_port_free, split_hostport
+from dipaco.protocols.addresses import check_port_free, relayed_address, split_hostport
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.reasons import Reason
 from dipaco.protocols.transport import LoopbackServer
@@ -93,6 +100,7 @@ def wait_finished(
 
 
 def cmd_start(args: argparse.Namespace) -> int:
+    check_relay_flags(args)
     check_port_free(args.listen, "--listen")
     if args.dashboard:
         check_port_free(args.dashboard, "--dashboard")
@@ -133,7 +141,11 @@ def serve_hivemind(args: argparse.Namespace, prep, metrics: MetricsLog, node) ->
         coordinator.fetch_remote = remote_fetcher(coordinator, run_dir, node)
         # The node answers from 8 handler threads: at most 4 claims wait for a path at once.
         coordinator.long_poll_slots = 4
-        node.serve(coordinator.handle, workers=8)
+        node.serve(
+            coordinator.handle,
+            workers=8,
+            relay_for=relays_for_owners(coordinator) if args.relay else None,
+        )
         run_id = prep.run_id
         fence = Fence(node, run_id, coordinator.epoch)
 
@@ -165,7 +177,8 @@ def serve_hivemind(args: argparse.Namespace, prep, metrics: MetricsLog, node) ->
         )
         console.print(
             f"another module owner: dipaco-coordinator allow --owner ITS_KEY --run-dir {run_dir}, "
-            f"then on it: dipaco-coordinator start --join {address} --owns MODULES --run-dir DIR",
+            f"then on it: dipaco-coordinator start --join {address} --owns MODULES --run-dir DIR"
+            + (" (add --via-relay behind NAT: this scheduler relays for it)" if args.relay else ""),
             soft_wrap=True,
         )
         console.print(
@@ -181,6 +194,8 @@ def serve_hivemind(args: argparse.Namespace, prep, metrics: MetricsLog, node) ->
                 publisher,
                 gather_from=lambda: gather_at_end(coordinator, run_dir, node, say),
             )
+        if args.relay:
+            say(f"relayed {node.stats['relayed']} requests to module owners behind NAT")
     finally:
         for worker in (publisher, ticker):
             if worker is not None:
@@ -264,7 +279,10 @@ def start_owner(args: argparse.Namespace) -> int:
             owner_id=node.peer_id,
             identity=me,
         )
-        addresses = node.visible_maddrs()
+        if args.via_relay:  # listens nowhere: reached through the scheduler it dialled
+            addresses = [relayed_address(args.join, node.peer_id)]
+        else:
+            addresses = node.visible_maddrs()
         coordinator.addresses[node.peer_id] = addresses
         node.serve(coordinator.handle)
         owns = [mid.strip() for mid in args.owns.split(",") if mid.strip()]
@@ -277,6 +295,9 @@ def start_owner(args: argparse.Namespace) -> int:
                     f"dipaco-coordinator allow --owner {me.public_key} --run-dir RUN_DIR"
                 ) from None
             raise
+        if args.via_relay:
+            check_relayed(node, me, coordinator, addresses[0])
+            say(f"reachable through the scheduler's relay at {addresses[0]}")
         reporter = Reporter(coordinator, scheduler, interval=args.report_seconds)
         reporter.start()
         ticker = Ticker(coordinator)
@@ -304,20 +325,6 @@ def start_owner(args: argparse.Namespace) -> int:
                 worker.stop.set()
         node.shutdown(quick=stopping.requested())
     return 0
-
-
-def joined_node(args: argparse.Namespace, run_dir: Path):
-    """A DHT node listening on ``--listen``, bootstrapped from ``--join``, with the folder's
-    node key (an owner's, a standby's)."""
-    from dipaco.protocols.hivemind import HivemindNode
-
-    host, port = split_hostport(args.listen)
-    return HivemindNode(
-        initial_peers=[args.join],
-        host=host,
-        port=port,
-        identity_path=hivemind.node_identity(run_dir),
-    )
 
 
 def start_dashboard(args, coordinator):
@@ -519,28 +526,7 @@ def main(argv: list[str] | None = None) -> None:
         help="flower: a host name or address nodes dial, put in the SuperLink's certificate "
         "(repeatable; with --listen 0.0.0.0:PORT the default is this machine's name)",
     )
-    start.add_argument(
-        "--join", help="another owner or a standby: the address the run's coordinator printed"
-    )
-    start.add_argument("--owns", help="another owner: comma-separated module ids to take over")
-    start.add_argument(
-        "--scheduler-key",
-        help="another owner: the scheduler's public key (else trusted on first contact)",
-    )
-    start.add_argument("--run", help="the run id, when the DHT announces several")
-    start.add_argument(
-        "--standby",
-        action="store_true",
-        help="stand by for the run's scheduler (with --join): copy its state and take over "
-        "when it stops answering",
-    )
-    start.add_argument(
-        "--takeover-seconds",
-        type=float,
-        default=15.0,
-        help="a standby takes over after the scheduler has not answered for this long",
-    )
-    start.add_argument("--sync-seconds", type=float, default=1.0, help=argparse.SUPPRESS)
+    add_join_options(start)
     start.add_argument(
         "--local-peers", type=int, default=0, help="also run this many peers in-process"
     )

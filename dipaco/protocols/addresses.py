@@ -92,3 +92,23 @@ def join_address(text: str, authkey_file: str | None) -> str:
             "<run-dir>/coordinator/authkey)"
         )
     return "loopback"
+
+
+RELAYED = "/p2p-circuit/p2p/"  # RELAY_ADDRESS/p2p-circuit/p2p/TARGET: TARGET through a relay
+
+
+def relayed_address(relay: str, target: str) -> str:
+    """How a node that cannot be dialled is reached: through ``relay`` (a whole multiaddr, with
+    its ``/p2p/`` part), which it keeps a connection to."""
+    return f"{relay.rstrip('/')}{RELAYED}{target}"
+
+
+def split_relayed(address: str) -> tuple[str, str, str] | None:
+    """(relay address, relay's peer id, target) of a relayed address; None for another one."""
+    relay, found, target = address.partition(RELAYED)
+    if not found:
+        return None
+    relay_id = relay.rsplit("/p2p/", 1)[-1] if "/p2p/" in relay else ""
+    if not relay_id or not target or "/" in target:
+        raise ValueError(f"{address} is not RELAY/p2p/RELAY_ID{RELAYED}TARGET")
+    return relay, relay_id, target

@@ -3,7 +3,8 @@
 Faults: a peer SIGKILLed mid-upload, a peer stopped with SIGINT mid-task, a peer that joins
 late, and a module owner SIGKILLed and restarted. The run must finish with every acknowledged
 delta applied exactly once. A second test checks that the hivemind transport, with a lossless
-codec and a deterministic schedule, ends with exactly the local transport's parameters.
+codec and a deterministic schedule, ends with exactly the local transport's parameters, with
+its second owner behind a relay (it listens nowhere; everyone reaches it through the scheduler).
 """
 
 from __future__ import annotations
@@ -134,9 +135,9 @@ def read_events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def start_coordinator(root, config, evaluate: bool = False) -> tuple[Proc, str]:
+def start_coordinator(root, config, evaluate: bool = False, *extra) -> tuple[Proc, str]:
     proc = Proc(BIN / "dipaco-coordinator", "-v", "start", "--config", config, "--run-dir", root,
-                *([] if evaluate else ["--no-eval"]), "--publish-seconds", "2",
+                *([] if evaluate else ["--no-eval"]), "--publish-seconds", "2", *extra,
                 name="coordinator")  # fmt: skip
     address_file = root / "coordinator" / "address"
     address = wait_for(
@@ -161,13 +162,13 @@ def owner_key(owner_dir) -> Callable[[], str]:
     return read
 
 
-def start_owner(address, root, owner_dir, key: str | None = None) -> Proc:
+def start_owner(address, root, owner_dir, key: str | None = None, *extra) -> Proc:
     if key is not None:  # allowed on the scheduler's side as an operator would, once
         subprocess.run([BIN / "dipaco-coordinator", "allow", "--owner", key, "--run-dir", root],
                        check=True, capture_output=True)  # fmt: skip
     return Proc(BIN / "dipaco-coordinator", "-v", "start", "--join", address, "--owns", SECOND,
                 "--run-dir", owner_dir, "--report-seconds", "0.5", "--publish-seconds", "2",
-                name="owner")  # fmt: skip
+                *extra, name="owner")  # fmt: skip
 
 
 def start_peer(address, tmp_path, name, *extra, env=None) -> Proc:
@@ -303,12 +304,15 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(
     procs: list[Proc] = []
     try:
         # With the per-round validation on: the scheduler fetches the owner's modules for it.
+        # The owner cannot be dialled (behind NAT: it listens nowhere): the peer and the
+        # scheduler reach it through the scheduler's relay, over the connection the owner made.
         key = owner_key(owner_dir)
-        coordinator, address = start_coordinator(root, config, evaluate=True)
+        coordinator, address = start_coordinator(root, config, True, "--relay")
         procs.append(coordinator)
-        owner = start_owner(address, root, owner_dir, key())
+        owner = start_owner(address, root, owner_dir, key(), "--via-relay")
         procs.append(owner)
         owner.until("took over", 240, coordinator)
+        owner.until("reachable through the scheduler's relay", 60, coordinator)
         peer = start_peer(address, tmp_path, "only")
         procs.append(peer)
         # Anyone on the DHT sees the run, its verified manifest, its owners and its peers.
@@ -321,6 +325,11 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(
                 return sorted(m for o in owners.values() for m in o["modules"])
 
             wait_for(lambda: owned() == sorted(reference.store.modules), 30, "the owners")
+            owners = watcher.get(discovery.key(run_id, "owners"))
+            (behind,) = [o for o in owners.values() if SECOND.split(",")[0] in o["modules"]]
+            assert behind["addresses"] and all(
+                f"{address}/p2p-circuit/p2p/" in a for a in behind["addresses"]
+            ), behind
             peers = wait_for(lambda: watcher.get(discovery.key(run_id, "peers")), 60, "peers")
             assert peers["only"]["client_mode"] is True
         assert coordinator.finish(600) == 0, coordinator.output
@@ -341,6 +350,9 @@ def test_hivemind_with_a_lossless_codec_matches_the_local_transport(
     # the owner's final modules (the owner waited for that), and eval, export and generate give
     # exactly what the single-coordinator run gives.
     assert coordinator.saw("gathered 2 modules from 1 other owner(s)"), coordinator.output
+    (relayed,) = re.findall(r"relayed (\d+) requests to module owners", coordinator.output)
+    # Each of the 8 tasks pushes to the owner and fetches from it, through the relay.
+    assert int(relayed) >= 8, coordinator.output
     assert owner.saw("the scheduler has this owner's final modules"), owner.output
     # The networked run's figures come from the commands a user types (side by side: they only
     # read the run folder); the reference figures from the same commands, run in this process

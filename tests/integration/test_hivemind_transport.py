@@ -24,6 +24,7 @@ from hivemind.utils.asyncio import as_aiter  # noqa: E402
 
 from dipaco.errors import RejectedError, TransportError  # noqa: E402
 from dipaco.procs import child_pids as _child_pids  # noqa: E402
+from dipaco.protocols.addresses import relayed_address  # noqa: E402
 from dipaco.protocols.hivemind import HivemindNode, HivemindTransport  # noqa: E402
 from dipaco.protocols.hivemind import node as node_module  # noqa: E402
 from dipaco.protocols.hivemind.server import _ByteServicer  # noqa: E402
@@ -416,3 +417,46 @@ def test_a_daemon_slow_to_start_is_waited_for_longer(monkeypatch, caplog):
         assert "the p2p daemon did not start within" in caplog.text
     finally:
         node.shutdown()
+
+
+# ---- 6. a node that cannot be dialled, reached through a relay ---------------------------------
+# ---- 8. a node that cannot be dialled, reached through a relay --------------------------------
+
+
+def test_a_node_that_cannot_be_dialled_is_served_through_a_relay_for_it_only():
+    relayed: set[str] = set()
+    with HivemindNode() as relay:
+        relay.serve(lambda data: b"relay: " + data, relay_for=relayed.__contains__)
+        joined = relay.visible_maddrs()
+        with (
+            HivemindNode(initial_peers=joined, client_mode=True) as owner,
+            HivemindNode(initial_peers=joined, client_mode=True) as client,
+        ):
+            handler = Handler()
+            owner.serve(handler)
+            assert owner.visible_maddrs() == []  # listens nowhere: nobody can dial it
+            route = [relayed_address(joined[0], owner.peer_id)]
+            # Not (yet) one the relay relays for: refused at the relay, counted, never passed on.
+            with pytest.raises(TransportError, match="not reachable through this relay") as info:
+                client.transport(owner.peer_id, route, timeout=30)._roundtrip(b"hello")
+            assert info.value.reason == "not-relayed" and handler.calls == []
+            assert relay.stats["rejected"]["not-relayed"] == 1
+            relayed.add(owner.peer_id)
+            link = client.transport(owner.peer_id, route, timeout=30)
+            data = payload(3 << 20)  # several pieces each way
+            assert link._roundtrip(data) == data and handler.calls == [len(data)]
+            assert link.bytes_sent == len(data) == link.bytes_received
+            assert relay.stats["relayed"] == 1
+            # The owner's refusal reaches the caller through the relay, with its reason.
+            with pytest.raises(TransportError, match="handler bug") as info:
+                link._roundtrip(b"FAIL")
+            assert info.value.reason == "handler-error"
+            # The relay itself reaches the owner straight over the owner's connection.
+            assert relay.transport(owner.peer_id, route)._roundtrip(b"SMALL") == b"ok"
+    # A node that relays for nobody says so.
+    with HivemindNode() as plain, HivemindNode(client_mode=True) as client:
+        plain.serve(lambda data: data)
+        route = [relayed_address(plain.visible_maddrs()[0], relay.peer_id)]
+        with pytest.raises(TransportError, match="relays for nobody") as info:
+            client.transport(relay.peer_id, route, timeout=30)._roundtrip(b"x")
+        assert info.value.reason == "no-relay" and plain.stats["rejected"]["no-relay"] == 1

@@ -21,6 +21,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
 from dipaco.errors import RejectedError, TransportError
+from dipaco.protocols.addresses import RELAYED, split_relayed
 from dipaco.protocols.hivemind.framing import TokenBucket, parse_header, pieces, size_header
 from dipaco.protocols.hivemind.server import _ByteServicer
 from dipaco.protocols.transport import Transport
@@ -54,7 +55,10 @@ class HivemindTransport(Transport):
     """A peer's transport to one coordinator's node; requests may run concurrently.
 
     ``bytes_sent``/``bytes_received`` count payload bytes this client put on / took off the wire.
-    ``max_mbps`` caps both directions (a token bucket each), in megabits per second.
+    ``max_mbps`` caps both directions (a token bucket each), in megabits per second. A target
+    whose addresses are all relayed (:func:`relayed_address`) is reached through its relay: the
+    streams go to the relay, their header naming the target (or straight to the target, over
+    the connection it keeps, when this node is the relay).
     """
 
     def __init__(
@@ -69,9 +73,18 @@ class HivemindTransport(Transport):
     ) -> None:
         self.node = node
         self.target = target_peer_id
+        self._to: str | None = None  # the target, named in each header, when through a relay
         try:
-            self._peer = PeerID.from_base58(target_peer_id)
-            self._maddrs = [_transport_part(Multiaddr(m), target_peer_id) for m in target_maddrs]
+            direct = [m for m in target_maddrs if RELAYED not in m]
+            via = [split_relayed(m) for m in target_maddrs if RELAYED in m]
+            if any(target != target_peer_id for _, _, target in via):
+                raise ValueError("a relayed address names another node")
+            stream_to = target_peer_id
+            if via and not direct and via[0][1] != getattr(node, "peer_id", None):
+                relay, stream_to, _ = via[0]
+                direct, self._to = [relay], target_peer_id
+            self._peer = PeerID.from_base58(stream_to)
+            self._maddrs = [_transport_part(Multiaddr(m), stream_to) for m in direct]
         except Exception as exc:
             raise TransportError(f"bad hivemind address for {target_peer_id}: {exc}") from None
         self.timeout = timeout
@@ -199,7 +212,7 @@ class HivemindTransport(Transport):
             raise TransportError(problem) from None
 
     def _roundtrip(self, data: bytes) -> bytes:
-        header = size_header(len(data), hashlib.sha256(data).hexdigest())
+        header = size_header(len(data), hashlib.sha256(data).hexdigest(), to=self._to)
         try:
             chunks, size, digest = self.node._submit(
                 self._call_with_timeout(data, header), None

@@ -3,8 +3,8 @@
 One stream-in, stream-out RPC per request; opaque bytes, nothing is pickled:
 
 * request: ``ExpertRequest`` messages. The first one carries a JSON header in ``uid``
-  (``{"v": 1, "size": N, "sha256": HEX}``); every message carries up to 1 MiB of the payload in
-  ``metadata``.
+  (``{"v": 1, "size": N, "sha256": HEX}``, and ``"to": PEER_ID`` for a request that a relay
+  passes on to that node); every message carries up to 1 MiB of the payload in ``metadata``.
 * reply: ``ExpertResponse`` messages. The first one is a JSON header in ``metadata``: either
   ``{"v": 1, "size": N, "sha256": HEX}`` followed by the payload in 1 MiB chunks, or
   ``{"v": 1, "error": REASON, "message": TEXT}`` when the server refused the transfer.
@@ -23,6 +23,7 @@ from collections.abc import Iterator
 CHUNK = 1 << 20
 WIRE_VERSION = 1
 MAX_HEADER_CHARS = 4096
+MAX_PEER_ID_CHARS = 128  # a base58 libp2p peer id is about 46-52
 
 
 class TokenBucket:
@@ -54,9 +55,13 @@ def pieces(data: bytes) -> Iterator[bytes]:
         yield bytes(view[offset : offset + CHUNK])
 
 
-def size_header(size: int, digest: str) -> str:
-    """The header announcing a payload of ``size`` bytes with SHA-256 ``digest`` (hex)."""
-    return json.dumps({"v": WIRE_VERSION, "size": size, "sha256": digest})
+def size_header(size: int, digest: str, to: str | None = None) -> str:
+    """The header announcing a payload of ``size`` bytes with SHA-256 ``digest`` (hex); ``to``
+    names the node a relay passes the request on to."""
+    header: dict = {"v": WIRE_VERSION, "size": size, "sha256": digest}
+    if to is not None:
+        header["to"] = to
+    return json.dumps(header)
 
 
 def error_header(reason: str, message: str) -> bytes:
@@ -78,4 +83,7 @@ def parse_header(raw: str | bytes) -> dict:
         raise ValueError(f"bad size {size!r}")
     if not isinstance(digest, str) or len(digest) != 64:
         raise ValueError(f"bad sha256 {digest!r}")
+    to = header.get("to")
+    if to is not None and not (isinstance(to, str) and 0 < len(to) <= MAX_PEER_ID_CHARS):
+        raise ValueError(f"bad relay target {str(to)[:80]!r}")
     return header

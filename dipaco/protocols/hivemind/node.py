@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
 import re
 import threading
@@ -31,6 +32,7 @@ from dipaco.protocols.hivemind.cleanup import (
     remove_stale_sockets,
 )
 from dipaco.protocols.hivemind.client import HivemindTransport
+from dipaco.protocols.hivemind.framing import size_header
 from dipaco.protocols.hivemind.server import _ByteServicer
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ use_hivemind_log_handler("nowhere")
 
 P2PD_FIRST_WAIT = 15.0  # seconds p2pd gets to start at first (hivemind's default)
 P2PD_WAIT_GROWTH = 4.0  # each later try waits this many times longer, within start_timeout
+RELAY_TIMEOUT = 120.0  # a relayed request fails when nothing moved to or from its target so long
 
 
 def start_dht(initial_peers: list[str], kwargs: dict[str, Any], start_timeout: float) -> WatchedDHT:
@@ -113,6 +116,7 @@ class HivemindNode:
             "requests": 0,  # streams opened by callers
             "handler_calls": 0,  # requests that passed their checks and reached the handler
             "handled": 0,  # handler calls that returned a reply
+            "relayed": 0,  # requests passed on to a node this one relays for, and answered
             "bytes_in": 0,
             "bytes_out": 0,
             "rejected": {},  # reason -> count
@@ -229,10 +233,13 @@ class HivemindNode:
         max_request_bytes: int = 1 << 31,
         workers: int = 8,
         read_timeout: float = 120.0,
+        relay_for: Callable[[str], bool] | None = None,
     ) -> None:
         """Answer requests from other nodes with ``handler`` (run in a pool of ``workers`` threads).
 
         ``read_timeout`` drops a transfer whose sender sends nothing for that many seconds.
+        ``relay_for(peer_id)`` makes this node a relay for the nodes it accepts: a request for
+        one of them is passed on over the connection that node keeps to this one (server.py).
         """
         if self._servicer is not None:
             raise RuntimeError("this hivemind node already serves a handler")
@@ -240,10 +247,25 @@ class HivemindNode:
             max_workers=workers, thread_name_prefix="dipaco-hivemind-handler"
         )
         servicer = _ByteServicer(
-            self._record, self._reject, handler, self._executor, max_request_bytes, read_timeout
+            self._record,
+            self._reject,
+            handler,
+            self._executor,
+            max_request_bytes,
+            read_timeout,
+            relay_for=relay_for,
+            forward=self._forward,
+            own_id=self.peer_id,
         )
         self._submit(servicer.add_p2p_handlers(self._p2p), 30.0)
         self._servicer = servicer
+
+    async def _forward(self, target: str, data: bytes) -> tuple[bytes, str]:
+        """A relayed request, sent on to ``target`` (on this node's loop); its reply."""
+        link = HivemindTransport(self, target, (), timeout=RELAY_TIMEOUT)
+        header = size_header(len(data), hashlib.sha256(data).hexdigest())
+        chunks, _, digest = await link._call_with_timeout(data, header)
+        return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), digest
 
     # -- client --
 

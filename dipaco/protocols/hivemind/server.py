@@ -4,6 +4,12 @@ The server refuses a header size above its limit before reading any more, checks
 the SHA-256 of what arrived, and runs the handler in a thread pool, never on the event loop. A
 refusal is a reply header with a reason (see :mod:`.framing`); the server then keeps reading what
 the caller still sends (bounded), so that the refusal arrives.
+
+A node that relays (``relay_for``) passes a request whose header names another node (``"to"``)
+on to that node, over the connection that node keeps to it (a module owner behind NAT, which
+cannot be dialled, dials the relay), and the reply back: only to the nodes ``relay_for``
+accepts, otherwise the request is refused (``no-relay``, ``not-relayed``) and counted. The relay
+sees only signed envelopes, which it cannot alter unnoticed.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import concurrent.futures
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator hints
 
 from hivemind.p2p import P2PContext, ServicerBase
@@ -25,6 +31,10 @@ from dipaco.protocols.transport import Handler
 log = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 10.0  # how long a refusing server keeps reading, so its refusal arrives
+
+
+# (target node, request) -> (reply, its SHA-256 hex): what a relay does with a request for another
+Forward = Callable[[str, bytes], Awaitable[tuple[bytes, str]]]
 
 
 class _Reject(Exception):
@@ -48,6 +58,9 @@ class _ByteServicer(ServicerBase):
         executor: concurrent.futures.ThreadPoolExecutor,
         max_request_bytes: int,
         read_timeout: float,
+        relay_for: Callable[[str], bool] | None = None,
+        forward: Forward | None = None,
+        own_id: str = "",
     ) -> None:
         self._record = record
         self._reject = reject
@@ -55,15 +68,24 @@ class _ByteServicer(ServicerBase):
         self._executor = executor
         self._max = max_request_bytes
         self._read_timeout = read_timeout
+        self._relay_for = relay_for
+        self._forward = forward
+        self.own_id = own_id  # a request for this node itself is served, not relayed
 
-    def _job(self, chunks: list[bytes], size: int, digest: str) -> tuple[bytes, str]:
-        """Runs in the pool: assemble and check the request, call the handler, hash the reply."""
+    @staticmethod
+    def _assemble(chunks: list[bytes], size: int, digest: str) -> bytes:
+        """The request's bytes, checked against its header's size and SHA-256."""
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         if len(data) != size:  # cannot happen: the reader counts bytes; kept as a guard
             raise _Reject("truncated", f"request truncated: got {len(data)} of {size} bytes")
         if hashlib.sha256(data).hexdigest() != digest:
             raise _Reject("hash-mismatch", f"request of {size} bytes fails its SHA-256 check")
+        return data
+
+    def _job(self, chunks: list[bytes], size: int, digest: str) -> tuple[bytes, str]:
+        """Runs in the pool: assemble and check the request, call the handler, hash the reply."""
+        data = self._assemble(chunks, size, digest)
         self._record("handler_calls", 1)
         try:
             reply = self._handler(data)
@@ -83,9 +105,25 @@ class _ByteServicer(ServicerBase):
                 "timeout", f"no request data for {self._read_timeout:.0f} s; transfer dropped"
             ) from None
 
+    async def _relay(self, to: str, chunks: list[bytes], size: int, digest: str):
+        """Pass a request on to ``to`` (a node this one relays for); its reply and digest."""
+        if self._relay_for is None or self._forward is None:
+            raise _Reject("no-relay", f"this node relays for nobody (the request is for {to})")
+        if not self._relay_for(to):
+            raise _Reject("not-relayed", f"{to} is not reachable through this relay")
+        loop = asyncio.get_running_loop()
+        data = await loop.run_in_executor(self._executor, self._assemble, chunks, size, digest)
+        try:
+            reply, reply_digest = await self._forward(to, data)
+        except Exception as exc:  # noqa: BLE001 - unreachable, refused, timed out: the caller's
+            reason = getattr(exc, "reason", "transport")
+            raise _Reject("unreachable" if reason == "transport" else reason, str(exc)) from None
+        self._record("relayed", 1)
+        return reply, reply_digest
+
     async def _receive(
         self, stream: AsyncIterator[runtime_pb2.ExpertRequest]
-    ) -> tuple[list[bytes], int, str]:
+    ) -> tuple[list[bytes], int, str, str | None]:
         try:
             first = await self._next(stream)
         except StopAsyncIteration:
@@ -120,7 +158,7 @@ class _ByteServicer(ServicerBase):
                         "truncated", f"request truncated: got {got} of {size} bytes"
                     ) from None
                 # The sender has finished writing: a reply cannot collide with its writes.
-                return chunks, size, digest
+                return chunks, size, digest, header.get("to")
 
     async def _drain(self, stream: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
         """Read and drop what the caller still sends, until it ends or hangs up (bounded).
@@ -142,11 +180,14 @@ class _ByteServicer(ServicerBase):
         remote = context.remote_id.to_base58() if context.remote_id is not None else "?"
         stream = requests.__aiter__()
         try:
-            chunks, size, digest = await self._receive(stream)
-            loop = asyncio.get_running_loop()
-            reply, reply_digest = await loop.run_in_executor(
-                self._executor, self._job, chunks, size, digest
-            )
+            chunks, size, digest, to = await self._receive(stream)
+            if to is not None and to != self.own_id:
+                reply, reply_digest = await self._relay(to, chunks, size, digest)
+            else:
+                loop = asyncio.get_running_loop()
+                reply, reply_digest = await loop.run_in_executor(
+                    self._executor, self._job, chunks, size, digest
+                )
         except _Reject as rej:
             self._reject(rej.reason)
             log.debug("hivemind transport: rejected a request from %s: %s", remote, rej)
