@@ -1,6 +1,7 @@
 """Saving and resuming the coordinator: ``coordinator.json`` (epoch, refusal counts, and on the
 scheduler the owners, remote modules, addresses, owner keys, ended leases, the scheduler's
-leases and issued tasks (``scheduler``, see ``Scheduler.snapshot``) and the overdue tasks; on
+leases and issued tasks (``scheduler``, see ``Scheduler.snapshot``), the overdue tasks and who
+trained each path's recent rounds (``trained_by``, for overlap); on
 another owner the scheduler key rotations it accepted), checked before use.
 
 Functions of the coordinator (bound as its methods in core.py); they call other parts through it.
@@ -57,6 +58,9 @@ def start(
         # not wait again from zero.
         core.scheduler.restore(saved.get("scheduler", {}))
         core.overdue = {(p, r) for p, r in saved.get("overdue", [])}
+        # Which peer trained each path's last rounds (overlap): after a restart it still goes
+        # ahead on its paths rather than wait for the round to close.
+        core.trained_by = {(p, r): peer for p, r, peer in saved.get("trained_by", [])}
     else:
         core.owners = dict.fromkeys(core.store.owned_on_disk(), core.owner_id)
         core.saved_rotations = saved.get("scheduler_rotations", [])
@@ -167,6 +171,7 @@ def snapshot_state(core: CoordinatorBase) -> dict[str, Any]:
                 ended=core.scheduler.ended,
                 scheduler=core.scheduler.snapshot(),
                 overdue=sorted([p, r] for p, r in core.overdue),
+                trained_by=sorted([p, r, peer] for (p, r), peer in core.trained_by.items()),
             )
         elif getattr(core, "key_rotations", None):
             state["scheduler_rotations"] = core.key_rotations
@@ -214,6 +219,8 @@ def _check_state(path: Path, saved: Any, module_ids: list[str]) -> None:
         problem = "'ended' is not {task: round}"
     elif not _pairs(saved.get("overdue", []), 2):
         problem = "'overdue' is not [[path, round]]"
+    elif not _trained_by(saved.get("trained_by", [])):
+        problem = "'trained_by' is not [[path, round, peer]]"
     elif not isinstance(saved.get("scheduler_rotations", []), list) or not all(
         keyrotation.well_formed(x) for x in saved.get("scheduler_rotations", [])
     ):
@@ -236,6 +243,19 @@ def _pairs(value: Any, n: int) -> bool:
     """A list of lists of ``n`` counts."""
     return isinstance(value, list) and all(
         isinstance(x, list) and len(x) == n and all(_count(c) for c in x) for x in value
+    )
+
+
+def _trained_by(value: Any) -> bool:
+    """A list of [path, round, peer id] (``core.trained_by``)."""
+    return isinstance(value, list) and all(
+        isinstance(x, list)
+        and len(x) == 3
+        and _count(x[0])
+        and _count(x[1])
+        and isinstance(x[2], str)
+        and 0 < len(x[2]) <= 256
+        for x in value
     )
 
 

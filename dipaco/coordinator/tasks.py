@@ -34,12 +34,17 @@ def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
     # A peer saying Hello has (re)started: it no longer holds where its paths ended (overlap),
     # so it can train no path ahead, nor resume such a task: its delta would repeat the move of
     # the round before. Those tasks are handed back.
-    core.trained_by = {k: p for k, p in core.trained_by.items() if p != req.peer_id}
+    kept = {k: p for k, p in core.trained_by.items() if p != req.peer_id}
+    forgot = len(kept) < len(core.trained_by)
+    core.trained_by = kept
     if core.is_scheduler:
         for lease in core.scheduler.leases_of(req.peer_id):
             if any(v < lease.round for v in lease.module_versions.values()):
                 core.scheduler.release(lease.task_id, req.peer_id)
                 core.metrics({"event": "task_dropped", "task": lease.task_id, "peer": req.peer_id})
+                forgot = True
+    if forgot:  # on disk before the Welcome: a restarted scheduler must not send it ahead again
+        core._save_state()
     return m.Welcome(
         run_id=core.run_id,
         config=core.peer_config,

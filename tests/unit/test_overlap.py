@@ -198,3 +198,21 @@ def test_an_ahead_task_starts_where_the_peers_last_task_of_the_path_ended():
     assert start["a"]["w"].tolist() == [0.75, 0.75] and start["b"] is release["b"]
     assert continued(task, release, None) is release  # nothing kept: the release
     assert continued(task, release, (1, delta)) is release  # not the round before
+
+
+def test_a_restarted_scheduler_still_sends_a_peer_ahead_on_the_paths_it_trained(tmp_path):
+    co = make(tmp_path, overlap=True)
+    tr = LocalTransport(co.handle)
+    round0_with_a_straggler(tr)
+    co = make(tmp_path, overlap=True)  # the scheduler restarts; p0-p2 train on, without Hello
+    tr = LocalTransport(co.handle)
+    ahead = claim(tr, "p1", prefer=1)
+    assert (ahead.path, ahead.round) == (1, 1)  # not a wait for the round to close
+    assert isinstance(claim(tr, "p9", prefer=0), m.NoTask)  # still only the peer that trained it
+    # A peer that restarts (Hello) loses its paths' ends, and keeps having lost them across
+    # the scheduler's next restart.
+    tr.request(m.Hello(peer_id="p0"))
+    co = make(tmp_path, overlap=True)
+    tr = LocalTransport(co.handle)
+    assert isinstance(claim(tr, "p0", prefer=0), m.NoTask)
+    assert claim(tr, "p2", prefer=2).round == 1

@@ -230,6 +230,9 @@ def test_the_saved_scheduler_state_is_small_and_has_its_documented_shape(tmp_pat
         (lambda s: s["scheduler"].update(paces={"a": "fast"}), "scheduler.paces"),
         (lambda s: s.update(scheduler=[]), "'scheduler' is not an object"),
         (lambda s: s.update(overdue=[[1]]), "overdue"),
+        (lambda s: s.update(trained_by=[[0, 1]]), "trained_by"),
+        (lambda s: s.update(trained_by=[[0, 1, ""]]), "trained_by"),
+        (lambda s: s.update(trained_by=[[0, -1, "alice"]]), "trained_by"),
     ],
 )
 def test_a_damaged_saved_scheduler_state_stops_the_start_with_a_clear_error(
