@@ -17,7 +17,7 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,14 @@ SEED_TTL = 600.0  # seconds a holder's DHT record lives (announced again with ea
 SPEED_MEMORY = 0.5  # weight of a holder's newest transfer rate in its running estimate
 SEED_REQUEST_BYTES = 1 << 16  # the largest FetchSeed a serving peer reads (signed, tiny)
 SEED_WAIT = 2.0  # seconds at most a peer waits for a holder of a new version (SeedFetcher.find)
+# What one key may ask of a serving peer (its upload is a volunteer's home link): requests per
+# second (a token bucket of SEED_BURST), and how often one module version (a key that fetched it
+# and checked it has no need of it again; a retry after a lost reply is one more). The counts
+# of the SEED_KEYS keys seen last are kept; an older key starts afresh.
+SEED_REQUESTS_PER_SECOND = 1.0
+SEED_BURST = 8
+SEED_REPEATS = 2
+SEED_KEYS = 4096
 
 
 @dataclass
@@ -71,14 +79,33 @@ class Held:
         return release if release is not None and release.version == version else None
 
 
+@dataclass
+class KeyUse:
+    """What one key asked of a serving peer: its request tokens, and per module the newest
+    version it fetched and how many times."""
+
+    tokens: float
+    at: float
+    fetched: dict[str, tuple[int, int]]
+
+
 class SeedServer:
     """Answers other peers' signed ``FetchSeed`` requests from ``held``, sealed with this peer's
-    key. Anything else, a replay or a version not held is an Error reply, counted."""
+    key. Anything else, a replay, a version not held, or a key over its share (``SEED_*``) is
+    an Error reply, counted."""
 
-    def __init__(self, identity: auth.Identity, held: Held, clock_skew: float = 300.0) -> None:
+    def __init__(
+        self,
+        identity: auth.Identity,
+        held: Held,
+        clock_skew: float = 300.0,
+        clock: Any = time.monotonic,
+    ) -> None:
         self.identity, self.held = identity, held
         self.guard = auth.ReplayGuard(clock_skew)
+        self.clock = clock
         self._lock = threading.Lock()
+        self._uses: OrderedDict[str, KeyUse] = OrderedDict()  # key -> use, least recent first
         self.served = 0  # module versions sent
         self.bytes_out = 0  # their tensor bytes
         self.refused: Counter[str] = Counter()  # reason -> requests answered with an Error
@@ -89,21 +116,41 @@ class SeedServer:
             nonce = auth.peek_nonce(data)
             signed = auth.open_request(data)
             with self._lock:
-                self.guard.check(signed)
+                self.guard.check(signed)  # a replay costs its signer nothing
+                use = self._admit(signed.key)
             req = m.decode_message(signed.body)
             if not isinstance(req, m.FetchSeed):
                 raise RejectedError(
                     f"a peer serves FetchSeed only, not {type(req).__name__}",
                     reason=Reason.BAD_MESSAGE,
                 )
-            reply: Any = self._serve(req)
+            reply: Any = self._serve(req, use, auth.fingerprint(signed.key))
         except DipacoError as exc:
             with self._lock:
                 self.refused[exc.reason] += 1
             reply = m.Error(reason=exc.reason, message=str(exc))
         return auth.seal_reply(self.identity, nonce, m.encode_message(reply))
 
-    def _serve(self, req: m.FetchSeed) -> m.Modules:
+    def _admit(self, key: str) -> KeyUse:
+        """``key``'s use, with one request token taken (under the lock); RejectedError
+        (rate-limited) when it has none left."""
+        now = self.clock()
+        use = self._uses.pop(key, None) or KeyUse(float(SEED_BURST), now, {})
+        self._uses[key] = use  # the most recent, last
+        while len(self._uses) > SEED_KEYS:
+            self._uses.popitem(last=False)
+        use.tokens = min(float(SEED_BURST), use.tokens + (now - use.at) * SEED_REQUESTS_PER_SECOND)
+        use.at = now
+        if use.tokens < 1.0:
+            raise RejectedError(
+                f"key {auth.fingerprint(key)} asks this peer more than "
+                f"{SEED_REQUESTS_PER_SECOND:g} times a second; fetch from the module's owner",
+                reason=Reason.RATE_LIMITED,
+            )
+        use.tokens -= 1.0
+        return use
+
+    def _serve(self, req: m.FetchSeed, use: KeyUse, who: str) -> m.Modules:
         release = self.held.get(req.module, req.version)
         if release is None:
             raise RejectedError(
@@ -111,6 +158,15 @@ class SeedServer:
             )
         size = sum(t.numel() * t.element_size() for t in release.tensors.values())
         with self._lock:
+            version, times = use.fetched.get(req.module, (release.version, 0))
+            times = times if version == release.version else 0
+            if times >= SEED_REPEATS:
+                raise RejectedError(
+                    f"key {who} fetched {req.module} v{release.version} from this peer "
+                    f"{times} times already; fetch it from the module's owner",
+                    reason=Reason.RATE_LIMITED,
+                )
+            use.fetched[req.module] = (release.version, times + 1)
             self.served += 1
             self.bytes_out += size
         return m.Modules(

@@ -29,8 +29,8 @@ from dipaco.protocols.hivemind import HivemindNode  # noqa: E402
 class Tampering(SeedServer):
     """A hostile holder: serves what it holds with one value changed, under the true hash."""
 
-    def _serve(self, req: m.FetchSeed) -> m.Modules:
-        reply = super()._serve(req)
+    def _serve(self, req: m.FetchSeed, *args) -> m.Modules:
+        reply = super()._serve(req, *args)
         name = sorted(reply.tensors)[0]
         bad = reply.tensors[name].clone()
         bad.view(-1)[0] += 1.0

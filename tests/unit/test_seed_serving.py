@@ -4,7 +4,8 @@ whole path over real hivemind nodes is tests/integration/test_modules_peer_to_pe
 
 import torch
 
-from dipaco.peer.seeds import Held, Release, SeedFetcher, SeedServer
+from dipaco.peer import seeds
+from dipaco.peer.seeds import SEED_BURST, Held, Release, SeedFetcher, SeedServer
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
@@ -196,3 +197,49 @@ def test_a_serving_peer_announces_each_version_once_and_again_before_its_record_
     quiet = SeedFetcher(Announcements(), "run", auth.Identity.generate(), "me", serving=False)
     quiet.hold("M", release(1))  # client mode: holds (for nothing) and announces nothing
     assert quiet.node.stored == [] and quiet.held.get("M", 1) is not None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def refusal(server: SeedServer, me: auth.Identity, asker: auth.Identity, msg) -> str | None:
+    """The reason ``asker``'s request is refused with, or None when it is served."""
+    link = LocalTransport(server.handle).authenticate(asker, me.public_key)
+    try:
+        link.request(msg)
+    except Exception as exc:  # noqa: BLE001 - the refusal, as the asking peer sees it
+        return getattr(exc, "reason", repr(exc))
+    return None
+
+
+def test_one_key_gets_its_share_of_a_serving_peers_upload_and_no_more(monkeypatch):
+    me, held, clock = auth.Identity.generate(), Held(), Clock()
+    held.put("L0.M1", release(3))
+    server = SeedServer(me, held, clock=clock)
+    greedy, other = auth.Identity.generate(), auth.Identity.generate()
+    fetch = m.FetchSeed(peer_id="g", module="L0.M1", version=3)
+    # One version, at most twice per key (a retry after a lost reply): then from its owner.
+    assert [refusal(server, me, greedy, fetch) for _ in range(3)] == [None, None, "rate-limited"]
+    assert refusal(server, me, other, fetch) is None  # another key is not held back by it
+    held.put("L0.M1", release(4))  # a new version: fetched afresh
+    new = m.FetchSeed(peer_id="g", module="L0.M1", version=4)
+    assert refusal(server, me, greedy, new) is None
+    # Requests: a burst of SEED_BURST, then one a second (refusals spend tokens too).
+    spent = 4  # the greedy key's requests so far
+    asked = [refusal(server, me, greedy, m.FetchSeed("g", "L9.M9", 1)) for _ in range(8)]
+    assert asked == ["not-held"] * (SEED_BURST - spent) + ["rate-limited"] * (
+        8 - SEED_BURST + spent
+    )
+    clock.now += 2.0
+    assert refusal(server, me, greedy, m.FetchSeed("g", "L9.M9", 1)) == "not-held"
+    assert server.served == 4 and server.refused["rate-limited"] == 1 + 8 - SEED_BURST + spent
+    # The counts of the least recent keys are forgotten beyond SEED_KEYS: bounded memory.
+    monkeypatch.setattr(seeds, "SEED_KEYS", 3)
+    for _ in range(3):
+        refusal(server, me, auth.Identity.generate(), fetch)
+    assert len(server._uses) == 3 and greedy.public_key not in server._uses
