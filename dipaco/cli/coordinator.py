@@ -42,6 +42,7 @@ from dipaco.cli.nodes import (
     check_relay_flags,
     check_relayed,
     joined_node,
+    relayed_route,
     relays_for_owners,
 )
 from dipaco.config import load_config_dict
@@ -53,7 +54,7 @@ from dipaco.errors import ConfigError, DipacoError, RejectedError
 from dipaco.fileio import write_private
 from dipaco.net import hivemind
 from dipaco.prepare.pipeline import prepare
-from dipaco.protocols.addresses import check_port_free, relayed_address, split_hostport
+from dipaco.protocols.addresses import check_port_free, split_hostport
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.reasons import Reason
 from dipaco.protocols.transport import LoopbackServer
@@ -280,7 +281,7 @@ def start_owner(args: argparse.Namespace) -> int:
             identity=me,
         )
         if args.via_relay:  # listens nowhere: reached through the scheduler it dialled
-            addresses = [relayed_address(args.join, node.peer_id)]
+            addresses = relayed_route(coordinator, node, scheduler, args.join)
         else:
             addresses = node.visible_maddrs()
         coordinator.addresses[node.peer_id] = addresses
@@ -303,8 +304,9 @@ def start_owner(args: argparse.Namespace) -> int:
         ticker = Ticker(coordinator)
         ticker.start()
 
-        def records() -> list[tuple]:
-            return hivemind.owner_records(coordinator, node.peer_id, addresses, run_id)
+        def records() -> list[tuple]:  # the addresses as they are now (the relay may move)
+            where = coordinator.addresses.get(node.peer_id, addresses)
+            return hivemind.owner_records(coordinator, node.peer_id, where, run_id)
 
         publisher = discovery.Publisher(node, records, interval=args.publish_seconds)
         publisher.start()

@@ -5,13 +5,16 @@ standby's, joined to a run, and the relay a scheduler runs for owners behind NAT
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from dipaco.coordinator.core import Coordinator
 from dipaco.errors import ConfigError, DipacoError
 from dipaco.net import hivemind
-from dipaco.protocols.addresses import split_hostport
+from dipaco.protocols.addresses import relayed_address, split_hostport
 from dipaco.protocols.auth import Identity
+
+log = logging.getLogger(__name__)
 
 
 def add_join_options(start: argparse.ArgumentParser) -> None:
@@ -83,6 +86,26 @@ def relays_for_owners(coordinator: Coordinator):
         return False
 
     return accepts
+
+
+def relayed_route(coordinator: Coordinator, node, scheduler, join: str) -> list[str]:
+    """An owner behind NAT's address: through the relay of the scheduler it reports to, and
+    through the new one once a standby takes over (reported to it at once), so that peers find
+    the owner again where its link to the run now is."""
+
+    def route(addresses: list[str]) -> list[str]:
+        return [relayed_address(addresses[0], node.peer_id)] if addresses else []
+
+    def follow(addresses: list[str]) -> None:
+        new = route(addresses)
+        if new:
+            with coordinator.lock:
+                coordinator.addresses[node.peer_id] = new
+            coordinator.changed.set()  # the reporter tells the new scheduler now
+            log.warning("reachable through the new scheduler's relay at %s", new[0])
+
+    scheduler.on_follow = follow
+    return route(scheduler.addresses) or [relayed_address(join, node.peer_id)]
 
 
 def check_relayed(node, me: Identity, coordinator: Coordinator, address: str) -> None:

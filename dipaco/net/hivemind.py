@@ -136,8 +136,12 @@ class SchedulerLink(Transport):
         self.scheduler = str(entry["scheduler"])
         epoch = entry.get("epoch", 0)
         self.epoch = epoch if isinstance(epoch, int) else 0
-        self.current = connect(self.scheduler, list(entry.get("addresses", [])))
+        self.addresses = [a for a in entry.get("addresses", []) if isinstance(a, str)]
+        self.current = connect(self.scheduler, self.addresses)
         self._moving = threading.Lock()
+        # Called with the new scheduler's addresses once this link follows it (an owner behind
+        # the scheduler's relay is reached through the new one from then on).
+        self.on_follow: Callable[[list[str]], None] | None = None
 
     def _roundtrip(self, data: bytes) -> bytes:
         current = self.current
@@ -156,14 +160,21 @@ class SchedulerLink(Transport):
             entry = run_entry(self.node, self.run_id)
             if not supersedes(entry, self.scheduler, self.epoch):
                 return False
-            self.current = self.connect(entry["scheduler"], list(entry.get("addresses", [])))
-            self.scheduler, self.epoch = entry["scheduler"], entry["epoch"]
+            addresses = [a for a in entry.get("addresses", []) if isinstance(a, str)]
+            self.current = self.connect(entry["scheduler"], addresses)
+            self.scheduler, self.epoch, self.addresses = (
+                entry["scheduler"],
+                entry["epoch"],
+                addresses,
+            )
             log.warning(
                 "the run's scheduler is now %s (epoch %d, a standby took over): following it",
                 self.scheduler,
                 self.epoch,
             )
-            return True
+        if self.on_follow is not None:
+            self.on_follow(addresses)
+        return True
 
     def close(self) -> None:
         self.current.close()

@@ -2,15 +2,18 @@
 
 Real processes on 127.0.0.1: the scheduler, two module owners that hold every module between
 them, a standby started from a copy of the run folder (and the scheduler's signing key), and
-one peer. The scheduler is SIGKILLed (with its p2pd) right after the first delta is
+one peer. The first owner is behind NAT: it listens nowhere, and is reached through the
+scheduler's relay. The scheduler is SIGKILLed (with its p2pd) right after the first delta is
 acknowledged. The standby, which copied the scheduler's state every second, takes over with a
-new epoch; the owners and the peer follow it without restarting; the run finishes with every
-acknowledged delta applied exactly once and exactly the parameters of a fault-free run.
+new epoch, and relays for that owner from then on; the owners and the peer follow it without
+restarting; the run finishes with every acknowledged delta applied exactly once and exactly
+the parameters of a fault-free run.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import threading
@@ -41,14 +44,16 @@ pytestmark = pytest.mark.slow
 SHARES = ("S.embed,L0.M0,L0.M1", "S.head,L1.M0,L1.M1")
 
 
-def start_owner(address: str, root: Path, owner_dir: Path, modules: str, name: str) -> Proc:
+def start_owner(
+    address: str, root: Path, owner_dir: Path, modules: str, name: str, *extra: str
+) -> Proc:
     key = subprocess.run([BIN / "dipaco-coordinator", "key", "--run-dir", owner_dir],
                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     subprocess.run([BIN / "dipaco-coordinator", "allow", "--owner", key, "--run-dir", root],
                    check=True, capture_output=True)  # fmt: skip
     return Proc(BIN / "dipaco-coordinator", "-v", "start", "--join", address, "--owns", modules,
                 "--run-dir", owner_dir, "--report-seconds", "0.5", "--publish-seconds", "2",
-                name=name)  # fmt: skip
+                *extra, name=name)  # fmt: skip
 
 
 def standby_copy(root: Path, dest: Path) -> Path:
@@ -75,7 +80,7 @@ def test_the_standby_takes_over_a_scheduler_killed_mid_round(run_copy, tmp_path,
     procs: list[Proc] = []
     try:
         scheduler = Proc(BIN / "dipaco-coordinator", "-v", "start", "--config", config,
-                         "--run-dir", root, "--no-eval", "--publish-seconds", "2",
+                         "--run-dir", root, "--no-eval", "--publish-seconds", "2", "--relay",
                          name="scheduler")  # fmt: skip
         procs.append(scheduler)
         address = wait_for(
@@ -87,8 +92,8 @@ def test_the_standby_takes_over_a_scheduler_killed_mid_round(run_copy, tmp_path,
             told(scheduler),
         )
         owners = [
-            start_owner(address, root, folder, share, folder.name)
-            for folder, share in zip(owner_dirs, SHARES, strict=True)
+            start_owner(address, root, folder, share, folder.name, *extra)
+            for folder, share, extra in zip(owner_dirs, SHARES, (["--via-relay"], []), strict=True)
         ]
         procs += owners
         for owner in owners:
@@ -96,7 +101,7 @@ def test_the_standby_takes_over_a_scheduler_killed_mid_round(run_copy, tmp_path,
         standby_dir = standby_copy(root, tmp_path / "standby")
         standby = Proc(BIN / "dipaco-coordinator", "-v", "start", "--standby", "--join", address,
                        "--run-dir", standby_dir, "--no-eval", "--takeover-seconds", "5",
-                       "--publish-seconds", "2", name="standby")  # fmt: skip
+                       "--publish-seconds", "2", "--relay", name="standby")  # fmt: skip
         procs.append(standby)
         wait_for(lambda: standby.saw("standby for run"), 120, told(standby, scheduler))
         peer = start_peer(address, tmp_path, "only")
@@ -127,6 +132,10 @@ def test_the_standby_takes_over_a_scheduler_killed_mid_round(run_copy, tmp_path,
     assert standby_epoch["epoch"] == active_epoch + 1
     assert standby.saw(f"epoch {active_epoch + 1}"), standby.output
     assert peer.saw("the run's scheduler is now"), peer.output
+    # The owner behind NAT was reached through the standby's relay once it took over.
+    assert owners[0].saw("reachable through the new scheduler's relay"), owners[0].output
+    relayed = re.findall(r"relayed (\d+) requests to module owners", standby.output)
+    assert relayed and int(relayed[0]) > 0, standby.output
     issued = [e for e in read_events(standby_dir / "metrics.jsonl") if e["event"] == "task_issued"]
     assert issued, "the standby issued no task"
 
