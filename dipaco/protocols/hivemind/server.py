@@ -105,16 +105,23 @@ class _ByteServicer(ServicerBase):
                 "timeout", f"no request data for {self._read_timeout:.0f} s; transfer dropped"
             ) from None
 
-    async def _relay(self, to: str, chunks: list[bytes], size: int, digest: str):
-        """Pass a request on to ``to`` (a node this one relays for); its reply and digest."""
+    def _check_relay(self, to: str) -> None:
+        """Refuse a request for ``to`` (another node) unless this node relays for it: from its
+        header, before the rest of it is read."""
         if self._relay_for is None or self._forward is None:
             raise _Reject("no-relay", f"this node relays for nobody (the request is for {to})")
         if not self._relay_for(to):
             raise _Reject("not-relayed", f"{to} is not reachable through this relay")
+
+    async def _relay(self, to: str, chunks: list[bytes], size: int, digest: str):
+        """Pass a request on to ``to`` (a node this one relays for); its reply and digest."""
+        forward = self._forward
+        if forward is None:  # cannot happen: _check_relay refused it from its header
+            raise _Reject("no-relay", f"this node relays for nobody (the request is for {to})")
         loop = asyncio.get_running_loop()
         data = await loop.run_in_executor(self._executor, self._assemble, chunks, size, digest)
         try:
-            reply, reply_digest = await self._forward(to, data)
+            reply, reply_digest = await forward(to, data)
         except Exception as exc:  # noqa: BLE001 - unreachable, refused, timed out: the caller's
             reason = getattr(exc, "reason", "transport")
             raise _Reject("unreachable" if reason == "transport" else reason, str(exc)) from None
@@ -139,6 +146,8 @@ class _ByteServicer(ServicerBase):
             raise _Reject(
                 "too-large", f"request of {size} bytes exceeds the limit of {self._max} bytes"
             )
+        if header.get("to") not in (None, self.own_id):
+            self._check_relay(header["to"])
         chunks: list[bytes] = []
         got = 0
         msg = first
