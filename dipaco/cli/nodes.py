@@ -11,6 +11,7 @@ from pathlib import Path
 from dipaco.coordinator.core import Coordinator
 from dipaco.errors import ConfigError, DipacoError
 from dipaco.net import hivemind
+from dipaco.protocols import messages as m
 from dipaco.protocols.addresses import relayed_address, split_hostport
 from dipaco.protocols.auth import Identity
 
@@ -111,8 +112,6 @@ def relayed_route(coordinator: Coordinator, node, scheduler, join: str) -> list[
 def check_relayed(node, me: Identity, coordinator: Coordinator, address: str) -> None:
     """Ask this owner for its status through the relay, as a peer would reach it; a clear
     error if the scheduler does not relay (``--relay``) or cannot reach us."""
-    from dipaco.protocols import messages as m
-
     link = node.transport(node.peer_id, [address], timeout=30.0).authenticate(
         me, coordinator.identity.public_key
     )
@@ -126,8 +125,8 @@ def check_relayed(node, me: Identity, coordinator: Coordinator, address: str) ->
 
 
 def joined_node(args: argparse.Namespace, run_dir: Path):
-    """A DHT node listening on ``--listen``, bootstrapped from ``--join``, with the folder's
-    node key (an owner's, a standby's)."""
+    """A DHT node listening on ``--listen`` (or nowhere, behind NAT: ``--via-relay``),
+    bootstrapped from ``--join``, with the folder's node key (an owner's, a standby's)."""
     from dipaco.protocols.hivemind import HivemindNode
 
     host, port = split_hostport(args.listen)
