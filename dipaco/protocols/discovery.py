@@ -56,7 +56,11 @@ def find_run(node, run_id: str | None = None, wait: float = 30.0) -> tuple[str, 
         raise ConfigError(f"--run {str(run_id)[:40]!r} is not a run id: {why}")
     deadline, warned = time.monotonic() + wait, False
     while True:
-        found = node.get(RUNS)
+        try:
+            found = node.get(RUNS)
+        except TransportError as exc:  # a DHT that does not answer now: look again, in time
+            log.warning("cannot read the DHT's runs yet: %s", exc)
+            found = None
         # Anyone can write to the DHT: a run id becomes a folder name (the peer keeps a run's
         # files under runs/<id>), so one that is not a plain name is not a run.
         runs = {

@@ -150,3 +150,41 @@ def test_a_run_id_from_the_dht_that_is_not_a_plain_name_is_ignored():
         {discovery.key("0123456789abcdef", "manifest"): good},
     )
     assert discovery.find_run(dht, wait=0.3)[0] == "0123456789abcdef"
+
+
+class SilentDHT(FakeDHT):
+    """A DHT whose first ``silent`` reads do not answer in time (as HivemindNode.get says)."""
+
+    def __init__(self, runs, manifests, silent: int):
+        super().__init__(runs, manifests)
+        self.silent = silent
+
+    def get(self, key):
+        from dipaco.errors import TransportError
+
+        if self.silent:
+            self.silent -= 1
+            raise TransportError("the DHT did not answer within 60 s", reason="timeout")
+        return super().get(key)
+
+
+def test_a_dht_that_does_not_answer_is_asked_again_until_the_wait_is_spent():
+    from dipaco.errors import TransportError
+    from dipaco.protocols import discovery
+    from dipaco.protocols.hivemind.node import HivemindNode
+
+    good = {"run_id": "0123456789abcdef"}
+    runs = {"0123456789abcdef": {"manifest": discovery.manifest_sha256(good)}}
+    dht = SilentDHT(runs, {discovery.key("0123456789abcdef", "manifest"): good}, silent=2)
+    assert discovery.find_run(dht, wait=5.0)[0] == "0123456789abcdef"
+    with pytest.raises(TransportError, match="found no run in the DHT"):
+        discovery.find_run(SilentDHT(runs, {}, silent=100), wait=0.3)
+
+    class Unanswered:  # hivemind's future of a DHT call that never comes back
+        def result(self, timeout=None):
+            assert timeout is not None  # never a wait without end
+            raise TimeoutError
+
+    with pytest.raises(TransportError, match="did not answer") as info:
+        HivemindNode._dht_result(Unanswered(), "reading dipaco.runs")
+    assert info.value.reason == "timeout"

@@ -42,6 +42,7 @@ use_hivemind_log_handler("nowhere")
 
 P2PD_FIRST_WAIT = 15.0  # seconds p2pd gets to start at first (hivemind's default)
 P2PD_WAIT_GROWTH = 4.0  # each later try waits this many times longer, within start_timeout
+DHT_SECONDS = 60.0  # the longest a DHT read or store may take (hivemind's own RPCs time out sooner)
 RELAY_TIMEOUT = 120.0  # a relayed request fails when nothing moved to or from its target so long
 
 
@@ -207,14 +208,14 @@ class HivemindNode:
             fut = self._dht.store(
                 key, value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True
             )
-        return bool(fut.result())
+        return bool(self._dht_result(fut, f"storing {key}"))
 
     def get(self, key: str) -> Any:
         """The latest value under ``key``: the plain value, ``{subkey: value}`` for a dictionary
         value, or None when absent or expired."""
         with self._dht_lock:
             fut = self._dht.get(key, latest=True, return_future=True)
-        found = fut.result()
+        found = self._dht_result(fut, f"reading {key}")
         if found is None:
             return None
         value = found.value
@@ -223,6 +224,17 @@ class HivemindNode:
         ):  # a dictionary value: {subkey: ValueWithExpiration}
             return {sub: item.value for sub, item in value.items()}
         return value
+
+    @staticmethod
+    def _dht_result(fut: Any, what: str) -> Any:
+        """A DHT call's result; a TransportError (``timeout``) rather than a wait without end
+        when the DHT process does not answer within DHT_SECONDS."""
+        try:
+            return fut.result(DHT_SECONDS)
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            raise TransportError(
+                f"the DHT did not answer within {DHT_SECONDS:g} s ({what})", reason="timeout"
+            ) from None
 
     # -- server --
 
