@@ -23,7 +23,8 @@ sleeps three times the 1-peer run's time per inner step after each step: the fau
 to a quarter of H; ``--full-steps``: all H, as every other peer). With ``--overlap`` each run with more than one peer is done twice, with
 ``scheduler.overlap`` off and on (peers that find no open path train their path's next round,
 docs/operations.md "Overlap"), and the final validation perplexity of each is measured, so that
-what overlap costs in quality is printed beside the waiting it saves.
+what overlap costs in quality is printed beside the waiting it saves. ``--hedge`` makes the run
+with overlap hedge too (``scheduler.hedge``: an idle peer copies a straggler's task).
 
     python bench/scale.py                 # --peers 1 2 4 8, 3 rounds of H = 100
     python bench/scale.py --quick         # 1 and 2 peers, 1 round (CI's short form)
@@ -86,6 +87,7 @@ def run_config(
     outer: dict | None = None,
     source: str = "builtin",
     step_fraction: float = 1.0,
+    hedge: bool = False,
 ) -> Path:
     file = work / ("run-overlap.toml" if overlap else "run.toml")
     file.write_text(
@@ -94,6 +96,7 @@ def run_config(
         f"[scheduler]\nquorum = 1.0\nmin_step_fraction = {step_fraction}\n"
         "heartbeat_seconds = 1.0\n"
         f"overlap = {'true' if overlap else 'false'}\n"
+        + ("hedge = true\n" if hedge else "")
         # The default 10 s floor under task deadlines is longer than this run's tasks.
         + ("deadline_floor = 0.5\n" if step_fraction < 1 else "")
         + ("[outer]\n" + "".join(f"{k} = {v}\n" for k, v in outer.items()) if outer else "")
@@ -224,6 +227,12 @@ def one_run(
         "ahead_tasks": len(
             {e["task"] for e in log if e["event"] == "delta_acked" and "round" in e}
         ),
+        # Copies of a straggler's task (hedging), and those whose delta was the one applied.
+        "hedged_tasks": sum(1 for e in log if e["event"] == "task_hedged"),
+        "hedges_applied": len(
+            {e["task"] for e in log if e["event"] == "task_hedged"}
+            & {t for e in log if e["event"] == "outer_step" for t in e["tasks"]}
+        ),
         "applied_once": all(applied[k] == 1 for k in acked),
         "wall_s": wall,
         "start_s": min(issued) - began if issued else None,  # launch to the first task issued
@@ -264,12 +273,13 @@ def report_overlap(rows: list[dict], args: argparse.Namespace) -> None:
     """The runs with overlap off and on side by side: where the peers' time went, and the
     final perplexity of each (what overlap costs in quality)."""
     slow = ", the last peer at a quarter speed" if args.slow_peer else ""
+    slow += ", hedging on with overlap" if args.hedge else ""
     table = Table(
         title=f"overlap: tiny preset {TOPOLOGY}, {args.rounds} rounds x 8 paths x "
         f"H={args.inner_steps}{slow}, {len(cores())} cores"
     )
-    cols = ("peers", "overlap", "wall", "tokens/s", "ahead tasks", "compute", "transfer",
-            "waiting", "ppl")  # fmt: skip
+    cols = ("peers", "overlap", "wall", "tokens/s", "ahead tasks", "hedged (applied)",
+            "compute", "transfer", "waiting", "ppl")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
@@ -279,6 +289,7 @@ def report_overlap(rows: list[dict], args: argparse.Namespace) -> None:
             f"{r['wall_s']:.1f} s",
             f"{r['tokens_per_s']:,.0f}",
             str(r["ahead_tasks"]),
+            f"{r['hedged_tasks']} ({r['hedges_applied']})",
             f"{100 * r['compute']:.1f}%",
             f"{100 * r['transfer']:.1f}%",
             f"{100 * r['waiting']:.1f}%",
@@ -347,6 +358,12 @@ def main() -> None:
         help="each run with more than one peer twice: scheduler.overlap off and on, with the "
         "final perplexity",
     )
+    ap.add_argument(
+        "--hedge",
+        action="store_true",
+        help="with --overlap: the run with overlap on also hedges (scheduler.hedge: idle peers "
+        "copy a straggler's task)",
+    )
     add_report_args(ap)
     args = ap.parse_args()
     if args.quick:
@@ -397,8 +414,15 @@ def main() -> None:
                 )
                 cfg = (
                     run_config(
-                        work, args.rounds, args.inner_steps, overlap, outer, args.source, fraction
-                    )
+                        work,
+                        args.rounds,
+                        args.inner_steps,
+                        overlap,
+                        outer,
+                        args.source,
+                        fraction,
+                        hedge=args.hedge,
+                    )  # fmt: skip
                     if overlap
                     else config
                 )

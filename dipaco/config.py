@@ -178,6 +178,11 @@ class SchedulerSection(_Section):
     # path it trained for this one, from where that ended (one round stale, applied with the
     # staleness rule above); the outer step defaults to a plain one. docs/operations.md.
     overlap: bool = False
+    # A peer with nothing else to train gets a copy of a straggler's task (one that has run
+    # longer than the typical task): the first delta of the path for its round is applied,
+    # the other holder's lease ends. Costs duplicate compute; a round waits less for its
+    # slowest peer, at the start of a run and in its last round above all.
+    hedge: bool = False
 
 
 TOPK_DENSITY = 1 / 8  # network.topk_density's default (codecs.SPARSE_DENSITY, the same)

@@ -319,6 +319,13 @@ def record_done(
     core.done.add((task.path, task.round))
     core.trained_by[(task.path, task.round)] = peer_id
     core.scheduler.finish(task.task_id)
+    # Another live task of the path's round (a hedge's copy, or the straggler it copied) can
+    # add nothing now: its lease ends, so its peer stops training it at its next heartbeat.
+    for other in list(core.scheduler.leases.values()):
+        if (other.path, other.round) == (task.path, task.round):
+            core.scheduler.release(other.task_id, other.peer_id)
+            core.metrics({"event": "task_dropped", "task": other.task_id, "peer": other.peer_id})
+            core._work_changed()
     peer = core.peers.setdefault(peer_id, PeerInfo())
     peer.tasks_done += 1
     peer.tokens += tokens

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +46,7 @@ class Lease:
     steps: int = 0
     issued_at: float = 0.0
     module_versions: dict[str, int] = field(default_factory=dict)
+    hedge_of: str = ""  # the straggler's task this one copies (scheduler.hedge)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,46 @@ class Scheduler:
             now + self.lease_seconds,
             steps=self.steps_for(peer_id, steps),
             issued_at=now,
+        )
+        self.leases[lease.task_id] = lease
+        self.issued[lease.task_id] = lease
+        return lease
+
+    def hedge(self, peer_id: str, done: Collection[tuple[int, int]]) -> Lease | None:
+        """A copy of a straggler's task for ``peer_id``, which has nothing else to train: the
+        oldest live task of another peer that has run longer than the typical (median) task,
+        trains its path's current round (not a round ahead, whose start only its peer holds),
+        is not done and has no copy yet. The copy has its base versions and steps; None if no
+        task is late, or too few have finished to say what typical is."""
+        if len(self.durations) < self.policy.min_observations or self.leases_of(peer_id):
+            return None
+        typical, now = statistics.median(self.durations), self.clock()
+        holders = Counter((x.path, x.round) for x in self.leases.values())
+        late = [
+            x
+            for x in self.leases.values()
+            if x.peer_id != peer_id
+            and holders[(x.path, x.round)] == 1
+            and (x.path, x.round) not in done
+            and x.module_versions
+            and all(v >= x.round for v in x.module_versions.values())
+            and now - x.issued_at > typical
+        ]
+        if not late:
+            return None
+        slow = min(late, key=lambda x: x.issued_at)
+        attempt = self.attempts.get((slow.path, slow.round), 0)
+        self.attempts[(slow.path, slow.round)] = attempt + 1
+        lease = Lease(
+            f"P{slow.path}-r{slow.round}-e{self.epoch}-a{attempt}",
+            slow.path,
+            slow.round,
+            peer_id,
+            now + self.lease_seconds,
+            steps=slow.steps,
+            issued_at=now,
+            module_versions=dict(slow.module_versions),
+            hedge_of=slow.task_id,
         )
         self.leases[lease.task_id] = lease
         self.issued[lease.task_id] = lease

@@ -100,9 +100,10 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
             finished=False,
         )
     if fresh:
-        lease.module_versions = {
-            mid: core.version(mid) for mid in core.topology.path_modules(lease.path)
-        }
+        if not lease.hedge_of:  # a copy keeps the base of the task it copies
+            lease.module_versions = {
+                mid: core.version(mid) for mid in core.topology.path_modules(lease.path)
+            }
         # The lease must be on disk before the offer goes out, so that a peer never trains a
         # task a restarted coordinator does not know: marked here, written (group commit,
         # durable.py) before the reply leaves the service; written now outside a request.
@@ -273,7 +274,8 @@ def lease_task(core: CoordinatorBase, lease: Lease, key: str | None = None) -> T
 
 def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
     """Lease an open path; with overlap, else the next round of a path the peer trained
-    (rounds.ahead_paths) rather than wait for this round to close. None if neither."""
+    (rounds.ahead_paths) rather than wait for this round to close; with hedging, else a copy
+    of a straggler's task (Scheduler.hedge). None if none of these."""
     lease = core.scheduler.claim(
         req.peer_id, core.open_paths(), req.prefer_path, core.inner_steps, req.holding
     )
@@ -285,6 +287,17 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
             core.inner_steps,
             req.holding,
         )
+    if lease is None and core.policy.hedge and not req.holding:
+        lease = core.scheduler.hedge(req.peer_id, core.done)
+        if lease is not None:
+            core.metrics(
+                {
+                    "event": "task_hedged",
+                    "task": lease.task_id,
+                    "copies": lease.hedge_of,
+                    "peer": req.peer_id,
+                }
+            )
     return lease
 
 

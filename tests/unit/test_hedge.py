@@ -1,0 +1,52 @@
+"""Hedging (``scheduler.hedge``): a peer with nothing to train gets a copy of a straggler's task;
+the path's first delta for its round is applied, exactly once, and the other holder's lease
+ends (docs/operations.md)."""
+
+from test_rounds import TOPO, Clock, claim, delta_for, make, rejected, versions
+
+from dipaco.protocols import messages as m
+from dipaco.protocols.transport import LocalTransport
+
+
+def test_an_idle_peer_copies_a_stragglers_task_and_the_first_delta_wins(tmp_path):
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, events=events, hedge=True, min_observations=3)
+    tr = LocalTransport(co.handle)
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
+    clock.now = 1.0
+    for p in range(3):  # three tasks of a second each: the typical task
+        tr.request(delta_for(tasks[p], f"p{p}"))
+    straggler = tasks[3]
+    assert isinstance(claim(tr, "p0"), m.NoTask)  # p3 has not run longer than typical yet
+    clock.now = 2.5
+    copy = claim(tr, "p0")
+    assert (copy.path, copy.round) == (3, 0) and copy.task_id != straggler.task_id
+    assert copy.module_versions == straggler.module_versions  # the same base
+    assert copy.inner_steps == straggler.inner_steps
+    assert isinstance(claim(tr, "p1"), m.NoTask)  # one copy per task
+    ack = tr.request(delta_for(copy, "p0", scale=0.02))
+    assert sorted(ack.accepted) == sorted(TOPO.path_modules(3)) and ack.task_done
+    assert set(versions(co).values()) == {1}  # the round closed without the straggler
+    # The straggler's lease ended: its heartbeat says so, and its delta is refused.
+    beat = tr.request(m.Heartbeat(peer_id="p3", task_id=straggler.task_id, step=3))
+    assert not beat.lease_ok
+    assert rejected(lambda: tr.request(delta_for(straggler, "p3"))) == "lease-ended"
+    # Each module's step applied path 3's delta once: the copy's.
+    steps = [e for e in events if e["event"] == "outer_step"]
+    for step in steps:
+        assert straggler.task_id not in step["tasks"]
+        if 3 in step["paths"]:
+            assert step["tasks"].count(copy.task_id) == 1
+    assert [e["copies"] for e in events if e["event"] == "task_hedged"] == [straggler.task_id]
+
+
+def test_without_hedging_or_a_late_task_nobody_copies(tmp_path):
+    clock = Clock()
+    co = make(tmp_path, clock, min_observations=3)  # hedge off (the default)
+    tr = LocalTransport(co.handle)
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
+    clock.now = 1.0
+    for p in range(3):
+        tr.request(delta_for(tasks[p], f"p{p}"))
+    clock.now = 10.0
+    assert isinstance(claim(tr, "p0"), m.NoTask)
