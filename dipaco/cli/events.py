@@ -11,6 +11,7 @@ EVENT_TEXT = {
     "outer_step": "module {module} -> v{version} ({n_paths} paths, closed by {closed_by})",
     "round": "round {round} complete",
     "task_released": "task {task} released by {peer}",
+    "task_hedged": "task {task} issued to {peer}: a copy of the straggling task {copies}",
     "lease_expired": "task {task}: lease expired ({peer} went silent)",
     "eval": "round {round}: routed validation perplexity {ppl:.2f}",
     "owner_changed": "module {module} is now owned by {owner}",
