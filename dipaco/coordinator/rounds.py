@@ -325,7 +325,6 @@ def record_done(
         if (other.path, other.round) == (task.path, task.round):
             core.scheduler.release(other.task_id, other.peer_id)
             core.metrics({"event": "task_dropped", "task": other.task_id, "peer": other.peer_id})
-            core._work_changed()
     peer = core.peers.setdefault(peer_id, PeerInfo())
     peer.tasks_done += 1
     peer.tokens += tokens
