@@ -20,6 +20,11 @@ peers rather than how fast this machine is.
 
     python bench/soak.py --peers 64 --rounds 5          # appends a row to docs/reliability.md
     python bench/soak.py --peers 64 --rounds 2 --no-doc # just print
+    python bench/soak.py --peers 64 --peer-processes 4  # the peers in 4 processes
+    python bench/soak.py --peers 64 --bound --no-doc    # a diagnosis: see serve()
+
+It also prints, per delta, the coordinator process's CPU (and kernel) time, context switches and
+fsync calls, and the simulated peers' CPU time (their imports happen before the clock starts).
 """
 
 from __future__ import annotations
@@ -73,12 +78,19 @@ def _rss_bytes() -> int:
 # ---- the coordinator process ------------------------------------------------------------------
 
 
-def serve(root: Path, side: int, rounds: int, dim: int) -> None:
+def serve(root: Path, side: int, rounds: int, dim: int, bound: bool = False) -> None:
     """Run one coordinator until its run finishes and the driver closes our stdin.
 
     Writes ``server.json`` (address, loopback key, coordinator key, model bytes) once it listens,
     and every metrics event to ``events.jsonl``; at each round, and once more at the end, an
     ``rss`` event with this process's RSS and the sizes of the coordinator's per-task records.
+
+    ``bound`` (``--bound``, a diagnosis, never a configuration of dipaco): requests run one at
+    a time (a lock around the handler: no two threads ever run it, so no hand-offs between
+    them), ``fsync`` does nothing and coordinator.json and validation.json are never written.
+    That is what a coordinator with no thread hand-offs, whose durable writes cost nothing
+    per request (all batched), could at best do on this machine with this much Python per
+    request. Not crash-safe, so never a figure of dipaco itself.
     """
     import torch
 
@@ -92,6 +104,7 @@ def serve(root: Path, side: int, rounds: int, dim: int) -> None:
     torch.set_num_threads(1)
     cfg = ModelConfig(vocab_size=256, dim=dim, n_layers=N_LAYERS, n_heads=2, max_seq_len=16)
     topo = Topology.parse(f"{side}x{side}", N_LAYERS)
+    fsyncs = [0]
     events = open(root / "events.jsonl", "a", buffering=1)  # noqa: SIM115 - lives with the process
     write_lock = threading.Lock()
     holder: list[Coordinator] = []
@@ -114,6 +127,7 @@ def serve(root: Path, side: int, rounds: int, dim: int) -> None:
             "cpu_s": time.process_time(),  # this process's CPU seconds, all threads
             "sys_s": os.times().system,  # of which in the kernel (file system calls, sockets)
             "switches": _switches(),
+            "fsyncs": fsyncs[0],
         }
 
     def on_event(event: dict) -> None:
@@ -145,6 +159,25 @@ def serve(root: Path, side: int, rounds: int, dim: int) -> None:
         security=SecuritySection(requests_per_second=1e6, burst=10**6),
     )
     holder.append(co)
+    handler = co.handle
+    real_fsync = os.fsync
+
+    def counted_fsync(fd: int) -> None:  # every fsync of this process, counted
+        fsyncs[0] += 1
+        if not bound:
+            real_fsync(fd)
+
+    os.fsync = counted_fsync  # type: ignore[assignment]
+    if bound:
+        from dipaco.coordinator import durable
+
+        durable.GroupWriter.flush = lambda self: None  # type: ignore[method-assign]
+        one_at_a_time = threading.Lock()
+
+        def handler(data: bytes) -> bytes:
+            with one_at_a_time:
+                return co.handle(data)
+
     co.start(topo.init_modules(new_dense_model(cfg, 0).state_dict()))
     model_bytes = sum(
         t.numel() * t.element_size()
@@ -152,7 +185,7 @@ def serve(root: Path, side: int, rounds: int, dim: int) -> None:
         for t in co.store.params(mid).values()
     )
     authkey = secrets.token_bytes(32)
-    server = LoopbackServer(co.handle, authkey)
+    server = LoopbackServer(handler, authkey)
     stop = threading.Event()
 
     def ticker() -> None:  # what the CLI's server does: expire leases, close overdue rounds
@@ -171,6 +204,8 @@ def serve(root: Path, side: int, rounds: int, dim: int) -> None:
         "cpu_s": time.process_time(),
         "sys_s": os.times().system,
         "switches": _switches(),
+        "fsyncs": fsyncs[0],
+        "bound": bound,
     }
     tmp = root / "server.json.tmp"
     tmp.write_text(json.dumps(info))
@@ -199,9 +234,16 @@ class PeerStats:
 
 
 def peer_loop(
-    name: str, address: str, authkey: bytes, server_key: str, deadline: float, stats: PeerStats
+    name: str,
+    address: str,
+    authkey: bytes,
+    server_key: str,
+    deadline: float,
+    stats: PeerStats,
+    long_poll: bool = True,
 ) -> None:
-    """One simulated peer: the real protocol, with a random delta instead of training."""
+    """One simulated peer: the real protocol, with a random delta instead of training.
+    Without ``long_poll`` its claims ask for no wait (a NoTask comes back at once)."""
     import torch
 
     from dipaco.errors import DipacoError
@@ -230,7 +272,8 @@ def peer_loop(
                     auth.Identity.generate(), server_key
                 )
                 timed(tr, m.Hello(peer_id=name, device="cpu"))
-            offer = timed(tr, m.ClaimTask(peer_id=name, prefer_path=last_path, wait=CLAIM_WAIT))
+            wait = CLAIM_WAIT if long_poll else 0.0
+            offer = timed(tr, m.ClaimTask(peer_id=name, prefer_path=last_path, wait=wait))
             if isinstance(offer, m.NoTask):
                 if offer.finished:
                     break
@@ -282,8 +325,14 @@ def run_load(
     side: int | None = None,
     dim: int = 32,
     timeout: float = 300.0,
+    processes: int = 1,
+    bound: bool = False,
 ) -> dict[str, Any]:
     """Start a coordinator process, run ``peers`` peer threads until the run ends; the facts.
+
+    ``processes`` > 1 spreads the peer threads over that many processes (``soak.py peers``), so
+    that the simulated peers do not all wait for one interpreter lock. ``bound``: the
+    coordinator runs as :func:`serve` describes for it, and the peers' claims do not wait.
 
     Returns the figures (wall time, deltas per second, latency percentiles, RSS per round) and
     the facts the soak asserts (rounds reached, acknowledged versus stepped deltas).
@@ -303,6 +352,7 @@ def run_load(
             str(rounds),
             "--dim",
             str(dim),
+            *(["--bound"] if bound else []),
         ],
         stdin=subprocess.PIPE,
         cwd=REPO,
@@ -317,29 +367,11 @@ def run_load(
                 raise RuntimeError("the coordinator process did not start within 120 s")
             time.sleep(0.05)
         info = json.loads((root / "server.json").read_text())
-        stats = [PeerStats() for _ in range(peers)]
-        deadline = time.monotonic() + timeout
-        threads = [
-            threading.Thread(
-                target=peer_loop,
-                args=(
-                    f"peer{i:03d}",
-                    info["address"],
-                    bytes.fromhex(info["authkey"]),
-                    info["coordinator_key"],
-                    deadline,
-                    stats[i],
-                ),
-                daemon=True,
-            )
-            for i in range(peers)
-        ]
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(max(1.0, deadline - time.monotonic() + 30))
-        wall, peers_cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        names = [f"peer{i:03d}" for i in range(peers)]
+        if processes > 1:
+            stats, wall, peers_cpu, hung = _peer_processes(root, info, names, processes, timeout)
+        else:
+            stats, wall, peers_cpu, hung = _peer_threads(info, names, timeout)
     finally:
         if child.stdin is not None:
             child.stdin.close()
@@ -348,9 +380,146 @@ def run_load(
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-    result = _summarise(root, info, stats, rounds, wall, hung=sum(t.is_alive() for t in threads))
+    result = _summarise(root, info, stats, rounds, wall, hung=hung)
     result["peers_cpu_s"] = peers_cpu
     return result
+
+
+def _peer_threads(
+    info: dict[str, Any], names: list[str], timeout: float, go: Any = None
+) -> tuple[list[PeerStats], float, float, int]:
+    """Run a peer thread per name in this process until the run ends: (stats, wall seconds,
+    this process's CPU seconds meanwhile, peers still running at the end). ``go``, if given,
+    is called just before the threads start (a worker process waits there for the driver)."""
+    _peer_imports()  # outside the timing (each peer imports them on its first line)
+    stats = [PeerStats() for _ in names]
+    if go is not None:
+        go()
+    deadline = time.monotonic() + timeout
+    threads = [
+        threading.Thread(
+            target=peer_loop,
+            args=(
+                name,
+                info["address"],
+                bytes.fromhex(info["authkey"]),
+                info["coordinator_key"],
+                deadline,
+                stats[i],
+                not info.get("bound", False),  # the bound's handler must never wait
+            ),
+            daemon=True,
+        )
+        for i, name in enumerate(names)
+    ]
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(1.0, deadline - time.monotonic() + 30))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return stats, wall, cpu, sum(t.is_alive() for t in threads)
+
+
+def _peer_processes(
+    root: Path, info: dict[str, Any], names: list[str], processes: int, timeout: float
+) -> tuple[list[PeerStats], float, float, int]:
+    """:func:`_peer_threads` in ``processes`` worker processes (``soak.py peers``), the names
+    dealt out in turn. Each worker imports what it needs, says it is ready, and starts its
+    peers when the driver tells all of them at once; the wall time runs from that word to the
+    last worker's end, and the CPU is the workers' own, summed."""
+    workers = []
+    for k in range(processes):
+        out = root / f"peers{k}.json"
+        workers.append(
+            (
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "peers",
+                        "--root",
+                        str(root),
+                        "--out",
+                        str(out),
+                        "--timeout",
+                        str(timeout),
+                        *names[k::processes],
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    cwd=REPO,
+                    env={**os.environ, "PYTHONPATH": str(REPO)},
+                ),
+                out,
+            )
+        )
+    for proc, _ in workers:
+        if proc.stdout is None or proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("a peer worker process did not start")
+    t0 = time.perf_counter()
+    for proc, _ in workers:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.close()
+    for proc, _ in workers:
+        proc.wait(timeout + 60)
+    wall = time.perf_counter() - t0
+    stats, cpu, hung = [], 0.0, 0
+    for proc, out in workers:
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"a peer worker process exited with {proc.returncode}")
+        got = json.loads(out.read_text())
+        cpu += got["cpu_s"]
+        hung += got["hung"]
+        for s in got["stats"]:
+            stats.append(
+                PeerStats(
+                    latencies=defaultdict(list, s["latencies"]),
+                    acked=[tuple(pair) for pair in s["acked"]],
+                    submits=s["submits"],
+                    errors=Counter(s["errors"]),
+                    tasks=s["tasks"],
+                )
+            )
+    return stats, wall, cpu, hung
+
+
+def _peer_imports() -> None:
+    """What :func:`peer_loop` imports, imported (its first import of torch takes seconds)."""
+    import torch  # noqa: F401
+
+    from dipaco.peer.links import CLAIM_WAIT  # noqa: F401
+    from dipaco.protocols.transport import LoopbackTransport  # noqa: F401
+
+
+def peers_worker(root: Path, out: Path, names: list[str], timeout: float) -> None:
+    """(The ``peers`` subcommand.) Run the named peers against the coordinator of ``root``."""
+    info = json.loads((root / "server.json").read_text())
+
+    def go() -> None:
+        print("ready", flush=True)
+        sys.stdin.readline()
+
+    stats, _, cpu, hung = _peer_threads(info, names, timeout, go)
+    doc = {
+        "cpu_s": cpu,
+        "hung": hung,
+        "stats": [
+            {
+                "latencies": dict(s.latencies),
+                "acked": s.acked,
+                "submits": s.submits,
+                "errors": dict(s.errors),
+                "tasks": s.tasks,
+            }
+            for s in stats
+        ],
+    }
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.rename(out)
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -403,9 +572,11 @@ def _summarise(
         "issued_final": final.get("issued"),
         "done_final": final.get("done"),
         "attempts_final": final.get("attempts"),
+        "bound": info.get("bound", False),
         "coordinator_cpu_s": final.get("cpu_s", 0.0) - info.get("cpu_s", 0.0),
         "coordinator_sys_s": final.get("sys_s", 0.0) - info.get("sys_s", 0.0),
         "coordinator_switches": final.get("switches", 0) - info.get("switches", 0),
+        "coordinator_fsyncs": final.get("fsyncs", 0) - info.get("fsyncs", 0),
     }
 
 
@@ -548,6 +719,8 @@ def _print(result: dict[str, Any], label: str) -> None:
     )
     print(
         f"  coordinator context switches per delta: {result['coordinator_switches'] / per / 1000:.0f}"
+        f"; fsync calls per delta: {result['coordinator_fsyncs'] / per / 1000:.1f}"
+        + (" (made no-ops by --bound)" if result.get("bound") else "")
     )
     print(
         f"  issued tasks remembered: max {result['issued_max']}, final "
@@ -563,19 +736,46 @@ def main() -> None:
     sv.add_argument("--side", type=int, required=True)
     sv.add_argument("--rounds", type=int, required=True)
     sv.add_argument("--dim", type=int, required=True)
+    sv.add_argument("--bound", action="store_true")
+    pw = sub.add_parser("peers", help="(internal) a process of simulated peers")
+    pw.add_argument("--root", type=Path, required=True)
+    pw.add_argument("--out", type=Path, required=True)
+    pw.add_argument("--timeout", type=float, required=True)
+    pw.add_argument("names", nargs="+")
     ap.add_argument("--peers", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dim", type=int, default=32, help="model width (module size)")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--no-doc", action="store_true", help="do not append to docs/reliability.md")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--bound",
+        action="store_true",
+        help="diagnosis: the concurrent run's coordinator with one request at a time and no "
+        "durable writes (an upper bound for batching; not crash-safe); no row is appended",
+    )
+    ap.add_argument(
+        "--peer-processes",
+        type=int,
+        default=1,
+        help="spread the concurrent run's peer threads over this many processes",
+    )
     args = ap.parse_args()
     if args.cmd == "serve":
-        serve(args.root, args.side, args.rounds, args.dim)
+        serve(args.root, args.side, args.rounds, args.dim, args.bound)
+        return
+    if args.cmd == "peers":
+        peers_worker(args.root, args.out, args.names, args.timeout)
         return
     with tempfile.TemporaryDirectory(prefix="dipaco-soak-") as tmp:
         result = run_load(
-            Path(tmp) / "load", args.peers, args.rounds, dim=args.dim, timeout=args.timeout
+            Path(tmp) / "load",
+            args.peers,
+            args.rounds,
+            dim=args.dim,
+            timeout=args.timeout,
+            processes=args.peer_processes,
+            bound=args.bound,
         )
         _print(result, "concurrent")
         baseline = None
@@ -596,7 +796,7 @@ def main() -> None:
     broken = problems(result) + (problems(baseline) if baseline else [])
     for p in broken:
         print("PROBLEM:", p)
-    if not args.no_doc:
+    if not args.no_doc and not args.bound:
         append_row(DOC, table_row(result, baseline))
         print(f"appended a row to {DOC.relative_to(REPO)} (## Load)")
     sys.exit(1 if broken else 0)

@@ -49,6 +49,18 @@ def test_64_peers_against_one_coordinator_lose_and_repeat_no_delta(tmp_path):
     assert result["rss_final"] - result["rss_round1"] < 2 * result["model_bytes"] + (48 << 20)
 
 
+@pytest.mark.timeout(120)
+def test_peers_spread_over_processes_are_counted_as_one_run(tmp_path):
+    """``--peer-processes``: each worker's peers report back, and the run's facts add up as if
+    the peers had been threads of the driver (every delta acknowledged once, by its peer)."""
+    soak = _soak()
+    result = soak.run_load(tmp_path / "load", peers=6, rounds=2, dim=16, timeout=60, processes=2)
+    assert soak.problems(result) == []
+    assert result["peers"] == 6 and result["submits"] == result["paths"] * 2
+    assert result["stepped"] == result["acked"] == result["peer_acked"]
+    assert result["peers_cpu_s"] > 0 and result["coordinator_fsyncs"] > 0
+
+
 def test_the_load_section_of_the_reliability_doc_is_ours_alone(tmp_path):
     soak = _soak()
     doc = tmp_path / "reliability.md"
