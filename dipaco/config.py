@@ -93,7 +93,8 @@ class TrainSection(_Section):
 class OuterSection(_Section):
     # Unset: the paper's Nesterov step (lr 0.7, momentum 0.9), or, with a sparse codec
     # (network.codec topk2/topk4), plain steps of lr 2.5 without momentum: the peers' error
-    # feedback stands in for it (SparseLoCo; docs/results.md, "Sparse deltas").
+    # feedback stands in for it (SparseLoCo; docs/results.md, "Sparse deltas"); with sign1,
+    # lr 1.0 and momentum 0.5 (docs/results.md, "One bit an element").
     lr: float | None = Field(None, gt=0)
     momentum: float | None = Field(None, ge=0, lt=1)
     nesterov: bool = True
@@ -189,9 +190,10 @@ TOPK_DENSITY = 1 / 8  # network.topk_density's default (codecs.SPARSE_DENSITY, t
 
 
 class NetworkSection(_Section):
-    # How deltas travel: lossless float32, fp16, bf16, int8 blockwise, or chunked top-k with 2-
-    # or 4-bit values; the lossy ones with error feedback.
-    codec: Literal["lossless", "fp16", "bf16", "int8", "topk2", "topk4"] = "lossless"
+    # How deltas travel: lossless float32, fp16, bf16, int8 blockwise, scaled signs (sign1, a
+    # bit an element), or chunked top-k with 2- or 4-bit values; the lossy ones with error
+    # feedback.
+    codec: Literal["lossless", "fp16", "bf16", "int8", "sign1", "topk2", "topk4"] = "lossless"
     # Top-k: the share of each 4096-element chunk a delta sends.
     topk_density: float = Field(TOPK_DENSITY, gt=0, le=1)
     # The weight of a peer's residual in its next delta (SparseLoCo's beta; 1 keeps all of it).
@@ -213,16 +215,19 @@ class NetworkSection(_Section):
 # The outer step's defaults (OuterSection): the paper's, and those measured for sparse deltas.
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM = 2.5, 0.0
+SIGN_OUTER_LR, SIGN_OUTER_MOMENTUM = 1.0, 0.5  # with network.codec sign1 (measured)
 OVERLAP_OUTER_LR, OVERLAP_OUTER_MOMENTUM = 1.0, 0.0  # with scheduler.overlap (measured)
 SPARSE_FEEDBACK_DECAY = 0.9  # network.error_feedback_decay's default with a sparse codec
 
 
 def outer_lr_momentum(c: RunConfig) -> tuple[float, float]:
-    """The run's outer lr and momentum: as set, else the defaults for its codec (and for
-    overlap, a plain step: with overlap it reached 22.67 on the scale benchmark where
-    Nesterov reached 25.46; docs/operations.md "Overlap")."""
+    """The run's outer lr and momentum: as set, else the defaults for its codec (sparse, sign1:
+    docs/results.md) and for overlap, a plain step (with overlap it reached 22.67 on the scale
+    benchmark where Nesterov reached 25.46; docs/operations.md "Overlap")."""
     if c.network.sparse:
         lr, momentum = SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM
+    elif c.network.codec == "sign1":
+        lr, momentum = SIGN_OUTER_LR, SIGN_OUTER_MOMENTUM
     elif c.scheduler.overlap:
         lr, momentum = OVERLAP_OUTER_LR, OVERLAP_OUTER_MOMENTUM
     else:

@@ -116,7 +116,7 @@ FIELDS: dict[str, str] = {
     "scheduler.min_step_fraction": "a slow peer gets at least this fraction of H inner steps",
     "scheduler.overlap": "peers never wait for a round: they train their path's next one",
     "scheduler.hedge": "an idle peer copies a straggler's task; the first delta counts",
-    "network.codec": "delta encoding: float32, fp16, bf16, int8 blockwise, or top-k topk2/topk4",
+    "network.codec": "delta encoding: float32, fp16, bf16, int8, sign1 (1 bit), or topk2/topk4",
     "network.topk_density": "top-k: the share of each 4096-element chunk a delta sends",
     "network.error_feedback_decay": "a residual's weight in the next delta (unset: 0.9 sparse, else 1)",
     "eval.max_docs": "evaluate on at most this many documents (unset: all)",

@@ -315,7 +315,7 @@ def link_line(timings: dict[str, float], traffic: tuple[int, int] | None = None)
         return line + f": {100 * share:.0f}% on transfers, fine"
     return line + (
         f": {100 * share:.0f}% on transfers, a thin link for this run: join from a faster link, "
-        'or ask the operator for smaller deltas ([network] codec = "int8" or "topk2")'
+        'or ask the operator for smaller deltas ([network] codec = "int8" or "sign1")'
     )
 
 

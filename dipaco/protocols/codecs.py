@@ -31,6 +31,13 @@ Built-in codecs and their per-element error bounds (``x`` the sent value, ``y`` 
     has ``scale == 0`` and decodes to exact zeros. About 1 + 4/BLOCK bytes per element (~0.254x
     of float32 for large tensors).
 
+``sign1`` (:class:`Sign1`)
+    Scaled signs (EF-signSGD): each block of :data:`BLOCK` elements sends the sign of every
+    element as one bit (uint8 ``[nblocks, BLOCK / 8]``) and ``scale = mean |x|`` over the block
+    (float32 ``name#scale``); decoding is ``y = scale * sign(x)`` (a zero decodes as ``+scale``).
+    No per-element bound: a block's decoded L1 norm equals its sent one, and the rest is left to
+    error feedback. About 1/8 + 4/BLOCK bytes per element (0.14 of int8).
+
 Lossy codecs are meant to be used through :class:`ErrorFeedback`, which keeps on the peer what
 compression dropped and adds it to the next delta of the same stream, so errors do not accumulate
 over rounds (EF-SGD): the sum of everything decoded differs from the sum of the true deltas by
@@ -315,6 +322,76 @@ class Int8Blockwise(Codec):
         self, name: str, wire: dict[str, torch.Tensor], shape: torch.Size
     ) -> torch.Tensor:
         return _dequantise(wire[name], wire[name + SCALE_SUFFIX], shape)
+
+
+@register
+class Sign1(Codec):
+    """Scaled signs: one bit an element (``name``, uint8 [nblocks, BLOCK / 8], bit ``j`` of
+    byte ``i`` the sign of element ``8 i + j``, 1 for negative) and each block's mean absolute
+    value (``name#scale``, float32 [nblocks]). Every bit pattern decodes; the decoder refuses
+    wrong dtypes and shapes and scales that are negative or not finite."""
+
+    name = "sign1"
+
+    def wire_names(self, name: str) -> list[str]:
+        return [name, name + SCALE_SUFFIX]
+
+    def check_name(self, name: str) -> None:
+        if name.endswith(SCALE_SUFFIX):
+            raise ValueError(f"tensor name {name!r} collides with sign1 scale companions")
+
+    def encode_tensor(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not _all_finite(x):
+            raise ValueError(f"tensor {name!r} has non-finite values; cannot encode as sign1")
+        flat = x.reshape(-1)
+        nb = _nblocks(flat.numel())
+        pad = nb * BLOCK - flat.numel()
+        # The padding is left out of the mean: a short last block keeps its own scale.
+        counts = torch.full((nb,), float(BLOCK))
+        if nb and pad:
+            counts[-1] = BLOCK - pad
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        blocks = flat.view(nb, BLOCK)
+        scale = blocks.abs().sum(dim=1) / counts
+        return {
+            name: pack_codes((blocks < 0).to(torch.uint8), 1),
+            name + SCALE_SUFFIX: scale,
+        }
+
+    def decode_tensor(
+        self, name: str, wire: dict[str, torch.Tensor], shape: torch.Size
+    ) -> torch.Tensor:
+        packed, sname = wire[name], name + SCALE_SUFFIX
+        scale = wire[sname]
+        nb = _nblocks(math.prod(shape))
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != (nb, BLOCK // 8):
+            raise WireError(
+                f"tensor {name!r} must be uint8 [{nb}, {BLOCK // 8}] (sign bits for a parameter "
+                f"of shape {list(shape)}), got {packed.dtype} {list(packed.shape)}"
+            )
+        if not isinstance(scale, torch.Tensor):
+            raise WireError(f"wire entry {sname!r} is not a tensor")
+        if scale.dtype != torch.float32 or tuple(scale.shape) != (nb,):
+            raise WireError(
+                f"tensor {sname!r} must be float32 [{nb}], got {scale.dtype} {list(scale.shape)}"
+            )
+        if not _all_finite(scale):
+            raise WireError(f"tensor {sname!r} has non-finite scales")
+        if bool((scale < 0).any()):
+            raise WireError(f"tensor {sname!r} has negative scales")
+        return self._rebuild(packed, scale, shape)
+
+    def decode_own(
+        self, name: str, wire: dict[str, torch.Tensor], shape: torch.Size
+    ) -> torch.Tensor:
+        return self._rebuild(wire[name], wire[name + SCALE_SUFFIX], shape)
+
+    @staticmethod
+    def _rebuild(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        negative = unpack_codes(packed, 1, BLOCK).to(torch.float32)
+        y = (1.0 - 2.0 * negative).mul_(scale.to(packed.device).unsqueeze(1))
+        return y.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
 SPARSE_CHUNK = 4096  # elements per top-k chunk (a smaller tensor is one chunk)

@@ -95,6 +95,13 @@ def test_valid_encodings_decode_within_the_documented_bounds(codec, seed):
             assert torch.equal(out[name], x)
         elif codec == "int8":
             assert float(err.max()) <= float(x.abs().max()) / 254 + 1e-6  # per block: its own max
+        elif codec == "sign1":
+            # Every sign, and per block the mean magnitude (so the decoded L1 norm is the sent).
+            assert bool((torch.sign(out[name]) == torch.sign(x)).all())
+            blocks = -(-x.numel() // codecs.BLOCK)
+            scale = frame.tensors[name + "#scale"]
+            assert float(out[name].abs().sum()) == pytest.approx(float(x.abs().sum()), rel=1e-4)
+            assert scale.shape == (blocks,) and float(out[name].abs().max()) <= float(scale.max())
         elif codec.startswith("topk"):
             # Sent elements: the sign, and the magnitude within half a level of [lo, hi]; the
             # others decode to exactly 0 (the peer's error feedback keeps them).

@@ -44,7 +44,12 @@ def test_round_trip_shapes_dtypes_and_names(codec):
     for t in wire.values():
         assert t.device.type == "cpu" and t.is_contiguous()
         assert t.dtype in w._DTYPE_NAMES  # every wire dtype is on the wire allowlist
-    companions = {"int8": ["#scale"], "topk2": ["#idx", "#scale"], "topk4": ["#idx", "#scale"]}
+    companions = {
+        "int8": ["#scale"],
+        "sign1": ["#scale"],
+        "topk2": ["#idx", "#scale"],
+        "topk4": ["#idx", "#scale"],
+    }
     expected = set(delta) | {n + c for n in delta for c in companions.get(codec, [])}
     assert set(wire) == expected
     out = decode(codec, wire, delta)
@@ -131,6 +136,51 @@ def test_int8_matches_the_documented_formula():
     assert bool((wire["x"][0, 5:] == 0).all())  # zero padding
 
 
+def test_sign1_sends_every_sign_and_each_blocks_mean_magnitude():
+    delta = sample_delta()
+    wire = encode("sign1", delta)
+    out = decode("sign1", wire, delta)
+    for name, x in delta.items():
+        nb = -(-x.numel() // BLOCK)
+        assert wire[name].shape == (nb, BLOCK // 8) and wire[name].dtype == torch.uint8
+        flat, got = x.reshape(-1), out[name].reshape(-1)
+        assert bool((torch.sign(got[flat != 0]) == torch.sign(flat[flat != 0])).all()), name
+        # one magnitude per block: the block's mean |x| over its own elements (the short last
+        # block's padding is left out), so the decoded L1 norm is the sent one
+        for b in range(nb):
+            part = slice(b * BLOCK, (b + 1) * BLOCK)
+            assert bool((got[part].abs() == got[part][:1].abs()).all()), (name, b)
+            assert got[part].abs().sum().item() == pytest.approx(
+                flat[part].abs().sum().item(), rel=1e-5, abs=1e-30
+            ), (name, b)
+    assert bool((out["all_zero"] == 0).all())  # scale 0: zeros, whatever the sign bits
+    x = torch.tensor([0.5, -1.0, 0.0, 2.5])
+    w1 = encode("sign1", {"x": x})
+    assert w1["x#scale"].tolist() == [1.0]  # (0.5 + 1 + 0 + 2.5) / 4, not over 256
+    assert w1["x"][0, 0].item() == 0b0010 and bool((w1["x"][0, 1:] == 0).all())
+    assert decode("sign1", w1, {"x": x})["x"].tolist() == [1.0, -1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "name,bad,why",
+    [
+        ("w", torch.zeros(2, BLOCK // 8, dtype=torch.int8), "must be uint8"),
+        ("w", torch.zeros(2, BLOCK // 4, dtype=torch.uint8), "must be uint8"),
+        ("w", torch.zeros(3, BLOCK // 8, dtype=torch.uint8), "must be uint8"),
+        ("w#scale", torch.zeros(2, dtype=torch.float64), "must be float32"),
+        ("w#scale", torch.zeros(3), "must be float32"),
+        ("w#scale", torch.tensor([1.0, float("nan")]), "non-finite"),
+        ("w#scale", torch.tensor([1.0, float("inf")]), "non-finite"),
+        ("w#scale", torch.tensor([1.0, -0.5]), "negative"),
+    ],
+)
+def test_sign1_decode_refuses_what_it_cannot_have_sent(name, bad, why):
+    like, wire = good("sign1")
+    wire[name] = bad
+    with pytest.raises(WireError, match=why):
+        decode("sign1", wire, like)
+
+
 def test_wire_sizes():
     x = {"w": torch.randn(1 << 20)}
     full = wire_bytes(encode("lossless", x))
@@ -139,6 +189,8 @@ def test_wire_sizes():
     assert wire_bytes(encode("bf16", x)) == full // 2
     ratio = wire_bytes(encode("int8", x)) / full
     assert 0.25 < ratio < 0.27, ratio
+    ratio = wire_bytes(encode("sign1", x)) / full  # 1 bit and 4 / 256 bytes an element
+    assert 0.035 < ratio < 0.036, ratio
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -380,6 +432,7 @@ PINNED = {
     "fp16": "2446f608987fececbdfa84fc1398d5fb4e9683407ef69ebe8ff4aede03a8b02a",
     "bf16": "a64906012d3aec8a5e08bf85e061f29517f2f2525a245a1815cbde78ec46740d",
     "int8": "d112dc71eb89bbfea8fdd8029c214557ddc8b23f428b82463b84f094512427bc",
+    "sign1": "dc41a3db57e2a3047d03c85bc401d096fafb212d770c12f48f0999af7b1cc1d6",
     "topk2": "7ad716d540fe1c308b9968c47c19362e5e10534959abb896a5ecfcea9d1b3e4e",
     "topk4": "73df6d078fe2fb052108d9322ce386997aced983938a0556b5c88e528b0f1f59",
 }
@@ -403,6 +456,7 @@ def test_builtin_codecs_are_classes_in_the_registry():
         "fp16": codecs.Fp16,
         "bf16": codecs.Bf16,
         "int8": codecs.Int8Blockwise,
+        "sign1": codecs.Sign1,
         "topk2": codecs.TopK2,
         "topk4": codecs.TopK4,
     }

@@ -4,6 +4,7 @@ and the outer step takes the sparse defaults (no momentum, lr 2.5) unless the co
 import math
 
 import pytest
+import torch
 
 from dipaco.config import outer_lr_momentum, preset_config
 from dipaco.peer.peer import Peer
@@ -23,6 +24,8 @@ from dipaco.run.metrics_log import MetricsLog
         ({"codec": "topk2"}, {}, (2.5, 0.0)),
         ({"codec": "topk4"}, {"lr": 1.0}, (1.0, 0.0)),
         ({"codec": "topk2"}, {"momentum": 0.5}, (2.5, 0.5)),
+        ({"codec": "sign1"}, {}, (1.0, 0.5)),
+        ({"codec": "sign1"}, {"momentum": 0.9}, (1.0, 0.9)),
         ({"codec": "lossless"}, {"lr": 0.3, "momentum": 0.0}, (0.3, 0.0)),
     ],
 )
@@ -73,3 +76,36 @@ def test_a_sparse_run_sends_the_configured_share_with_decayed_residuals(short_co
     for name, index in big:
         k = bitpack.mask_positions(index, codecs.SPARSE_CHUNK).shape[1]
         assert k == math.ceil(0.25 * codecs.SPARSE_CHUNK), name
+
+
+def test_a_sign1_run_sends_a_bit_an_element_and_takes_its_own_outer_step(short_copy, short_config):
+    config = short_config.replace(train={"rounds": 2}, network={"codec": "sign1"})
+    root = short_copy()
+    prep = prepare(root, short_config)
+    prep.config = config
+    co = build_coordinator(prep, MetricsLog(root / "m.jsonl"), evaluate=False)
+    assert (co.outer.lr, co.outer.momentum) == (1.0, 0.5)
+    peer = Peer(LocalTransport(co.handle), "solo", root / "peer")
+    sent: list[m.SubmitDelta] = []
+    ask = peer.links.ask
+
+    def watched(owner, make):
+        msg = make()
+        if isinstance(msg, m.SubmitDelta):
+            sent.append(msg)
+        return ask(owner, make)
+
+    peer.links.ask = watched
+    assert peer.run() == config.build_topology().num_paths * 2
+    assert co.finished and peer.feedback.decay == 1.0
+    assert sent and all(msg.codec == "sign1" for msg in sent)
+    for msg in sent:
+        for name, t in msg.tensors.items():
+            if name.endswith(codecs.SCALE_SUFFIX):
+                assert t.dtype == torch.float32 and bool((t >= 0).all()), name
+            else:  # one bit an element, 256 elements a block
+                assert t.dtype == torch.uint8 and t.shape[1] == codecs.BLOCK // 8, name
+    # Every module moved in each of its outer steps, and stayed finite.
+    for mid in co.owned_modules():
+        assert co.store.version(mid) == 2
+        assert all(bool(torch.isfinite(t).all()) for t in co.store.params(mid).values())
