@@ -28,7 +28,7 @@ FLOORS = [  # (floor, label, parts); a part imports only from its own folder or 
 # The files a delta passes through, from `dipaco-peer join` to the new module version.
 DELTA = [
     ("cli", "peer.py"), ("peer", "peer.py"), ("peer", "links.py"), ("peer", "modules.py"),
-    ("peer", "training.py"), ("peer", "push.py"), ("protocols", "codecs.py"),
+    ("peer", "training.py"), ("peer", "push.py"), ("protocols", "codecs"),
     ("protocols", "auth.py"), ("protocols", "hivemind"), ("coordinator", "service.py"),
     ("coordinator", "admission.py"), ("coordinator", "store.py"), ("coordinator", "rounds.py"),
     ("coordinator", "outer.py"),
