@@ -88,6 +88,7 @@ def run_config(
     source: str = "builtin",
     step_fraction: float = 1.0,
     hedge: bool = False,
+    stale_damping: float | None = None,
 ) -> Path:
     file = work / ("run-overlap.toml" if overlap else "run.toml")
     file.write_text(
@@ -97,6 +98,7 @@ def run_config(
         "heartbeat_seconds = 1.0\n"
         f"overlap = {'true' if overlap else 'false'}\n"
         + ("hedge = true\n" if hedge else "")
+        + (f"stale_damping = {stale_damping}\n" if stale_damping is not None else "")
         # The default 10 s floor under task deadlines is longer than this run's tasks.
         + ("deadline_floor = 0.5\n" if step_fraction < 1 else "")
         + ("[outer]\n" + "".join(f"{k} = {v}\n" for k, v in outer.items()) if outer else "")
@@ -359,6 +361,12 @@ def main() -> None:
         "final perplexity",
     )
     ap.add_argument(
+        "--stale-damping",
+        type=float,
+        help="scheduler.stale_damping: the weight factor of a delta per version it is behind "
+        "(an overlap task's delta is one; default: the run's, 0.5)",
+    )
+    ap.add_argument(
         "--hedge",
         action="store_true",
         help="with --overlap: the run with overlap on also hedges (scheduler.hedge: idle peers "
@@ -386,7 +394,7 @@ def main() -> None:
         fraction = default if args.slow_peer and not args.full_steps else 1.0
         config = run_config(
             work, args.rounds, args.inner_steps, outer=outer, source=args.source,
-            step_fraction=fraction,
+            step_fraction=fraction, stale_damping=args.stale_damping,
         )  # fmt: skip
         prepared = work / "prepared"
         console.log(f"preparing the tiny preset ({TOPOLOGY}) once")
@@ -422,6 +430,7 @@ def main() -> None:
                         args.source,
                         fraction,
                         hedge=args.hedge,
+                        stale_damping=args.stale_damping,
                     )  # fmt: skip
                     if overlap
                     else config
