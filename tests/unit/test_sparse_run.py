@@ -41,16 +41,14 @@ def test_the_outer_step_defaults_follow_the_codec_and_give_way_to_the_config(
     assert again.outer.lr == outer.get("lr")
 
 
-def test_a_sparse_run_sends_the_configured_share_with_decayed_residuals(short_copy, short_config):
-    config = short_config.replace(
-        train={"rounds": 2},
-        network={"codec": "topk2", "topk_density": 0.25, "error_feedback_decay": 0.5},
-    )
+def run_watching_deltas(short_copy, short_config, network: dict):
+    """Two rounds of the short run with ``network``, one peer: the coordinator, the peer, the
+    run's config and every SubmitDelta the peer sent."""
+    config = short_config.replace(train={"rounds": 2}, network=network)
     root = short_copy()
     prep = prepare(root, short_config)
     prep.config = config  # the network and rounds are the coordinator's, not the data's
     co = build_coordinator(prep, MetricsLog(root / "m.jsonl"), evaluate=False)
-    assert (co.outer.lr, co.outer.momentum) == (2.5, 0.0)
     peer = Peer(LocalTransport(co.handle), "solo", root / "peer")
     sent: list[m.SubmitDelta] = []
     ask = peer.links.ask
@@ -63,6 +61,16 @@ def test_a_sparse_run_sends_the_configured_share_with_decayed_residuals(short_co
 
     peer.links.ask = watched
     assert peer.run() == config.build_topology().num_paths * 2
+    return co, peer, sent
+
+
+def test_a_sparse_run_sends_the_configured_share_with_decayed_residuals(short_copy, short_config):
+    co, peer, sent = run_watching_deltas(
+        short_copy,
+        short_config,
+        {"codec": "topk2", "topk_density": 0.25, "error_feedback_decay": 0.5},
+    )
+    assert (co.outer.lr, co.outer.momentum) == (2.5, 0.0)
     assert co.finished and peer.feedback.decay == 0.5
     assert sent and all(msg.codec == "topk2" for msg in sent)
     # Every whole chunk of every delta sent a quarter of its elements, positions as a bitmap.
@@ -79,24 +87,8 @@ def test_a_sparse_run_sends_the_configured_share_with_decayed_residuals(short_co
 
 
 def test_a_sign1_run_sends_a_bit_an_element_and_takes_its_own_outer_step(short_copy, short_config):
-    config = short_config.replace(train={"rounds": 2}, network={"codec": "sign1"})
-    root = short_copy()
-    prep = prepare(root, short_config)
-    prep.config = config
-    co = build_coordinator(prep, MetricsLog(root / "m.jsonl"), evaluate=False)
+    co, peer, sent = run_watching_deltas(short_copy, short_config, {"codec": "sign1"})
     assert (co.outer.lr, co.outer.momentum) == (1.0, 0.5)
-    peer = Peer(LocalTransport(co.handle), "solo", root / "peer")
-    sent: list[m.SubmitDelta] = []
-    ask = peer.links.ask
-
-    def watched(owner, make):
-        msg = make()
-        if isinstance(msg, m.SubmitDelta):
-            sent.append(msg)
-        return ask(owner, make)
-
-    peer.links.ask = watched
-    assert peer.run() == config.build_topology().num_paths * 2
     assert co.finished and peer.feedback.decay == 1.0
     assert sent and all(msg.codec == "sign1" for msg in sent)
     for msg in sent:
