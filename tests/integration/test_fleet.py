@@ -12,9 +12,26 @@ from dipaco.run.factory import build_coordinator
 from dipaco.run.metrics_log import MetricsLog
 
 H = 16
-# Seconds a step sleeps on top of training (a rate limit): the slow peer's steps take several
-# times the others' even when the machine is loaded and training itself slows down.
-FAST, SLOW = 0.01, 0.06
+# Seconds a step sleeps on top of training (a rate limit). The slow peer also sleeps three times
+# what its step's training took, so that its steps take several times the others' however
+# loaded the machine is (a fixed sleep alone drowned in a loaded run's slower training).
+FAST, SLOW, SLOWER = 0.01, 0.06, 3.0
+
+
+def rate_limit(fixed: float, factor: float = 0.0):
+    """A peer's on_progress that sleeps ``fixed`` seconds after each step, plus ``factor``
+    times that step's own work: the time since the task's previous step ended (nothing for a
+    task's first step, whose time also holds the claim and the fetch)."""
+    ended: dict[str, float] = {}
+
+    def on_progress(info: dict) -> None:
+        last = ended.get(info["task"])
+        work = time.monotonic() - last if last is not None else 0.0
+        time.sleep(fixed + factor * work)
+        ended.clear()
+        ended[info["task"]] = time.monotonic()
+
+    return on_progress
 
 
 def test_a_slow_peer_gets_shorter_tasks_and_its_deltas_weigh_their_tokens(
@@ -36,17 +53,13 @@ def test_a_slow_peer_gets_shorter_tasks_and_its_deltas_weigh_their_tokens(
     co = build_coordinator(prepare(root, config, reuse=prepared_tiny), metrics, evaluate=False)
     stop = threading.Event()
 
-    def peer(name: str, delay: float) -> Peer:
+    def peer(name: str, limit) -> Peer:
         return Peer(
-            LocalTransport(co.handle),
-            name,
-            root / name,
-            device="cpu",
-            stop=stop,
-            on_progress=lambda info: time.sleep(delay),
+            LocalTransport(co.handle), name, root / name, device="cpu", stop=stop, on_progress=limit
         )
 
-    peers = [peer(f"fast{i}", FAST) for i in range(3)] + [peer("slow", SLOW)]
+    peers = [peer(f"fast{i}", rate_limit(FAST)) for i in range(3)]
+    peers.append(peer("slow", rate_limit(SLOW, SLOWER)))
     threads = [threading.Thread(target=p.run, daemon=True) for p in peers]
     for t in threads:
         t.start()
