@@ -111,38 +111,22 @@ def _dequantise(q: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torc
     return y.reshape(-1)[:numel].reshape(shape)
 
 
-@register
-class Int8Blockwise(Codec):
-    """Block-wise absmax int8: codes ``name`` [nblocks, BLOCK] and scales ``name#scale``."""
-
-    name = "int8"
+class _Blockwise(Codec):
+    """A codec that sends, beside each parameter's codes, one float32 scale per block of
+    :data:`BLOCK` elements (``name#scale``)."""
 
     def wire_names(self, name: str) -> list[str]:
         return [name, name + SCALE_SUFFIX]
 
     def check_name(self, name: str) -> None:
         if name.endswith(SCALE_SUFFIX):
-            raise ValueError(f"tensor name {name!r} collides with int8 scale companions")
+            raise ValueError(f"tensor name {name!r} collides with {self.name} scale companions")
 
-    def encode_tensor(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        q, scale = _quantise(x)
-        if not bool(torch.isfinite(scale).all()):
-            raise ValueError(f"tensor {name!r} has non-finite values; cannot encode as int8")
-        return {name: q, name + SCALE_SUFFIX: scale}
-
-    def decode_tensor(
-        self, name: str, wire: dict[str, torch.Tensor], shape: torch.Size
-    ) -> torch.Tensor:
-        q, sname = wire[name], name + SCALE_SUFFIX
+    @staticmethod
+    def checked_scales(name: str, wire: dict[str, torch.Tensor], nb: int) -> torch.Tensor:
+        """``name``'s block scales from untrusted ``wire``: float32 [nb], finite, >= 0."""
+        sname = name + SCALE_SUFFIX
         scale = wire[sname]
-        nb = _nblocks(math.prod(shape))
-        if q.dtype != torch.int8:
-            raise WireError(f"tensor {name!r} has dtype {q.dtype}, codec int8 sends torch.int8")
-        if q.shape != (nb, BLOCK):
-            raise WireError(
-                f"tensor {name!r} has shape {list(q.shape)}, expected [{nb}, {BLOCK}] "
-                f"(int8 blocks for a parameter of shape {list(shape)})"
-            )
         if not isinstance(scale, torch.Tensor):
             raise WireError(f"wire entry {sname!r} is not a tensor")
         if scale.dtype != torch.float32:
@@ -153,6 +137,34 @@ class Int8Blockwise(Codec):
             raise WireError(f"tensor {sname!r} has non-finite scales")
         if bool((scale < 0).any()):
             raise WireError(f"tensor {sname!r} has negative scales")
+        return scale
+
+
+@register
+class Int8Blockwise(_Blockwise):
+    """Block-wise absmax int8: codes ``name`` [nblocks, BLOCK] and scales ``name#scale``."""
+
+    name = "int8"
+
+    def encode_tensor(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scale = _quantise(x)
+        if not bool(torch.isfinite(scale).all()):
+            raise ValueError(f"tensor {name!r} has non-finite values; cannot encode as int8")
+        return {name: q, name + SCALE_SUFFIX: scale}
+
+    def decode_tensor(
+        self, name: str, wire: dict[str, torch.Tensor], shape: torch.Size
+    ) -> torch.Tensor:
+        q = wire[name]
+        nb = _nblocks(math.prod(shape))
+        if q.dtype != torch.int8:
+            raise WireError(f"tensor {name!r} has dtype {q.dtype}, codec int8 sends torch.int8")
+        if q.shape != (nb, BLOCK):
+            raise WireError(
+                f"tensor {name!r} has shape {list(q.shape)}, expected [{nb}, {BLOCK}] "
+                f"(int8 blocks for a parameter of shape {list(shape)})"
+            )
+        scale = self.checked_scales(name, wire, nb)
         if nb and int(q.min()) < -_QMAX:
             raise WireError(f"tensor {name!r} uses the code -128, outside [-127, 127]")
         return _dequantise(q, scale.to(q.device), shape)
@@ -164,20 +176,13 @@ class Int8Blockwise(Codec):
 
 
 @register
-class Sign1(Codec):
+class Sign1(_Blockwise):
     """Scaled signs: one bit an element (``name``, uint8 [nblocks, BLOCK / 8], bit ``j`` of
     byte ``i`` the sign of element ``8 i + j``, 1 for negative) and each block's mean absolute
     value (``name#scale``, float32 [nblocks]). Every bit pattern decodes; the decoder refuses
     wrong dtypes and shapes and scales that are negative or not finite."""
 
     name = "sign1"
-
-    def wire_names(self, name: str) -> list[str]:
-        return [name, name + SCALE_SUFFIX]
-
-    def check_name(self, name: str) -> None:
-        if name.endswith(SCALE_SUFFIX):
-            raise ValueError(f"tensor name {name!r} collides with sign1 scale companions")
 
     def encode_tensor(self, name: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
         if not _all_finite(x):
@@ -201,24 +206,14 @@ class Sign1(Codec):
     def decode_tensor(
         self, name: str, wire: dict[str, torch.Tensor], shape: torch.Size
     ) -> torch.Tensor:
-        packed, sname = wire[name], name + SCALE_SUFFIX
-        scale = wire[sname]
+        packed = wire[name]
         nb = _nblocks(math.prod(shape))
         if packed.dtype != torch.uint8 or tuple(packed.shape) != (nb, BLOCK // 8):
             raise WireError(
                 f"tensor {name!r} must be uint8 [{nb}, {BLOCK // 8}] (sign bits for a parameter "
                 f"of shape {list(shape)}), got {packed.dtype} {list(packed.shape)}"
             )
-        if not isinstance(scale, torch.Tensor):
-            raise WireError(f"wire entry {sname!r} is not a tensor")
-        if scale.dtype != torch.float32 or tuple(scale.shape) != (nb,):
-            raise WireError(
-                f"tensor {sname!r} must be float32 [{nb}], got {scale.dtype} {list(scale.shape)}"
-            )
-        if not _all_finite(scale):
-            raise WireError(f"tensor {sname!r} has non-finite scales")
-        if bool((scale < 0).any()):
-            raise WireError(f"tensor {sname!r} has negative scales")
+        scale = self.checked_scales(name, wire, nb)
         return self._rebuild(packed, scale, shape)
 
     def decode_own(
