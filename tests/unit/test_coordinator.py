@@ -287,3 +287,26 @@ def test_hello_tells_its_clock_only_to_a_peer_that_asks(tmp_path):
     assert "clock" not in m.to_frame(m.Welcome(run_id="r", config={})).fields
     back = m.decode_message(m.encode_message(asked))
     assert back.clock == asked.clock and "clock" in m.to_frame(asked).fields
+
+
+def test_a_sign1_delta_with_a_bad_scale_is_refused_counted_and_the_good_one_applied(tmp_path):
+    from dipaco.protocols import codecs
+
+    co = make(tmp_path)
+    tr = LocalTransport(co.handle)
+    task = claim(tr, "a")
+    plain = delta_for(co, task)
+    bad = delta_for(co, task, codec="sign1")
+    bad.tensors = codecs.encode("sign1", plain.tensors)
+    scale = next(k for k in bad.tensors if k.endswith("#scale"))
+    bad.tensors[scale] = -bad.tensors[scale] - 1.0  # a negative block magnitude
+    with pytest.raises(RejectedError) as err:
+        tr.request(bad)
+    assert err.value.reason == "bad-encoding" and "negative scales" in str(err.value)
+    assert co.rejections["bad-encoding"] == 1 and co.rejections_by_peer["a"]["bad-encoding"] == 1
+    good = delta_for(co, task, codec="sign1")
+    good.tensors = codecs.encode("sign1", plain.tensors)
+    assert tr.request(good).accepted
+    stored = co.store.delta_tensors(co.store.modules["S.embed"].pending[task.path])
+    # every element of the constant delta is +0.01: sign bits 0, each block's mean 0.01
+    assert torch.allclose(stored["embed_tokens.weight"], torch.full((64, 16), 0.01), atol=1e-6)
