@@ -317,6 +317,12 @@ def peer_loop(
 # ---- one run: a coordinator process and its peers ----------------------------------------------
 
 
+def _child_env() -> dict:
+    """The environment of the bench's own processes: the repository first on the path, and the
+    caller's PYTHONPATH kept (a machine whose dependencies sit in a folder of their own)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
 def run_load(
     root: Path,
     peers: int,
@@ -356,7 +362,7 @@ def run_load(
         ],
         stdin=subprocess.PIPE,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=_child_env(),
     )
     try:
         start = time.monotonic()
@@ -450,7 +456,7 @@ def _peer_processes(
                     stdout=subprocess.PIPE,
                     text=True,
                     cwd=REPO,
-                    env={**os.environ, "PYTHONPATH": str(REPO)},
+                    env=_child_env(),
                 ),
                 out,
             )
