@@ -323,6 +323,7 @@ def _child_env() -> dict:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path}
 
+
 def run_load(
     root: Path,
     peers: int,
