@@ -24,6 +24,7 @@ from dipaco.coordinator.durable import GroupWriter
 from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.records import PeerInfo, Phase, ReportedModule
 from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
+from dipaco.coordinator.serial import Serial
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.validation import KeyScores, NormTracker
 from dipaco.errors import CorruptFileError, RejectedError
@@ -122,6 +123,9 @@ class CoordinatorBase:
         self.peers: dict[str, PeerInfo] = {}
         self.epoch = 0
         self.finished_event = threading.Event()
+        # What follows a round and takes long (the per-round validation) runs here, outside
+        # the lock; finished_event is set through it, after the last round's (serial.py).
+        self.after_round = Serial("dipaco-after-round")
         self.failure: str | None = None  # set when the run cannot go on (finished_event too)
         # Ownership: module id -> owner id. The scheduler knows every module's owner; an owner
         # that is not the scheduler lists only its own modules.

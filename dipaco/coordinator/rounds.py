@@ -237,8 +237,8 @@ def after_change(core: CoordinatorBase) -> None:
             if core.on_round is not None:
                 core.on_round(core.round)
     finally:  # a round callback that fails must not leave the run's end unsaid
-        if core.finished:
-            core.finished_event.set()
+        if core.finished:  # after the last round's queued work (its validation)
+            core.after_round.then(core.finished_event.set)
 
 
 def outer_settings_of(core: CoordinatorBase, mid: str) -> OuterSettings:

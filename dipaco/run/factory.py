@@ -38,6 +38,7 @@ from dipaco.run.manifest import peer_config, phase_files, run_files, shard_token
 from dipaco.run.metrics_log import MetricsLog
 
 log = logging.getLogger(__name__)
+Tensors = dict[str, torch.Tensor]
 
 # The per-round validation's tries at fetching other owners' modules before it skips a round.
 FETCH_TRIES = 3
@@ -234,12 +235,12 @@ def build_coordinator(
             said.add(text)
             log.warning("%s", text)
 
-    def whole_model() -> Callable[[str], dict[str, torch.Tensor]] | None:
-        """Every module's current tensors: this coordinator's own, and (fetched from their
-        owners) the others'; None when the others cannot be fetched now."""
-        others = [mid for mid in c.build_topology().module_ids() if not coordinator.owns(mid)]
+    def whole_model(own: dict[str, Tensors]) -> Callable[[str], Tensors] | None:
+        """Every module's tensors: ``own``, this coordinator's, and (fetched from their owners
+        now) the others'; None when the others cannot be fetched now."""
+        others = [mid for mid in c.build_topology().module_ids() if mid not in own]
         if not others:
-            return coordinator.store.params
+            return own.__getitem__
         if coordinator.fetch_remote is None:
             note(
                 "no per-round validation: other coordinators own modules and this transport "
@@ -259,7 +260,7 @@ def build_coordinator(
                 log.info("per-round validation: fetching other owners' modules again (%s)", exc)
                 time.sleep(1.0)
         coordinator.eval_note = None
-        return lambda mid: remote[mid] if mid in remote else coordinator.store.params(mid)
+        return lambda mid: remote[mid] if mid in remote else own[mid]
 
     def on_round(rnd: int) -> None:
         # With other owners the validation fetches their modules; held-out scoring (early
@@ -273,16 +274,23 @@ def build_coordinator(
                 {"event": "heldout", "round": rnd, "losses": {str(p): v for p, v in losses.items()}}
             )
         if evaluate and c.eval.every_round:
-            modules = coordinator.store.params if whole else whole_model()
-            if modules is not None:
-                evaluate_round(rnd, modules)
+            # The validation runs after the round, outside the coordinator's lock (serial.py),
+            # on this round's versions of our modules: the dict of each holds them (a later
+            # step writes new tensors while another reference to these exists).
+            own = {mid: coordinator.store.params(mid) for mid in coordinator.owned_modules()}
+            coordinator.after_round.submit(lambda: validate_round(rnd, own))
         for k, after in enumerate(coordinator.phase_rounds, start=1):
             if rnd >= after:
                 start_phase(k)
         if plateau > 0 and whole:
             decide_phase(rnd, losses)
 
-    def evaluate_round(rnd: int, modules: Callable[[str], dict[str, torch.Tensor]]) -> None:
+    def validate_round(rnd: int, own: dict[str, Tensors]) -> None:
+        modules = whole_model(own)  # with other owners: their modules fetched now
+        if modules is not None:
+            evaluate_round(rnd, modules)
+
+    def evaluate_round(rnd: int, modules: Callable[[str], Tensors]) -> None:
         result = evaluate_modules(prep, modules, device=device)
         metrics(
             {

@@ -30,6 +30,8 @@ def train(root, config, n_peers, *, stop_after_deltas=None, evaluate=True):
     for t in threads:
         t.join(300)
     assert not any(t.is_alive() for t in threads)
+    if stop_after_deltas is None:  # the run's end: after the last round's validation
+        assert coordinator.finished_event.wait(120)
     return prep, coordinator, metrics
 
 
@@ -69,3 +71,49 @@ def test_stopped_and_resumed_run_matches_an_uninterrupted_one(run_copy, tiny_con
         assert resumed.store.version(mid) == record.version
         for name, tensor in record.params.items():
             assert torch.equal(resumed.store.params(mid)[name], tensor), (mid, name)
+
+
+def test_a_rounds_validation_holds_up_no_peer(run_copy, tiny_config, monkeypatch):
+    """Round 1's validation is held until the peers have finished a task of round 2: it runs on
+    its own thread with round 1's modules, not under the coordinator's lock (where every claim,
+    heartbeat and push would wait for it). It is logged, for every round, before the run's end."""
+    from dipaco.protocols.wire import tensors_sha256
+    from dipaco.run import factory
+
+    tiny_config = tiny_config.replace(scheduler={"quorum": 1.0})  # two rounds
+    real = factory.evaluate_modules
+    started, release = threading.Event(), threading.Event()
+    held: dict[str, str] = {}
+
+    def evaluate(prep, modules, **kwargs):
+        if not started.is_set():  # round 1's: note what it sees, then wait
+            mids = prep.config.build_topology().module_ids()
+            held.update({mid: tensors_sha256(modules(mid)) for mid in mids})
+            started.set()
+            assert release.wait(300)
+            assert held == {mid: tensors_sha256(modules(mid)) for mid in mids}
+        return real(prep, modules, **kwargs)
+
+    monkeypatch.setattr(factory, "evaluate_modules", evaluate)
+    root = run_copy()
+    prep = prepare(root, tiny_config)
+    metrics = MetricsLog(root / "metrics.jsonl")
+    coordinator = build_coordinator(prep, metrics, evaluate=True)
+    round_two = threading.Event()
+    metrics.listeners.append(
+        lambda e: e["event"] == "round" and e["round"] >= 2 and round_two.set()
+    )
+    threads = run_local_peers(coordinator, prep, 2, stop=threading.Event())
+    try:
+        assert started.wait(300), "round 1 was never validated"
+        assert round_two.wait(120), "round 2 did not close while round 1 was being validated"
+        # The run is over, but its end waits for the last round's validation.
+        assert coordinator.finished and not coordinator.finished_event.is_set()
+        assert {coordinator.store.version(mid) for mid in held} == {2}
+    finally:
+        release.set()  # round 1's validation checks that its modules stayed round 1's
+    for t in threads:
+        t.join(300)
+    assert coordinator.finished_event.wait(120)
+    evals = [e for e in metrics.read() if e["event"] == "eval"]
+    assert [e["round"] for e in evals] == [1, 2]

@@ -49,6 +49,7 @@ def evals(root) -> dict[int, float]:
 def test_a_fetch_that_fails_once_is_tried_again_and_the_round_is_validated(scheduler):
     co, asked, root = scheduler(failures=1)
     co.on_round(1)
+    assert co.after_round.drain(60)  # the validation runs after the round, on its own thread
     remote = [mid for mid, owner in co.owners.items() if owner == "another-owner"]
     assert asked == [remote, remote]
     assert list(evals(root)) == [1]
@@ -58,6 +59,7 @@ def test_a_fetch_that_fails_once_is_tried_again_and_the_round_is_validated(sched
 def test_an_owner_that_cannot_be_reached_skips_the_round_and_says_why(scheduler):
     co, asked, root = scheduler(failures=factory.FETCH_TRIES)
     co.on_round(1)
+    assert co.after_round.drain(60)
     assert len(asked) == factory.FETCH_TRIES
     assert evals(root) == {}
     assert "per-round validation skipped" in co.eval_note
@@ -65,5 +67,6 @@ def test_an_owner_that_cannot_be_reached_skips_the_round_and_says_why(scheduler)
 
     # The owner answers again: the next round is validated and the note is gone.
     co.on_round(2)
+    assert co.after_round.drain(60)
     assert list(evals(root)) == [2]
     assert co.eval_note is None
