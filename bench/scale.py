@@ -136,15 +136,21 @@ def one_run(
     slow: float = 0.0,
     label: str = "",
     quality: bool = False,
+    peer_args: tuple[str, ...] = (),
+    peer_faults: str = "",
 ) -> dict:
     """One run with ``n`` peers; ``slow`` > 0: the last peer sleeps that long after each inner
-    step; ``quality``: measure the final model's validation perplexity too."""
+    step; ``quality``: measure the final model's validation perplexity too; ``peer_args`` and
+    ``peer_faults`` (``DIPACO_FAULTS`` rules) for every peer."""
     root = work / f"peers{n}{label}"
     shutil.copytree(prepared, root)
     logs = work / f"logs{n}{label}"
     logs.mkdir()
     env = one_thread_env()
-    slow_env = {**env, "DIPACO_FAULTS": f"peer.inner_step=sleep:{slow:.4f}"}
+    faults = [peer_faults] if peer_faults else []
+    slow_faults = [f"peer.inner_step=sleep:{slow:.4f}", *faults]
+    peer_env = {**env, "DIPACO_FAULTS": ";".join(faults)} if faults else env
+    slow_env = {**env, "DIPACO_FAULTS": ";".join(slow_faults)}
     procs: list[subprocess.Popen] = []
     try:
         coordinator = subprocess.Popen(
@@ -179,10 +185,11 @@ def one_run(
                         root / "peers" / f"peer{i}",
                         "--device",
                         "cpu",
+                        *peer_args,
                     ],
                     stdout=open(logs / f"peer{i}.log", "w"),  # noqa: SIM115
                     stderr=subprocess.STDOUT,
-                    env=slow_env if slow > 0 and n > 1 and i == n - 1 else env,
+                    env=slow_env if slow > 0 and n > 1 and i == n - 1 else peer_env,
                     preexec_fn=pinned(where[i % len(where)]),
                 )  # fmt: skip
             )
@@ -245,6 +252,7 @@ def one_run(
         "transfer": sum(seconds.get(k, 0.0) for k in ("fetch", "push", "save")) / busy,
         "waiting": seconds.get("claim", 0.0) / busy,
         "peer_seconds": seconds,
+        "sent_behind_s": sum(p.get("sent_behind_s", 0.0) for p in peers),
     }
 
 

@@ -41,6 +41,7 @@ POINTS = {
     "outer_step.committed": "ModuleStore.outer_step: head.json moved to v+1, old files still there",
     "submit.before_ack": "Coordinator.submit: the deltas are durable, the ack not yet sent",
     "peer.before_push": "Peer: the task is trained, its deltas not yet pushed",
+    "peer.send": "Pusher.send: the deltas encoded, not yet sent (sleep: a slow uplink)",
     "peer.inner_step": "PathTrainer.stepped: an inner step done, the stop not yet checked",
 }
 

@@ -56,6 +56,8 @@ def worker_command(args: argparse.Namespace, name: str, state_dir: Path, n: int,
             value = getattr(args, dest, None)
             if value is not None:
                 argv += [flag, str(value)]
+        if getattr(args, "push_behind", False):
+            argv.append("--push-behind")
         if args.shard_path:
             argv += ["--shard-path", "--dist-init", machine().rendezvous]
         return argv + [

@@ -220,6 +220,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         capabilities=worker_capabilities(args),
         inner_dir=machine_dir / "inner" if args.machine else None,
         shard_group=group,
+        push_behind=args.push_behind,
         **join.peer_options,
     )
     console.print(f"peer {peer_id} ({peer.device}) joined {args.address}")
@@ -265,7 +266,10 @@ def cmd_join(args: argparse.Namespace) -> int:
         say(f"the run has finished; peer {peer_id} trained {done} tasks in this session")
     else:
         say(f"peer {peer_id} left after {done} tasks")
-    console.print(time_summary(peer.timings))
+    console.print(
+        time_summary(peer.timings)
+        + (f"; sending behind training {peer.behind.seconds:.1f} s" if args.push_behind else "")
+    )
     write_json_atomic(
         state_dir / "timings.json",
         {
@@ -273,6 +277,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             "tasks": done,
             "tokens": peer.tokens_trained,
             "seconds": {k: round(v, 4) for k, v in peer.timings.items()},
+            "sent_behind_s": round(peer.behind.seconds, 4),  # on the push thread (--push-behind)
         },
     )
     return 0
@@ -511,6 +516,11 @@ def main(argv: list[str] | None = None) -> None:
         choices=["auto", "on", "off"],
         default="auto",
         help="torch.compile the path (auto: on a GPU)",
+    )
+    join.add_argument(
+        "--push-behind",
+        action="store_true",
+        help="send a task's deltas while the next task trains (a thin uplink, a fast device)",
     )
     join.add_argument(
         "--metrics-port",

@@ -107,27 +107,31 @@ class OwnerLinks:
         self.addresses: dict[str, list[str]] = {}
         self.keys: dict[str, str] = {}  # owner id -> the key the scheduler vouches for
         self._links: dict[str, Transport] = {}
+        # A push behind (behind.py) asks owners from its own thread while the peer fetches.
+        self._lock = threading.RLock()
 
     def link(self, owner: str) -> Transport:
         """The transport to a module owner; the scheduler's own modules use the main one."""
         if owner == self.scheduler_id or self.connect is None:
             return self.transport
-        if owner not in self._links:
-            if owner not in self.addresses or owner not in self.keys:
-                self.refresh()  # where it is, and the key the scheduler vouches for
-            link = self.connect(owner, self.addresses.get(owner, []))
-            self._links[owner] = link.authenticate(self.identity, self.keys.get(owner))
-        return self._links[owner]
+        with self._lock:
+            if owner not in self._links:
+                if owner not in self.addresses or owner not in self.keys:
+                    self.refresh()  # where it is, and the key the scheduler vouches for
+                link = self.connect(owner, self.addresses.get(owner, []))
+                self._links[owner] = link.authenticate(self.identity, self.keys.get(owner))
+            return self._links[owner]
 
     def refresh(self) -> None:
         """Ask the scheduler who owns what, where, under which key; drop links to ex-owners."""
         reply = self.patience.call(lambda: self.transport.request(m.GetOwners()))
-        self.owners.update(reply.owners)
-        self.addresses.update(reply.addresses)
-        self.keys.update(reply.keys)
-        for owner in list(self._links):
-            if owner not in set(reply.owners.values()):
-                self._links.pop(owner).close()
+        with self._lock:
+            self.owners.update(reply.owners)
+            self.addresses.update(reply.addresses)
+            self.keys.update(reply.keys)
+            for owner in list(self._links):
+                if owner not in set(reply.owners.values()):
+                    self._links.pop(owner).close()
 
     def by_owner(self, mids: list[str]) -> dict[str, list[str]]:
         """The modules grouped by owner (the scheduler's for a module of no known owner)."""
@@ -146,7 +150,8 @@ class OwnerLinks:
             except TransportError as exc:
                 problem: DipacoError = exc
                 # The owner may have restarted elsewhere: ask the scheduler where it is now.
-                link = self._links.pop(owner, None)
+                with self._lock:
+                    link = self._links.pop(owner, None)
                 if link is not None:
                     link.close()
                     try:
@@ -166,18 +171,24 @@ class OwnerLinks:
 
     def close(self) -> None:
         """Close the links to other owners (the scheduler's transport stays open)."""
-        for link in self._links.values():
-            link.close()
+        with self._lock:
+            for link in self._links.values():
+                link.close()
 
 
 CLAIM_WAIT = 2.0  # seconds a claim may wait at the scheduler for a path (ClaimTask.wait)
 
 
 def claim_tasks(
-    transport: Transport, peer_id: str, want: int, prefer_path: int | None
+    transport: Transport,
+    peer_id: str,
+    want: int,
+    prefer_path: int | None,
+    holding: list[str] | None = None,
 ) -> tuple[list[m.TaskOffer], m.Message | DipacoError | None]:
-    """Claim up to ``want`` tasks, naming those claimed already (``holding``), so that the
-    scheduler leases another path for each (``prefer_path``: the path to prefer, if any).
+    """Claim up to ``want`` tasks, naming those claimed already and ``holding`` (a task still
+    being pushed), so that the scheduler leases another path for each (``prefer_path``: the
+    path to prefer, if any).
 
     Returns the offers and the reply that ended the claiming: a ``NoTask``, the transport error
     or rejection it met, or None when ``want`` tasks came.
@@ -189,7 +200,7 @@ def claim_tasks(
                 m.ClaimTask(
                     peer_id=peer_id,
                     prefer_path=prefer_path,
-                    holding=[offer.task_id for offer in offers],
+                    holding=[*(holding or []), *(offer.task_id for offer in offers)],
                     # the first claim waits up to 2 s for a path to open (a long poll)
                     wait=0.0 if offers else CLAIM_WAIT,
                 )

@@ -3,7 +3,9 @@
 DiPaCo Algorithm 1, lines 5-10, seen from one worker. The peer never holds more than one path
 (promise 5), except in the path-parallel mode (``parallel`` > 1, for a local run on one device:
 ``Peer.run_batch``), where it claims up to ``parallel`` tasks and trains them together,
-step-interleaved, each on its own CUDA stream on a GPU. Its inner AdamW state stays on the peer,
+step-interleaved, each on its own CUDA stream on a GPU; and with ``push_behind``, where the task
+whose deltas are being sent stays leased while the next one trains (:mod:`~dipaco.peer.behind`).
+Its inner AdamW state stays on the peer,
 per path, so a path it trains again continues its own optimizer; the scheduler keeps peers on
 the path they trained last for that reason.
 
@@ -30,6 +32,7 @@ from dipaco.data.shards import TokenShard
 from dipaco.errors import ConfigError, DipacoError, RejectedError, TransportError
 from dipaco.peer import ddp
 from dipaco.peer import device as devices
+from dipaco.peer.behind import Behind
 from dipaco.peer.checks import hello_with_clock
 from dipaco.peer.links import (
     Connect,
@@ -99,9 +102,12 @@ class Peer:
         inner_dir: str | Path | None = None,
         shard_group: ddp.Group | None = None,
         seeds: SeedFetcher | None = None,
+        push_behind: bool = False,
     ) -> None:
         if parallel < 1:
             raise ConfigError(f"parallel must be at least 1, got {parallel}")
+        if push_behind and (parallel > 1 or shard_group is not None):
+            raise ConfigError("push behind trains one path at a time on one device")
         self.parallel = parallel  # tasks trained at once (path-parallel, see run_batch)
         self.manifest_sha256 = manifest_sha256
         # The peer's key signs every request, to the scheduler and to every module owner alike.
@@ -143,6 +149,9 @@ class Peer:
         self.seeds = seeds  # modules peer to peer (peer/seeds.py): fetched from, served to peers
         self.clock_offset: tuple[float, float] | None = None  # see hello_with_clock
         self.on_setup: Callable[[Peer], None] = lambda peer: None  # after Hello, before training
+        # Push behind (behind.py): a task's deltas sent while the next task trains.
+        self.push_behind = push_behind
+        self.behind = Behind(f"{peer_id}-push")
 
     # ---- the loop -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -180,9 +189,24 @@ class Peer:
             self.timings["claim"] += max(0.0, time.monotonic() - began - steps)
 
     def _loop(self, last_contact: float) -> int:
-        while not self.stop.is_set() and (
-            self.max_tasks is None or self.tasks_done < self.max_tasks
-        ):
+        try:
+            self._tasks(last_contact)
+        except RunOver:  # a push behind the training met the run's end
+            self.run_finished = True
+        finally:  # the last task's deltas go out before the peer leaves
+            self.run_finished |= self.behind.drain()
+            self.links.close()
+        return self.tasks_done
+
+    def _tasks(self, last_contact: float) -> None:
+        while not self.stop.is_set():
+            self.behind.poll()  # a send that ended: its outcome
+            pending = len(self.behind.holding)
+            if self.max_tasks is not None and self.tasks_done + pending >= self.max_tasks:
+                if not pending:
+                    break
+                self.behind.wait()  # it may fail: the task is then claimed again
+                continue
             offers, reply = self._claim_batch()
             if offers or not isinstance(reply, DipacoError):
                 last_contact = time.monotonic()
@@ -212,21 +236,23 @@ class Peer:
                     self.run_finished = True
                     break
                 self.stop.wait(reply.retry_after)
-        self.links.close()
-        return self.tasks_done
 
     def _claim_batch(self) -> tuple[list[m.TaskOffer], m.Message | DipacoError | None]:
         """Claim up to ``parallel`` tasks (one, preferring the last path, unless path-parallel:
         then the scheduler leases another path for each); see ``links.claim_tasks``."""
         want = self.parallel
+        held = self.behind.holding  # a task being pushed: the scheduler leases another path
         if self.max_tasks is not None:
-            want = min(want, self.max_tasks - self.tasks_done)
+            want = min(want, self.max_tasks - self.tasks_done - len(held))
         prefer = self.last_path if self.parallel == 1 else None
-        return claim_tasks(self.transport, self.peer_id, want, prefer)
+        return claim_tasks(self.transport, self.peer_id, want, prefer, held)
 
-    def _task_failed(self, task: m.TaskOffer, exc: Exception, pause: bool = True) -> None:
+    def _task_failed(
+        self, task: m.TaskOffer, exc: Exception, pause: bool = True, checkpoint: bool = True
+    ) -> None:
         """A task that could not be trained or pushed: log it; hand back an aborted one, and one
-        whose delta was judged and refused (trained again, it would be refused again)."""
+        whose delta was judged and refused (trained again, it would be refused again); the
+        checkpoint dropped unless not ``checkpoint`` (a push behind: it is the next task's)."""
         reason = getattr(exc, "reason", "")
         if isinstance(exc, TaskAborted):
             log.warning("peer %s: task %s aborted: %s", self.peer_id, task.task_id, exc)
@@ -237,7 +263,8 @@ class Peer:
             log.warning(
                 "peer %s: task %s rejected: %s (%s)", self.peer_id, task.task_id, exc, reason
             )
-            self.checkpoint.drop()
+            if checkpoint:
+                self.checkpoint.drop()
         if (isinstance(exc, TaskAborted) or reason in JUDGED) and not self.stop.is_set():
             self._release(task)  # re-issued at once
         if pause:
@@ -264,6 +291,8 @@ class Peer:
                     )
                 self.checkpoint.drop()
                 raise
+            if self.push_behind:
+                return self._push_behind(run, lease)
             self._finish_task(run)
 
     def _setup_task(
@@ -278,6 +307,7 @@ class Peer:
         """Fetch the path's modules; build its model and optimizer, with its inner state (or the
         task's checkpoint, with ``resume``); open its data slice. Returns the task's state."""
         log.info("peer %s: training %s (path P%d)", self.peer_id, task.task_id, task.path)
+        self.behind.wait(task.path)  # the path's last task is still being pushed: its state
         if task.owners:
             self.links.owners.update(task.owners)
         with timed(self.timings, "fetch"):
@@ -294,17 +324,31 @@ class Peer:
     def _finish_task(self, run: TaskRun) -> None:
         """The task's per-module deltas (fetched minus trained), pushed; its inner state saved."""
         tokens = self.trainer.finish(run, self.push)
+        self._pushed(run.task, run.delta, tokens, run.losses)
+
+    def _pushed(self, task: m.TaskOffer, delta: Tensors, tokens: int, losses: list[float]) -> None:
         self.tasks_done += 1
         self.tokens_trained += tokens
-        self.last_path = run.task.path
+        self.last_path = task.path
         if self.parallel == 1:
-            keep_end(self.ends, run.task, run.delta, self.config)
+            keep_end(self.ends, task, delta, self.config)
         log.info(
-            "peer %s: %s done, loss %.3f -> %.3f",
-            self.peer_id,
-            run.task.task_id,
-            run.losses[0],
-            run.losses[-1],
+            "peer %s: %s done, loss %.3f -> %.3f", self.peer_id, task.task_id, losses[0], losses[-1]
+        )
+
+    def _push_behind(self, run: TaskRun, lease: Lease) -> None:
+        """Encode and save here (``trainer.finish_behind``), send on the push thread (behind.py)."""
+        self.behind.wait()  # one send at a time
+        wire, undo, tokens = self.trainer.finish_behind(run, self.pusher.encode)
+        task, delta, losses = run.task, run.delta, run.losses
+        beat = self.config["heartbeat_seconds"]
+        self.behind.start(
+            task,
+            lambda: self.pusher.send(task, wire, list(delta), tokens, losses),
+            beating=lambda: heartbeating(self.transport, self.peer_id, [lease], beat),
+            undo=undo,
+            failed=lambda exc: self._task_failed(task, exc, pause=False, checkpoint=False),
+            done=lambda: self._pushed(task, delta, tokens, losses),
         )
 
     def fetch(self, task: m.TaskOffer) -> Tensors:
@@ -327,47 +371,52 @@ class Peer:
         """Each module's delta to its owner, then TaskDone (see ``Pusher.push``)."""
         self.pusher.push(task, delta, tokens, losses, before_send)
 
-    # ---- several tasks at once (path-parallel) ------------------------------------------------
     def run_batch(self, tasks: list[m.TaskOffer]) -> None:
-        """Train several tasks (paths) at once, step-interleaved; push each as ``run_task`` does.
+        """Train several tasks (paths) at once, step-interleaved (:func:`train_batch`)."""
+        train_batch(self, tasks)
 
-        Every task is set up (fetch, model, optimizer, inner state, data), then trained with the
-        others (``PathTrainer.interleave``: each on its own CUDA stream on a GPU, in plain turns
-        on a CPU); each task's operations, so its deltas, are exactly those of ``run_task``.
-        Then each task's deltas are pushed and its inner state saved, in order. One heartbeat
-        thread keeps every lease alive.
 
-        In-flight tasks of a batch are not checkpointed and not resumed (a restarted peer trains
-        them again from their base). A task whose lease is lost is dropped and handed back, the
-        others train on; a stopping peer hands every task of the batch back. Failures of one
-        task (fetch, push) are handled as ``_loop`` handles a single task's.
-        """
-        leases = [(task, {"step": 0}, threading.Event()) for task in tasks]
-        with heartbeating(self.transport, self.peer_id, leases, self.config["heartbeat_seconds"]):
-            try:
-                self._run_batch(leases)
-            except TaskAborted as exc:  # the peer is stopping: hand every task back at once
-                log.warning("peer %s: batch of %d aborted: %s", self.peer_id, len(tasks), exc)
-                for task in tasks:
-                    self._release(task)
+def train_batch(peer: Peer, tasks: list[m.TaskOffer]) -> None:
+    """Train several tasks (paths) at once, step-interleaved; push each as ``run_task`` does.
 
-    def _run_batch(self, leases: list[Lease]) -> None:
-        cuda = str(self.device).startswith("cuda") and torch.cuda.is_available()
-        runs: list[TaskRun] = []
-        for lease in leases:
-            if self.stop.is_set():
-                raise TaskAborted("peer is stopping")
-            stream = torch.cuda.Stream(device=self.device) if cuda else None
-            try:  # no checkpoints in a batch (see run_batch)
-                runs.append(self._setup_task(*lease, resume=False, stream=stream))
-            except (TaskAborted, TransportError, RejectedError) as exc:
-                self._task_failed(lease[0], exc, pause=False)
-        self.trainer.interleave(runs, lambda run, exc: self._task_failed(run.task, exc, False))
-        for run in runs:
-            try:
-                self._finish_task(run)
-            except (TaskAborted, TransportError, RejectedError) as exc:
-                self._task_failed(run.task, exc, pause=False)
+    Every task is set up (fetch, model, optimizer, inner state, data), then trained with the
+    others (``PathTrainer.interleave``: each on its own CUDA stream on a GPU, in plain turns on a
+    CPU); each task's operations, so its deltas, are exactly those of ``run_task``. Then each
+    task's deltas are pushed and its inner state saved, in order. One heartbeat thread keeps
+    every lease alive.
+
+    In-flight tasks of a batch are not checkpointed and not resumed (a restarted peer trains
+    them again from their base). A task whose lease is lost is dropped and handed back, the
+    others train on; a stopping peer hands every task of the batch back. Failures of one task
+    (fetch, push) are handled as ``_loop`` handles a single task's.
+    """
+    leases = [(task, {"step": 0}, threading.Event()) for task in tasks]
+    with heartbeating(peer.transport, peer.peer_id, leases, peer.config["heartbeat_seconds"]):
+        try:
+            _train_batch(peer, leases)
+        except TaskAborted as exc:  # the peer is stopping: hand every task back at once
+            log.warning("peer %s: batch of %d aborted: %s", peer.peer_id, len(tasks), exc)
+            for task in tasks:
+                peer._release(task)
+
+
+def _train_batch(peer: Peer, leases: list[Lease]) -> None:
+    cuda = str(peer.device).startswith("cuda") and torch.cuda.is_available()
+    runs: list[TaskRun] = []
+    for lease in leases:
+        if peer.stop.is_set():
+            raise TaskAborted("peer is stopping")
+        stream = torch.cuda.Stream(device=peer.device) if cuda else None
+        try:  # no checkpoints in a batch (see train_batch)
+            runs.append(peer._setup_task(*lease, resume=False, stream=stream))
+        except (TaskAborted, TransportError, RejectedError) as exc:
+            peer._task_failed(lease[0], exc, pause=False)
+    peer.trainer.interleave(runs, lambda run, exc: peer._task_failed(run.task, exc, False))
+    for run in runs:
+        try:
+            peer._finish_task(run)
+        except (TaskAborted, TransportError, RejectedError) as exc:
+            peer._task_failed(run.task, exc, pause=False)
 
 
 def make_trainer(peer: Peer) -> PathTrainer:

@@ -18,6 +18,7 @@ import torch
 
 from dipaco.config import NetworkSection
 from dipaco.errors import RejectedError
+from dipaco.faults import fault_point
 from dipaco.peer.links import OwnerLinks
 from dipaco.protocols import feedback
 from dipaco.protocols import messages as m
@@ -74,83 +75,102 @@ class Pusher:
         ``before_send`` runs once the deltas are encoded (error-feedback residuals updated) and
         before anything is sent. Should the push fail, the residuals are as they were before.
         """
-        links = self.links
+        wire, undo = self.encode(task, delta)
+        try:
+            if before_send is not None:
+                before_send()
+            self.send(task, wire, list(delta), tokens, losses)
+        except BaseException:
+            undo()  # nothing was sent for good: keep residuals
+            raise
+
+    def encode(self, task: m.TaskOffer, delta: Tensors) -> tuple[dict, Callable[[], None]]:
+        """The deltas through the task's codec, the path's error-feedback residuals updated;
+        and the function that puts the residuals back as they were (the send failed)."""
         codec = task.codec or "lossless"
         log.info(
             "peer %s: pushing the deltas of %s (%s) to %d owner(s)",
             self.peer_id,
             task.task_id,
             codec,
-            len(links.by_owner(list(delta))),
+            len(self.links.by_owner(list(delta))),
         )
-        before = self.feedback.state_tensors()
+        key = f"P{task.path}"
+        before = self.feedback.stream(key)
         wire = self.feedback.compress(
-            codec,
-            f"P{task.path}",
-            {f"{mid}/{n}": t for mid, ts in delta.items() for n, t in ts.items()},
+            codec, key, {f"{mid}/{n}": t for mid, ts in delta.items() for n, t in ts.items()}
         )
-        try:
-            if before_send is not None:
-                before_send()
-            remaining = list(delta)
-            scheduler_done, acked, over = False, 0, None
-            while remaining:
-                owner, mids = next(iter(links.by_owner(remaining).items()))
-                try:
-                    ack = links.ask(
-                        owner,
-                        lambda mids=mids: m.SubmitDelta(
-                            peer_id=self.peer_id,
-                            task_id=task.task_id,
-                            path=task.path,
-                            base_versions=task.module_versions,
-                            tokens=tokens,
-                            losses=losses,
-                            tensors={k: v for k, v in wire.items() if k.partition("/")[0] in mids},
-                            ticket=task.ticket,
-                            codec=codec,
-                        ),
-                    )
-                except RejectedError as exc:
-                    if exc.reason == Reason.FINISHED:
-                        # This owner's modules made all their rounds (the delta is dropped):
-                        # the path's other modules may still wait for their last one.
-                        remaining, over = [mid for mid in remaining if mid not in mids], exc
-                        continue
-                    if exc.reason != Reason.NOT_OWNER:
-                        raise
-                    links.refresh()  # a module moved: regroup and push again
+        return wire, lambda: self.feedback.set_stream(key, before)
+
+    def send(
+        self,
+        task: m.TaskOffer,
+        wire: dict,
+        modules: list[str],
+        tokens: int,
+        losses: list[float],
+    ) -> None:
+        """The encoded deltas of ``modules`` to their owners until acknowledged; then TaskDone
+        to the scheduler unless an owner's acknowledgement told it already."""
+        fault_point("peer.send")
+        links = self.links
+        codec = task.codec or "lossless"
+        remaining = list(modules)
+        scheduler_done, acked, over = False, 0, None
+        while remaining:
+            owner, mids = next(iter(links.by_owner(remaining).items()))
+            try:
+                ack = links.ask(
+                    owner,
+                    lambda mids=mids: m.SubmitDelta(
+                        peer_id=self.peer_id,
+                        task_id=task.task_id,
+                        path=task.path,
+                        base_versions=task.module_versions,
+                        tokens=tokens,
+                        losses=losses,
+                        tensors={k: v for k, v in wire.items() if k.partition("/")[0] in mids},
+                        ticket=task.ticket,
+                        codec=codec,
+                    ),
+                )
+            except RejectedError as exc:
+                if exc.reason == Reason.FINISHED:
+                    # This owner's modules made all their rounds (the delta is dropped): the
+                    # path's other modules may still wait for their last one.
+                    remaining, over = [mid for mid in remaining if mid not in mids], exc
                     continue
-                remaining = [mid for mid in remaining if mid not in mids]
-                if ack.dropped:
-                    log.info(
-                        "peer %s: %s did not need %s's deltas (rounds closed or all made)",
-                        self.peer_id,
-                        ", ".join(ack.dropped),
-                        task.task_id,
-                    )
-                for mid in mids:
-                    if mid in ack.dropped:
-                        continue
-                    acked += 1
-                    self.on_ack(
-                        {
-                            "module": mid,
-                            "base_version": task.module_versions[mid],
-                            "path": task.path,
-                            "task": task.task_id,
-                            "owner": owner,
-                            "unacked": len(remaining),  # modules of the task still to push
-                        }
-                    )
-                scheduler_done |= ack.task_done
-            if over is not None and not acked:
-                raise over  # every module of the path had made all its rounds
-            if not scheduler_done:
-                self._task_done(task, tokens, losses, list(delta))
-        except BaseException:
-            self.feedback.load_state_tensors(before)  # nothing was sent for good: keep residuals
-            raise
+                if exc.reason != Reason.NOT_OWNER:
+                    raise
+                links.refresh()  # a module moved: regroup and push again
+                continue
+            remaining = [mid for mid in remaining if mid not in mids]
+            if ack.dropped:
+                log.info(
+                    "peer %s: %s did not need %s's deltas (rounds closed or all made)",
+                    self.peer_id,
+                    ", ".join(ack.dropped),
+                    task.task_id,
+                )
+            for mid in mids:
+                if mid in ack.dropped:
+                    continue
+                acked += 1
+                self.on_ack(
+                    {
+                        "module": mid,
+                        "base_version": task.module_versions[mid],
+                        "path": task.path,
+                        "task": task.task_id,
+                        "owner": owner,
+                        "unacked": len(remaining),  # modules of the task still to push
+                    }
+                )
+            scheduler_done |= ack.task_done
+        if over is not None and not acked:
+            raise over  # every module of the path had made all its rounds
+        if not scheduler_done:
+            self._task_done(task, tokens, losses, modules)
 
     def _task_done(
         self, task: m.TaskOffer, tokens: int, losses: list[float], modules: list[str]

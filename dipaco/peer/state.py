@@ -151,16 +151,12 @@ class InnerState:
             load_optimizer_state_tensors(
                 optimizer, names, {k: v for k, v in tensors.items() if not k.startswith("ef|")}
             )
-            residuals = {k[3:]: v for k, v in tensors.items() if k.startswith("ef|")}
-            if residuals:
-                self.feedback.load_state_tensors({**self._other_residuals(f"P{path}"), **residuals})
+            key = f"ef|P{path}|"
+            residuals = {k[len(key) :]: v for k, v in tensors.items() if k.startswith(key)}
+            if residuals:  # this path's stream only (another's may be in use: push behind)
+                self.feedback.set_stream(f"P{path}", residuals)
         except (CorruptFileError, KeyError, IndexError, ValueError) as exc:
             log.warning("peer %s: ignoring unusable inner state %s: %s", self.peer_id, file, exc)
-
-    def _other_residuals(self, key: str) -> dict[str, torch.Tensor]:
-        return {
-            k: v for k, v in self.feedback.state_tensors().items() if not k.startswith(key + "|")
-        }
 
     def save(
         self, path: int, round_: int, optimizer: torch.optim.Optimizer, names: list[str]

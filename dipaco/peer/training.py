@@ -296,9 +296,9 @@ class PathTrainer:
     def finish(self, run: TaskRun, push: Callable[..., None]) -> int:
         """Push the task's deltas (``push``, as ``Peer.push``), its inner state saved just before
         they are sent, then drop its checkpoint; the tokens it trained."""
-        task, tc = run.task, self.train_cfg
+        task = run.task
         delta = self.deltas(run)
-        tokens = task.inner_steps * tc["batch_size"] * tc["seq_len"]
+        tokens = self.tokens(task)
         fault_point("peer.before_push")
         with timed(self.timings, "push"):
             # The inner state is written before the first delta is sent: once the owners
@@ -316,6 +316,30 @@ class PathTrainer:
         with timed(self.timings, "save"):
             self.checkpoint.drop()
         return tokens
+
+    def finish_behind(
+        self, run: TaskRun, encode: Callable[..., tuple[dict, Callable[[], None]]]
+    ) -> tuple[dict, Callable[[], None], int]:
+        """:meth:`finish` up to the sending (push behind): the deltas encoded (``encode``, as
+        ``Pusher.encode``), the inner state written, the checkpoint dropped (the next task's
+        goes in its place). Returns what ``encode`` returned, and the tokens trained."""
+        task = run.task
+        delta = self.deltas(run)
+        fault_point("peer.before_push")
+        with timed(self.timings, "push"):
+            wire, undo = encode(task, delta)
+            try:
+                self.inner.save(task.path, task.round, run.optimizer, run.names)
+            except BaseException:
+                undo()
+                raise
+        with timed(self.timings, "save"):
+            self.checkpoint.drop()
+        return wire, undo, self.tokens(task)
+
+    def tokens(self, task: m.TaskOffer) -> int:
+        """The tokens a task trains."""
+        return task.inner_steps * self.train_cfg["batch_size"] * self.train_cfg["seq_len"]
 
     def deltas(self, run: TaskRun) -> Tensors:
         """The task's per-module deltas (fetched minus trained), on the CPU."""

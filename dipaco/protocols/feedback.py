@@ -3,6 +3,8 @@ one, so compression error does not accumulate (docs/protocol.md §7, "Error feed
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from dipaco.protocols.codecs import as_float32, encode, get
@@ -30,12 +32,21 @@ class ErrorFeedback:
 
     def __init__(self, decay: float | None = None, density: float | None = None) -> None:
         self._residuals: dict[str, dict[str, torch.Tensor]] = {}
+        # A peer that sends a task's deltas while it sets up the next (push behind) touches
+        # two streams from two threads: each method is atomic.
+        self._lock = threading.RLock()
         if decay is not None:
             self.decay = decay
         if density is not None:
             self.density = density
 
     def compress(
+        self, codec: str, key: str, tensors: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        with self._lock:
+            return self._compress(codec, key, tensors)
+
+    def _compress(
         self, codec: str, key: str, tensors: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         c = get(codec)
@@ -69,14 +80,36 @@ class ErrorFeedback:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Residuals as flat ``f"{key}|{name}"`` tensors, e.g. for a tensor file on disk."""
-        return {
-            f"{key}{self.SEP}{name}": r
-            for key, res in self._residuals.items()
-            for name, r in res.items()
-        }
+        with self._lock:
+            return {
+                f"{key}{self.SEP}{name}": r
+                for key, res in self._residuals.items()
+                for name, r in res.items()
+            }
+
+    def stream(self, key: str) -> dict[str, torch.Tensor]:
+        """One stream's residuals by tensor name (the tensors themselves: never modified)."""
+        with self._lock:
+            return dict(self._residuals.get(key, {}))
+
+    def set_stream(self, key: str, residuals: dict[str, torch.Tensor]) -> None:
+        """Replace one stream's residuals (by tensor name), checked as
+        :meth:`load_state_tensors` checks them; the other streams are left as they are."""
+        flat = {f"{key}{self.SEP}{name}": t for name, t in residuals.items()}
+        loaded = self._checked(flat).get(key, {})
+        with self._lock:
+            if loaded:
+                self._residuals[key] = loaded
+            else:
+                self._residuals.pop(key, None)
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Replace all residuals with ones saved by :meth:`state_tensors`."""
+        loaded = self._checked(tensors)
+        with self._lock:
+            self._residuals = loaded
+
+    def _checked(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         loaded: dict[str, dict[str, torch.Tensor]] = {}
         for flat, t in tensors.items():
             key, sep, name = flat.partition(self.SEP)
@@ -87,8 +120,9 @@ class ErrorFeedback:
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"residual {flat!r} has non-finite values")
             loaded.setdefault(key, {})[name] = t.detach().to("cpu").clone()
-        self._residuals = loaded
+        return loaded
 
     def reset(self, key: str) -> None:
         """Forget the residuals of one stream (e.g. after its module was re-synchronised)."""
-        self._residuals.pop(key, None)
+        with self._lock:
+            self._residuals.pop(key, None)
