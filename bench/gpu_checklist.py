@@ -193,7 +193,7 @@ def main() -> int:
     if "throughput" not in args.skip:
         step(f"2. a real peer's throughput on {name}")
         cmd = [sys.executable, str(HERE / "peer_throughput.py"), "--device", args.device]
-        cmd += ["--paper-path"] if gpu else ["--quick"]
+        cmd += ["--paper-path", "--push-behind"] if gpu else ["--quick"]
         subprocess.run(cmd + report, check=True)
 
     if "machine" not in args.skip:

@@ -16,10 +16,15 @@ Both alternate task by task (noise hits both), and the best task of each counts.
   ratio (whole task)  also fetching the modules, pushing the deltas and saving the state
   MFU                 6 N + 12 L T d FLOPs per token against this device's measured matmul peak
                       (float32 on a CPU, bfloat16 on a GPU)
+With ``--push-behind``, then ``--tasks`` tasks in one run twice: pushed as usual, and pushed
+behind the next task (``dipaco-peer join --push-behind``), tokens per second of each. On a CPU the
+send (the in-process coordinator's admission included) shares the cores with training; on a GPU
+it runs beside it.
 
     python bench/peer_throughput.py                       # CPU: a width-256 path, H = 16
     python bench/peer_throughput.py --paper-path --device cuda   # the paper's 150M path, bf16
     python bench/peer_throughput.py --quick               # CI's short form
+    python bench/peer_throughput.py --quick --push-behind # and the same peer pushing behind
 """
 
 from __future__ import annotations
@@ -154,6 +159,11 @@ def main() -> None:
         action="store_true",
         help="the paper's path: 12 blocks, width 896, 16 heads, sequence 1024 (about 150M)",
     )
+    ap.add_argument(
+        "--push-behind",
+        action="store_true",
+        help="then --tasks tasks in one run, pushed as usual and pushed behind the next task",
+    )
     ap.add_argument("--work", help="a folder for the prepared run (default: a temporary one)")
     ap.add_argument("--quick", action="store_true", help="CI's short form: a tiny path, 2 tasks")
     add_report_args(ap)
@@ -183,7 +193,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
             "seq_len": args.seq,
             "pretrain_steps": 0,
             "inner_steps": args.steps,
-            "rounds": args.tasks + 2,  # one task per path per round; more than we time
+            # one task per path per round; more than we time (push behind times 2 x tasks more)
+            "rounds": 3 * args.tasks + 4 if args.push_behind else args.tasks + 2,
         },
         scheduler={"lease_seconds": 3600.0, "heartbeat_seconds": 60.0},
         eval={"max_docs": 8},
@@ -272,6 +283,24 @@ def run(args: argparse.Namespace, work: Path) -> None:
         f"(median over tasks {medians:.3f}; target >= 0.97)"
     )
     print(f"ratio dipaco / bare (whole task, H = {args.steps}): {whole_rate / bare_rate:.3f}")
+    behind = ""
+    if args.push_behind:  # N tasks in one run, the peer pushing each one as usual, then behind
+        rates = {}
+        for on in (False, True):
+            peer.push_behind = on
+            peer.max_tasks = peer.tasks_done + args.tasks
+            began = time.perf_counter()
+            peer.run()
+            rates[on] = tokens_per_task * args.tasks / (time.perf_counter() - began)
+        print(
+            f"{args.tasks} tasks in one run: {rates[False]:,.0f} tok/s, with push behind "
+            f"{rates[True]:,.0f} tok/s ({rates[True] / rates[False]:.2f}x); of bare: "
+            f"{rates[False] / bare_rate:.3f} and {rates[True] / bare_rate:.3f}"
+        )
+        behind = (
+            f"; {args.tasks} tasks in one run {rates[False] / bare_rate:.3f} of bare, with push "
+            f"behind {rates[True] / bare_rate:.3f} ({rates[True] / rates[False]:.2f}x)"
+        )
     record(
         args,
         "peer_throughput",
@@ -279,7 +308,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         f"{inner_rate / bare_rate:.3f} of bare, best task each ({inner_rate:,.0f} vs "
         f"{bare_rate:,.0f} tok/s; median {medians:.3f}), "
         f"whole task {whole_rate / bare_rate:.3f}; MFU {inner_rate * fpt / peak:.1%} of "
-        f"measured {how} peak {peak / 1e12:.2f} TFLOP/s",
+        f"measured {how} peak {peak / 1e12:.2f} TFLOP/s{behind}",
     )
 
 

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     "bench, extra",
     [
-        ("peer_throughput", []),
+        ("peer_throughput", ["--push-behind"]),
         ("outer_step", ["--store"]),
         ("codecs", []),
         ("scale", ["--out", "{tmp}/scale.json", "--plot", "{tmp}/scale.html"]),
