@@ -29,13 +29,13 @@ def test_a_peer_trains_its_next_task_while_the_last_ones_deltas_upload(run_copy,
         address = wait_for(
             lambda: address_file.exists() and address_file.read_text().strip(), 120, "the address"
         )
-        # Each send waits 1.5 s before its first byte (a slow uplink), three times a task's
+        # Each send waits 1 s before its first byte (a slow uplink), twice a task's
         # training here: without push behind the peer would idle through it.
         peer = subprocess.Popen(
             [BIN / "dipaco-peer", "join", address, "--authkey-file", root / "coordinator" /
              "authkey", "--peer-id", "peer0", "--state-dir", tmp_path / "peer0", "--push-behind"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "DIPACO_FAULTS": "peer.send=sleep:1.5"},
+            env={**os.environ, "DIPACO_FAULTS": "peer.send=sleep:1.0"},
         )  # fmt: skip
         procs.append(peer)
         out, _ = coordinator.communicate(timeout=300)
