@@ -23,10 +23,7 @@ import tempfile
 from pathlib import Path
 
 from _report import add_report_args, record
-from scale import TOPOLOGY, console, one_run, run_config
-
-from dipaco.config import preset_config
-from dipaco.prepare.pipeline import prepare
+from scale import TOPOLOGY, console, one_run, prepare_once, run_config
 
 
 def main() -> None:
@@ -42,17 +39,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="dipaco-push-behind-"))
     try:
         config = run_config(work, args.rounds, args.inner_steps, source=args.source)
-        prepared = work / "prepared"
-        console.log(f"preparing the tiny preset ({TOPOLOGY}) once")
-        prepare(
-            prepared,
-            preset_config("tiny").replace(
-                data={"source": args.source},
-                topology={"levels": TOPOLOGY},
-                train={"inner_steps": args.inner_steps, "rounds": args.rounds},
-                scheduler={"quorum": 1.0, "min_step_fraction": 1.0, "heartbeat_seconds": 1.0},
-            ),
-        )
+        prepared = prepare_once(work, args.source, args.inner_steps, args.rounds)
         rows = {}
         for on in (False, True):
             console.log(f"{args.peers} peers, push behind {'on' if on else 'off'}")

@@ -106,6 +106,25 @@ def run_config(
     return file
 
 
+def prepare_once(
+    work: Path, source: str, inner_steps: int, rounds: int, outer: dict | None = None
+) -> Path:
+    """The tiny preset on TOPOLOGY, prepared once in ``work/prepared`` (each run copies it)."""
+    prepared = work / "prepared"
+    console.log(f"preparing the tiny preset ({TOPOLOGY}) once")
+    prepare(
+        prepared,
+        preset_config("tiny").replace(
+            data={"source": source},
+            topology={"levels": TOPOLOGY},
+            train={"inner_steps": inner_steps, "rounds": rounds},
+            scheduler={"quorum": 1.0, "min_step_fraction": 1.0, "heartbeat_seconds": 1.0},
+            **({"outer": outer} if outer else {}),
+        ),
+    )
+    return prepared
+
+
 def wait_for(predicate, timeout: float, what: str, procs=()):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -404,22 +423,7 @@ def main() -> None:
             work, args.rounds, args.inner_steps, outer=outer, source=args.source,
             step_fraction=fraction, stale_damping=args.stale_damping,
         )  # fmt: skip
-        prepared = work / "prepared"
-        console.log(f"preparing the tiny preset ({TOPOLOGY}) once")
-        prepare(
-            prepared,
-            preset_config("tiny").replace(
-                data={"source": args.source},
-                topology={"levels": TOPOLOGY},
-                train={"inner_steps": args.inner_steps, "rounds": args.rounds},
-                scheduler={
-                    "quorum": 1.0,
-                    "min_step_fraction": 1.0,
-                    "heartbeat_seconds": 1.0,
-                },
-                **({"outer": outer} if outer else {}),
-            ),
-        )
+        prepared = prepare_once(work, args.source, args.inner_steps, args.rounds, outer)
         slow = 0.0
         for n in peers:
             for overlap in (False, True) if args.overlap and n > 1 else (False,):
