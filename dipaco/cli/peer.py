@@ -152,7 +152,13 @@ def cmd_join(args: argparse.Namespace) -> int:
         if info["task"] not in current:
             if len(acked_tasks) == 1 and not said_link:  # the first task is done: the link
                 said_link.append(True)
-                console.print(link_line(peer.timings, traffic() if join.traffic else None))
+                console.print(
+                    link_line(
+                        peer.timings,
+                        traffic() if join.traffic else None,
+                        peer.behind.seconds if peer.push_behind else None,
+                    )
+                )
             for old in current.values():
                 progress.update(old, visible=False)
             current.clear()
@@ -307,20 +313,28 @@ def seed_summary(seeds: Any, server: Any) -> str:
 THIN_LINK = 0.25  # a share of a task's time in transfers past which the peer says so
 
 
-def link_line(timings: dict[str, float], traffic: tuple[int, int] | None = None) -> str:
+def link_line(
+    timings: dict[str, float],
+    traffic: tuple[int, int] | None = None,
+    behind: float | None = None,
+) -> str:
     """One line on the link, from the peer's time so far (printed when its second task starts):
     transfers (fetch and push) against training, the bytes where the transport counts them,
-    and what to change when the transfers take more than a quarter of the time."""
+    and what to change when the transfers take more than a quarter of the time. ``behind``:
+    the seconds uploads took behind training (--push-behind), outside the peer's own time."""
     moving, training = timings.get("fetch", 0.0) + timings.get("push", 0.0), timings["train"]
     share = moving / max(moving + training, 1e-9)
     line = f"link: transfers took {moving:.1f} s so far, training {training:.1f} s"
     if traffic is not None and moving > 0:
         line += f" ({traffic[0] / 1e6:.1f} MB up, {traffic[1] / 1e6:.1f} MB down)"
+    if behind is not None:
+        line += f", uploads behind training {behind:.1f} s"
     if share <= THIN_LINK:
         return line + f": {100 * share:.0f}% on transfers, fine"
     return line + (
         f": {100 * share:.0f}% on transfers, a thin link for this run: join from a faster link, "
         'or ask the operator for smaller deltas ([network] codec = "int8" or "sign1")'
+        + ("" if behind is not None else ", or pass --push-behind to upload while you train")
     )
 
 

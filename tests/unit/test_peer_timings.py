@@ -28,6 +28,9 @@ def test_a_thin_link_is_named_with_what_to_change():
     thin = link_line({"fetch": 30.0, "push": 12.0, "train": 50.0}, (40_000_000, 90_000_000))
     assert "46% on transfers, a thin link" in thin and "codec" in thin
     assert "(40.0 MB up, 90.0 MB down)" in thin
+    assert "--push-behind" in thin  # not on yet: it would hide the uploads behind training
+    behind = link_line({"fetch": 30.0, "push": 12.0, "train": 50.0}, behind=20.0)
+    assert "uploads behind training 20.0 s" in behind and "--push-behind" not in behind
     assert link_line({"fetch": 1.0, "push": 1.0, "train": 18.0}).endswith("10% on transfers, fine")
 
 
