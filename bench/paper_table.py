@@ -445,7 +445,8 @@ def run_variant(
     threads = run_local_peers(coordinator, prep, 1, stop=stop, device=device, parallel=parallel)
     try:
         while not coordinator.finished_event.wait(0.5):
-            if not any(t.is_alive() for t in threads):
+            # The peer stops at the last round; the event follows that round's validation.
+            if not any(t.is_alive() for t in threads) and not coordinator.finished:
                 raise DipacoError(f"{v.key}: the local peer stopped before the run finished")
     finally:
         stop.set()
