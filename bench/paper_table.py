@@ -70,7 +70,7 @@ from dipaco.prepare.pipeline import prepare  # noqa: E402
 from dipaco.routing.features import FEATURE_KINDS  # noqa: E402
 from dipaco.run.evaluate import evaluate_modules  # noqa: E402
 from dipaco.run.factory import build_coordinator  # noqa: E402
-from dipaco.run.local import run_local_peers  # noqa: E402
+from dipaco.run.local import run_local_peers, wait_for_end  # noqa: E402
 from dipaco.run.metrics_log import MetricsLog  # noqa: E402
 
 # The base of every model in a preset; variants change topology, routing, outer step, rounds.
@@ -444,10 +444,9 @@ def run_variant(
     parallel = topology.num_paths if path_parallel else 1
     threads = run_local_peers(coordinator, prep, 1, stop=stop, device=device, parallel=parallel)
     try:
-        while not coordinator.finished_event.wait(0.5):
-            # The peer stops at the last round; the event follows that round's validation.
-            if not any(t.is_alive() for t in threads) and not coordinator.finished:
-                raise DipacoError(f"{v.key}: the local peer stopped before the run finished")
+        wait_for_end(
+            coordinator, threads, f"{v.key}: the local peer stopped before the run finished"
+        )
     finally:
         stop.set()
         for t in threads:

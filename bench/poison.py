@@ -40,7 +40,6 @@ sys.path.insert(0, str(REPO / "bench"))
 from paper_table import LOCAL, PRESETS  # noqa: E402
 
 from dipaco.config import RunConfig, load_config_dict  # noqa: E402
-from dipaco.errors import DipacoError  # noqa: E402
 from dipaco.fileio import write_atomic, write_json_atomic  # noqa: E402
 from dipaco.peer.peer import Peer  # noqa: E402
 from dipaco.prepare.pipeline import prepare  # noqa: E402
@@ -48,6 +47,7 @@ from dipaco.protocols.auth import Identity  # noqa: E402
 from dipaco.protocols.transport import LocalTransport  # noqa: E402
 from dipaco.run.evaluate import evaluate_modules  # noqa: E402
 from dipaco.run.factory import build_coordinator  # noqa: E402
+from dipaco.run.local import wait_for_end  # noqa: E402
 from dipaco.run.metrics_log import MetricsLog  # noqa: E402
 
 CASES = {  # name -> (hostile paths per level module, one key for all of them)
@@ -159,10 +159,9 @@ def run_case(
     thread = threading.Thread(target=peer.run, daemon=True)
     thread.start()
     try:
-        while not coordinator.finished_event.wait(0.5):
-            # The peer stops at the last round; the event follows that round's validation.
-            if not thread.is_alive() and not coordinator.finished:
-                raise DipacoError(f"{key}: the local peer stopped before the run finished")
+        wait_for_end(
+            coordinator, [thread], f"{key}: the local peer stopped before the run finished"
+        )
     finally:
         stop.set()
         thread.join(60)

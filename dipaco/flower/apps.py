@@ -103,6 +103,7 @@ def _server_main(grid: Grid, context: Context) -> None:
         dashboard=str(cfg.get("dashboard", "")),
         dashboard_token=str(cfg.get("dashboard-token", "")),
     )
+    core.after_round.drain(600)  # the last round's validation, logged before the app ends
     log.info("run %s finished: every module at version %d", core.run_id, core.round)
     # What `dipaco-coordinator start --transport flower` reads once `flwr run` has ended.
     write_json_atomic(

@@ -76,6 +76,18 @@ def run_local_peers(
     return threads
 
 
+def wait_for_end(
+    coordinator: Coordinator, threads: list[threading.Thread], stopped_early: str
+) -> None:
+    """Until the coordinator's run finishes (``finished_event``); ``DipacoError(stopped_early)``
+    if every thread (the local peers) stops first. Peers stop as soon as the last round is
+    complete, and the event is set after that round's validation (coordinator/serial.py): a
+    finished run is not an early stop."""
+    while not coordinator.finished_event.wait(0.5):
+        if not any(t.is_alive() for t in threads) and not coordinator.finished:
+            raise DipacoError(stopped_early)
+
+
 class LocalRun:
     """``n_peers`` in-process peers (``run_local_peers``) for the length of a ``with`` block.
 
@@ -119,11 +131,7 @@ class LocalRun:
     ) -> None:
         """Until the coordinator's run finishes; ``DipacoError(stopped_early)`` if every local
         peer stops first. (A failed run finishes too: the caller reads ``coordinator.failure``.)"""
-        while not self.coordinator.finished_event.wait(0.5):
-            # Peers stop as soon as the last round is complete, and the event is set after that
-            # round's callbacks (a per-round evaluation): a finished run is not an early stop.
-            if not any(t.is_alive() for t in self.threads) and not self.coordinator.finished:
-                raise DipacoError(stopped_early)
+        wait_for_end(self.coordinator, self.threads, stopped_early)
 
     def __exit__(
         self,
