@@ -216,15 +216,26 @@ def test_outer_step_weights_paths_by_their_shard_tokens(tmp_path):
     assert torch.allclose(moved, torch.full_like(moved, 0.04 * 2**0.5 * 0.7 * 1.9), atol=1e-6)
 
 
-def test_encoded_deltas_are_decoded_checked_and_applied(tmp_path):
-    from dipaco.protocols import codecs
-
+def claimed_with_delta(tmp_path):
+    """A coordinator, a transport, a task claimed by peer "a", and its plain delta."""
     co = make(tmp_path)
     tr = LocalTransport(co.handle)
     task = claim(tr, "a")
-    plain = delta_for(co, task)
-    bad = delta_for(co, task, codec="int8")
-    bad.tensors = codecs.encode("int8", plain.tensors)
+    return co, tr, task, delta_for(co, task)
+
+
+def encoded(co, task, plain, codec):
+    """``plain``'s tensors sent through ``codec`` (for a test to send, or to spoil first)."""
+    from dipaco.protocols import codecs
+
+    delta = delta_for(co, task, codec=codec)
+    delta.tensors = codecs.encode(codec, plain.tensors)
+    return delta
+
+
+def test_encoded_deltas_are_decoded_checked_and_applied(tmp_path):
+    co, tr, task, plain = claimed_with_delta(tmp_path)
+    bad = encoded(co, task, plain, "int8")
     del bad.tensors[next(k for k in bad.tensors if k.endswith("#scale"))]
     with pytest.raises(RejectedError) as err:
         tr.request(bad)
@@ -232,8 +243,7 @@ def test_encoded_deltas_are_decoded_checked_and_applied(tmp_path):
     with pytest.raises(RejectedError) as err:
         tr.request(delta_for(co, task, codec="zip"))
     assert err.value.reason == "bad-codec"
-    good = delta_for(co, task, codec="int8")
-    good.tensors = codecs.encode("int8", plain.tensors)
+    good = encoded(co, task, plain, "int8")
     assert tr.request(good).accepted
     stored = co.store.delta_tensors(co.store.modules["S.embed"].pending[task.path])
     assert torch.allclose(stored["embed_tokens.weight"], torch.full((64, 16), 0.01), atol=1e-4)
@@ -290,22 +300,15 @@ def test_hello_tells_its_clock_only_to_a_peer_that_asks(tmp_path):
 
 
 def test_a_sign1_delta_with_a_bad_scale_is_refused_counted_and_the_good_one_applied(tmp_path):
-    from dipaco.protocols import codecs
-
-    co = make(tmp_path)
-    tr = LocalTransport(co.handle)
-    task = claim(tr, "a")
-    plain = delta_for(co, task)
-    bad = delta_for(co, task, codec="sign1")
-    bad.tensors = codecs.encode("sign1", plain.tensors)
+    co, tr, task, plain = claimed_with_delta(tmp_path)
+    bad = encoded(co, task, plain, "sign1")
     scale = next(k for k in bad.tensors if k.endswith("#scale"))
     bad.tensors[scale] = -bad.tensors[scale] - 1.0  # a negative block magnitude
     with pytest.raises(RejectedError) as err:
         tr.request(bad)
     assert err.value.reason == "bad-encoding" and "negative scales" in str(err.value)
     assert co.rejections["bad-encoding"] == 1 and co.rejections_by_peer["a"]["bad-encoding"] == 1
-    good = delta_for(co, task, codec="sign1")
-    good.tensors = codecs.encode("sign1", plain.tensors)
+    good = encoded(co, task, plain, "sign1")
     assert tr.request(good).accepted
     stored = co.store.delta_tensors(co.store.modules["S.embed"].pending[task.path])
     # every element of the constant delta is +0.01: sign bits 0, each block's mean 0.01
