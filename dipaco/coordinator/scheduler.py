@@ -3,8 +3,9 @@
 A path is open for round r when every module of the path is at version r, r is below the run's
 round count, and the path has not yet reported for r. A lease has a deadline; heartbeats extend
 it, and an expired lease re-opens the path so that another peer can take the task (DiPaCo
-section 3: the queue returns a failed worker's task). Peers keep affinity to the path they
-trained last, because their inner optimizer state for it is local.
+section 3: the queue returns a failed worker's task). Peers keep affinity to the paths they
+trained the round before, because their inner optimizer state for a path is local: a path
+leased to another peer trains with that peer's older state of it, or none (``Scheduler.pick``).
 
 Deadlines come from what the run has observed, not from a guessed constant: ``robust_deadline``
 is the median of the observed durations plus max(k * MAD, slack * median). Task durations
@@ -20,7 +21,7 @@ import math
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,8 +101,10 @@ class Scheduler:
         prefer: int | None,
         steps: int = 0,
         holding: Collection[str] = (),
+        last_trainer: Mapping[int, str] | None = None,
     ) -> Lease | None:
-        """Lease one open path (path -> round) to ``peer_id``; None if all are taken.
+        """Lease one open path (path -> round) to ``peer_id``; None if all are taken. Which
+        one: :meth:`pick` (``last_trainer``: who trained each path's round before, if known).
 
         A peer that already holds a live lease (it restarted) gets the same task back, unless
         the peer names it in ``holding``: a path-parallel peer asking for one task more.
@@ -113,7 +116,7 @@ class Scheduler:
         free = sorted(set(open_paths) - self.leased_paths())
         if not free:
             return None
-        path = prefer if prefer in free else free[0]
+        path = self.pick(peer_id, free, prefer, last_trainer or {})
         rnd = open_paths[path]
         attempt = self.attempts.get((path, rnd), 0)
         self.attempts[(path, rnd)] = attempt + 1
@@ -130,6 +133,21 @@ class Scheduler:
         self.leases[lease.task_id] = lease
         self.issued[lease.task_id] = lease
         return lease
+
+    @staticmethod
+    def pick(peer_id: str, free: list[int], prefer: int | None, last: Mapping[int, str]) -> int:
+        """Of the ``free`` paths (sorted), the one to lease: one that ``peer_id`` trained the
+        round before (``last``: path -> its trainer then), its ``prefer``red one first; else
+        ``prefer``; else one that nobody trained the round before; else the lowest. A path
+        another peer trained last stays for that peer while anything else is free, so that
+        every path trains with its newest inner optimizer state wherever the schedule allows."""
+        mine = [p for p in free if last.get(p) == peer_id]
+        if mine:
+            return prefer if prefer in mine else mine[0]
+        if prefer in free:
+            return prefer
+        nobody = [p for p in free if p not in last]
+        return (nobody or free)[0]
 
     def hedge(self, peer_id: str, done: Collection[tuple[int, int]]) -> Lease | None:
         """A copy of a straggler's task for ``peer_id``, which has nothing else to train: the

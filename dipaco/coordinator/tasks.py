@@ -276,8 +276,15 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
     """Lease an open path; with overlap, else the next round of a path the peer trained
     (rounds.ahead_paths) rather than wait for this round to close; with hedging, else a copy
     of a straggler's task (Scheduler.hedge). None if none of these."""
+    open_paths = core.open_paths()
+    last = {p: core.trained_by.get((p, r - 1)) for p, r in open_paths.items()}
     lease = core.scheduler.claim(
-        req.peer_id, core.open_paths(), req.prefer_path, core.inner_steps, req.holding
+        req.peer_id,
+        open_paths,
+        req.prefer_path,
+        core.inner_steps,
+        req.holding,
+        {p: who for p, who in last.items() if who is not None},
     )
     if lease is None and core.policy.overlap:
         lease = core.scheduler.claim(
