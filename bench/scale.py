@@ -89,6 +89,8 @@ def run_config(
     step_fraction: float = 1.0,
     hedge: bool = False,
     stale_damping: float | None = None,
+    aggregation: str | None = None,
+    overlap_start: str | None = None,
 ) -> Path:
     file = work / ("run-overlap.toml" if overlap else "run.toml")
     file.write_text(
@@ -99,15 +101,22 @@ def run_config(
         f"overlap = {'true' if overlap else 'false'}\n"
         + ("hedge = true\n" if hedge else "")
         + (f"stale_damping = {stale_damping}\n" if stale_damping is not None else "")
+        + (f'overlap_start = "{overlap_start}"\n' if overlap and overlap_start else "")
         # The default 10 s floor under task deadlines is longer than this run's tasks.
         + ("deadline_floor = 0.5\n" if step_fraction < 1 else "")
         + ("[outer]\n" + "".join(f"{k} = {v}\n" for k, v in outer.items()) if outer else "")
+        + (f'[validation]\naggregation = "{aggregation}"\n' if aggregation else "")
     )
     return file
 
 
 def prepare_once(
-    work: Path, source: str, inner_steps: int, rounds: int, outer: dict | None = None
+    work: Path,
+    source: str,
+    inner_steps: int,
+    rounds: int,
+    outer: dict | None = None,
+    validation: dict | None = None,
 ) -> Path:
     """The tiny preset on TOPOLOGY, prepared once in ``work/prepared`` (each run copies it)."""
     prepared = work / "prepared"
@@ -120,6 +129,7 @@ def prepare_once(
             train={"inner_steps": inner_steps, "rounds": rounds},
             scheduler={"quorum": 1.0, "min_step_fraction": 1.0, "heartbeat_seconds": 1.0},
             **({"outer": outer} if outer else {}),
+            **({"validation": validation} if validation else {}),
         ),
     )
     return prepared
@@ -272,6 +282,7 @@ def one_run(
         "waiting": seconds.get("claim", 0.0) / busy,
         "peer_seconds": seconds,
         "sent_behind_s": sum(p.get("sent_behind_s", 0.0) for p in peers),
+        "fetched_ahead_tasks": sum(p.get("fetched_ahead_tasks", 0) for p in peers),
     }
 
 
@@ -298,11 +309,46 @@ def plot(rows: list[dict], file: Path) -> Path | None:
     return file
 
 
+def nth_run(
+    args: argparse.Namespace,
+    work: Path,
+    prepared: Path,
+    config: Path,
+    outer: dict,
+    fraction: float,
+    n: int,
+    overlap: bool,
+    k: int,
+    slow: float,
+) -> dict:
+    """One run of ``n`` peers (the ``k``-th of its kind), with overlap on or off."""
+    what = f" (overlap {'on' if overlap else 'off'})" if args.overlap else ""
+    again = f", repeat {k + 1} of {args.repeat}" if args.repeat > 1 and n > 1 else ""
+    console.log(
+        f"{n} peer(s){what}: {args.rounds} rounds x 8 paths x H={args.inner_steps}"
+        + (f", the last one sleeping {slow * 1e3:.0f} ms a step" if slow else "")
+        + again
+    )
+    if overlap:
+        config = run_config(
+            work, args.rounds, args.inner_steps, overlap, outer, args.source, fraction,
+            hedge=args.hedge, stale_damping=args.stale_damping, aggregation=args.aggregation,
+            overlap_start=args.overlap_start,
+        )  # fmt: skip
+    label = ("-overlap" if overlap else "") + (f"-{k}" if k else "")
+    return one_run(
+        prepared, work, config, n, args.rounds, args.timeout, slow, label=label,
+        quality=args.overlap,
+    )  # fmt: skip
+
+
 def report_overlap(rows: list[dict], args: argparse.Namespace) -> None:
     """The runs with overlap off and on side by side: where the peers' time went, and the
     final perplexity of each (what overlap costs in quality)."""
     slow = ", the last peer at a quarter speed" if args.slow_peer else ""
     slow += ", hedging on with overlap" if args.hedge else ""
+    slow += f", overlap_start {args.overlap_start}" if args.overlap_start else ""
+    slow += f", aggregation {args.aggregation}" if args.aggregation else ""
     table = Table(
         title=f"overlap: tiny preset {TOPOLOGY}, {args.rounds} rounds x 8 paths x "
         f"H={args.inner_steps}{slow}, {len(cores())} cores"
@@ -327,20 +373,26 @@ def report_overlap(rows: list[dict], args: argparse.Namespace) -> None:
     console.print(table)
     once = all(r["applied_once"] for r in rows)
     console.print(f"every acknowledged delta applied in exactly one outer step: {once}")
-    pairs = [
-        (off, on)
-        for off in rows
-        for on in rows
-        if off["peers"] == on["peers"] > 1 and on["overlap"] and not off["overlap"]
-    ]
     parts = []
-    for off, on in pairs:
-        cost = 100 * (on["ppl"] / off["ppl"] - 1)
+    for n in sorted({r["peers"] for r in rows if r["peers"] > 1}):
+        off = [r for r in rows if r["peers"] == n and not r["overlap"]]
+        on = [r for r in rows if r["peers"] == n and r["overlap"]]
+        if not off or not on:
+            continue
+        mean = lambda runs, key: sum(r[key] for r in runs) / len(runs)  # noqa: E731
+        spread = lambda runs: (  # noqa: E731
+            f" ({min(r['ppl'] for r in runs):.2f}-{max(r['ppl'] for r in runs):.2f})"
+            if len(runs) > 1
+            else ""
+        )
+        cost = 100 * (mean(on, "ppl") / mean(off, "ppl") - 1)
+        runs = f" ({len(on)} runs each, means)" if len(on) > 1 else ""
         line = (
-            f"{on['peers']} peers: waiting {100 * off['waiting']:.1f}% -> "
-            f"{100 * on['waiting']:.1f}% of the peers' time, tokens/s "
-            f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x, perplexity {off['ppl']:.2f} -> "
-            f"{on['ppl']:.2f} ({cost:+.2f}%)"
+            f"{n} peers{runs}: waiting {100 * mean(off, 'waiting'):.1f}% -> "
+            f"{100 * mean(on, 'waiting'):.1f}% of the peers' time, tokens/s "
+            f"{mean(on, 'tokens_per_s') / mean(off, 'tokens_per_s'):.2f}x, perplexity "
+            f"{mean(off, 'ppl'):.2f}{spread(off)} -> {mean(on, 'ppl'):.2f}{spread(on)} "
+            f"({cost:+.2f}%)"
         )
         console.print(line)
         parts.append(line)
@@ -394,6 +446,24 @@ def main() -> None:
         "(an overlap task's delta is one; default: the run's, 0.5)",
     )
     ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="with --overlap: each run with more than one peer this many times, off and on "
+        "(an overlap run's result depends on timing: the means are compared)",
+    )
+    ap.add_argument(
+        "--overlap-start",
+        choices=["end", "eager"],
+        help="scheduler.overlap_start for the run with overlap (default: the run's, end)",
+    )
+    ap.add_argument(
+        "--aggregation",
+        choices=["auto", "mean", "trimmed_mean", "median"],
+        help="validation.aggregation (default: the run's, auto: a trimmed mean of one vote per "
+        "key in an open run, which with 3 peers is their coordinate-wise median)",
+    )
+    ap.add_argument(
         "--hedge",
         action="store_true",
         help="with --overlap: the run with overlap on also hedges (scheduler.hedge: idle peers "
@@ -422,44 +492,17 @@ def main() -> None:
         config = run_config(
             work, args.rounds, args.inner_steps, outer=outer, source=args.source,
             step_fraction=fraction, stale_damping=args.stale_damping,
+            aggregation=args.aggregation,
         )  # fmt: skip
-        prepared = prepare_once(work, args.source, args.inner_steps, args.rounds, outer)
+        validation = {"aggregation": args.aggregation} if args.aggregation else None
+        prepared = prepare_once(work, args.source, args.inner_steps, args.rounds, outer, validation)
         slow = 0.0
         for n in peers:
             for overlap in (False, True) if args.overlap and n > 1 else (False,):
-                what = f" (overlap {'on' if overlap else 'off'})" if args.overlap else ""
-                console.log(
-                    f"{n} peer(s){what}: {args.rounds} rounds x 8 paths x H={args.inner_steps}"
-                    + (f", the last one sleeping {slow * 1e3:.0f} ms a step" if slow else "")
-                )
-                cfg = (
-                    run_config(
-                        work,
-                        args.rounds,
-                        args.inner_steps,
-                        overlap,
-                        outer,
-                        args.source,
-                        fraction,
-                        hedge=args.hedge,
-                        stale_damping=args.stale_damping,
-                    )  # fmt: skip
-                    if overlap
-                    else config
-                )
-                rows.append(
-                    one_run(
-                        prepared,
-                        work,
-                        cfg,
-                        n,
-                        args.rounds,
-                        args.timeout,
-                        slow,
-                        label="-overlap" if overlap else "",
-                        quality=args.overlap,
-                    )  # fmt: skip
-                )
+                for k in range(args.repeat if args.overlap and n > 1 else 1):
+                    rows.append(
+                        nth_run(args, work, prepared, config, outer, fraction, n, overlap, k, slow)
+                    )
             if n == 1 and args.slow_peer:  # a quarter of one peer's speed: 3x its step's time
                 one = rows[0]
                 slow = 3 * one["peer_seconds"]["train"] / (one["tasks"] * args.inner_steps)

@@ -179,6 +179,11 @@ class SchedulerSection(_Section):
     # path it trained for this one, from where that ended (one round stale, applied with the
     # staleness rule above); the outer step defaults to a plain one. docs/operations.md.
     overlap: bool = False
+    # Where such a task starts: "end", where the peer's last task of the path ended (the
+    # release minus its whole delta); "eager", the release plus the step the module is likely
+    # to take: the peer's delta as one of the module's paths (1/n of it) and, for the others,
+    # the module's last step (eager updates, Kale et al. 2025). docs/operations.md "Overlap".
+    overlap_start: Literal["end", "eager"] = "end"
     # A peer with nothing else to train gets a copy of a straggler's task (one that has run
     # longer than the typical task): the first delta of the path for its round is applied,
     # the other holder's lease ends. Costs duplicate compute; a round waits less for its

@@ -42,6 +42,7 @@ POINTS = {
     "submit.before_ack": "Coordinator.submit: the deltas are durable, the ack not yet sent",
     "peer.before_push": "Peer: the task is trained, its deltas not yet pushed",
     "peer.send": "Pusher.send: the deltas encoded, not yet sent (sleep: a slow uplink)",
+    "peer.fetch": "fetch_modules: the task's modules not yet asked for (sleep: a slow downlink)",
     "peer.inner_step": "PathTrainer.stepped: an inner step done, the stop not yet checked",
 }
 

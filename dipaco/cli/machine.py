@@ -58,6 +58,8 @@ def worker_command(args: argparse.Namespace, name: str, state_dir: Path, n: int,
                 argv += [flag, str(value)]
         if getattr(args, "push_behind", False):
             argv.append("--push-behind")
+        if getattr(args, "fetch_ahead", False):
+            argv.append("--fetch-ahead")
         if args.shard_path:
             argv += ["--shard-path", "--dist-init", machine().rendezvous]
         return argv + [

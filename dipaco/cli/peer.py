@@ -227,6 +227,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         inner_dir=machine_dir / "inner" if args.machine else None,
         shard_group=group,
         push_behind=args.push_behind,
+        fetch_ahead=args.fetch_ahead,
         **join.peer_options,
     )
     console.print(f"peer {peer_id} ({peer.device}) joined {args.address}")
@@ -275,6 +276,11 @@ def cmd_join(args: argparse.Namespace) -> int:
     console.print(
         time_summary(peer.timings)
         + (f"; sending behind training {peer.behind.seconds:.1f} s" if args.push_behind else "")
+        + (
+            f"; {peer.ahead.tasks} tasks fetched ahead of training in {peer.ahead.seconds:.1f} s"
+            if args.fetch_ahead
+            else ""
+        )
     )
     write_json_atomic(
         state_dir / "timings.json",
@@ -284,6 +290,9 @@ def cmd_join(args: argparse.Namespace) -> int:
             "tokens": peer.tokens_trained,
             "seconds": {k: round(v, 4) for k, v in peer.timings.items()},
             "sent_behind_s": round(peer.behind.seconds, 4),  # on the push thread (--push-behind)
+            # claims and downloads on the fetch thread (--fetch-ahead), and the tasks they got
+            "fetched_ahead_s": round(peer.ahead.seconds, 4),
+            "fetched_ahead_tasks": peer.ahead.tasks,
         },
     )
     return 0
@@ -535,6 +544,11 @@ def main(argv: list[str] | None = None) -> None:
         "--push-behind",
         action="store_true",
         help="send a task's deltas while the next task trains (a thin uplink, a fast device)",
+    )
+    join.add_argument(
+        "--fetch-ahead",
+        action="store_true",
+        help="claim the next task and download its modules while this one trains its last steps",
     )
     join.add_argument(
         "--metrics-port",

@@ -10,9 +10,14 @@ scheduler vouched for, and must match the hash in that release; otherwise the ta
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
 from dipaco.errors import ConfigError
+from dipaco.faults import fault_point
 from dipaco.peer.links import OwnerLinks
 from dipaco.peer.seeds import Release, SeedFetcher
 from dipaco.protocols import auth
@@ -62,6 +67,7 @@ def fetch_modules(
     asked for the signed release only (the peer says it has that version), the tensors come
     from a holder and must match the signed hash, and whatever no holder delivers is asked of
     the owner again, whole. Every version the peer ends up with is held for others."""
+    fault_point("peer.fetch")  # sleep:S makes a slow downlink
     have = {mid: v for mid, (v, _) in cache.items()}
     if seeds is not None:
         seeded = seeds.find(
@@ -163,28 +169,64 @@ def check_releases(server_key: str | None, reply: m.Modules, run_id: str | None)
             raise TaskAborted(f"module {mid} v{version}: its release signature does not verify")
 
 
+@dataclass
+class Eager:
+    """The eager start of overlap tasks (``scheduler.overlap_start = "eager"``): for each
+    module, the number of paths through it (``paths_through``) and the release before the one
+    the peer has now (``previous``, kept by :meth:`saw` as the cache moves on), whose
+    difference to the current one is the module's last step."""
+
+    paths_through: Callable[[str], int]
+    previous: Cache = field(default_factory=dict)
+
+    def saw(self, before: dict[str, tuple[int, dict[str, torch.Tensor]] | None], cache: Cache):
+        """After a fetch: a module whose cached version moved keeps the one it moved from."""
+        for mid, entry in before.items():
+            if entry is not None and mid in cache and cache[mid][0] != entry[0]:
+                self.previous[mid] = entry
+
+    def start(
+        self, mid: str, version: int, tensors: dict[str, torch.Tensor], delta: dict
+    ) -> dict[str, torch.Tensor]:
+        """Release ``tensors`` (at ``version``) moved by 1/n of the peer's ``delta`` and
+        (n-1)/n of the module's last step (none if the previous release is unknown)."""
+        share = 1.0 / max(1, self.paths_through(mid))
+        base_version, base = self.previous.get(mid, (version, {}))
+        steps = version - base_version
+        last = (1.0 - share) / steps if steps > 0 else 0.0
+        return {
+            name: t - share * delta[name] - (last * (base[name] - t) if last else 0.0)
+            for name, t in tensors.items()
+        }
+
+
 def continued(
     task: m.TaskOffer,
     modules: dict[str, dict[str, torch.Tensor]],
     end: tuple[int, dict[str, dict[str, torch.Tensor]]] | None,
+    eager: Eager | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Overlap: an ahead task of a path this peer trained for the round before starts where
     that training ended. A module still at that round's version has not applied the peer's
     delta yet, so the start is the release minus that delta (deltas are fetched minus
     trained); a module past it has applied it and starts from its release. From the release
     alone, the delta would carry the last round's move again, on top of the step that applies
-    it. ``end``: the path's last task on this peer, as (its round, its per-module delta)."""
+    it. ``end``: the path's last task on this peer, as (its round, its per-module delta).
+    With ``eager``, such a module starts instead where its step is likely to take it
+    (:meth:`Eager.start`)."""
     if end is None or end[0] != task.round - 1:
         return modules
     last_round, delta = end
-    return {
-        mid: (
-            {name: t - delta[mid][name] for name, t in tensors.items()}
-            if task.module_versions[mid] == last_round and mid in delta
-            else tensors
-        )
-        for mid, tensors in modules.items()
-    }
+    out = {}
+    for mid, tensors in modules.items():
+        version = task.module_versions[mid]
+        if version != last_round or mid not in delta:
+            out[mid] = tensors
+        elif eager is not None:
+            out[mid] = eager.start(mid, version, tensors, delta[mid])
+        else:
+            out[mid] = {name: t - delta[mid][name] for name, t in tensors.items()}
+    return out
 
 
 def keep_end(
@@ -201,3 +243,38 @@ def keep_end(
     ends[task.path] = (task.round, delta)
     while len(ends) > KEEP_ENDS:
         del ends[next(iter(ends))]
+
+
+class Starts:
+    """Overlap: where a peer's tasks start. ``ends`` keeps each path's last task
+    (:func:`keep_end`); a task a round ahead starts from there (:func:`continued`), or eagerly
+    (:class:`Eager`, with the run's ``scheduler.overlap_start = "eager"``)."""
+
+    def __init__(self) -> None:
+        self.ends: Ends = {}
+        self.eager: Eager | None = None
+
+    def fetch(
+        self,
+        task: m.TaskOffer,
+        fetch: Callable[[m.TaskOffer], dict[str, dict[str, torch.Tensor]]],
+        cache: Cache,
+        config: dict,
+        topology: Any,
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """The task's modules (``fetch``, which fills ``cache``), moved to where it starts."""
+        eager = None
+        if config.get("run", {}).get("scheduler", {}).get("overlap_start") == "eager":
+            if self.eager is None:
+                self.eager = Eager(lambda mid: len(topology.paths_through(mid)))
+            eager = self.eager
+        before = {mid: cache.get(mid) for mid in task.module_versions}
+        modules = fetch(task)
+        if eager is not None:
+            eager.saw(before, cache)
+        return continued(task, modules, self.ends.get(task.path), eager)
+
+    def keep(
+        self, task: m.TaskOffer, delta: dict[str, dict[str, torch.Tensor]] | None, config: dict
+    ) -> None:
+        keep_end(self.ends, task, delta, config)

@@ -32,6 +32,7 @@ from dipaco.data.shards import TokenShard
 from dipaco.errors import ConfigError, DipacoError, RejectedError, TransportError
 from dipaco.peer import ddp
 from dipaco.peer import device as devices
+from dipaco.peer.ahead import Ahead
 from dipaco.peer.behind import Behind
 from dipaco.peer.checks import hello_with_clock
 from dipaco.peer.links import (
@@ -45,12 +46,11 @@ from dipaco.peer.links import (
 )
 from dipaco.peer.modules import (
     Cache,
+    Starts,
     TaskAborted,
     check_manifest,
     check_releases,
-    continued,
     fetch_modules,
-    keep_end,
 )
 from dipaco.peer.push import Pusher, Tensors, codec_settings
 from dipaco.peer.seeds import SeedFetcher
@@ -103,11 +103,12 @@ class Peer:
         shard_group: ddp.Group | None = None,
         seeds: SeedFetcher | None = None,
         push_behind: bool = False,
+        fetch_ahead: bool = False,
     ) -> None:
         if parallel < 1:
             raise ConfigError(f"parallel must be at least 1, got {parallel}")
-        if push_behind and (parallel > 1 or shard_group is not None):
-            raise ConfigError("push behind trains one path at a time on one device")
+        if (push_behind or fetch_ahead) and (parallel > 1 or shard_group is not None):
+            raise ConfigError("push behind and fetch ahead train one path at a time on one device")
         self.parallel = parallel  # tasks trained at once (path-parallel, see run_batch)
         self.manifest_sha256 = manifest_sha256
         # The peer's key signs every request, to the scheduler and to every module owner alike.
@@ -130,7 +131,7 @@ class Peer:
         self.shard_source, self.checkpoint_seconds = shard_source, checkpoint_seconds
         self.cache: Cache = {}
         self.last_path: int | None = None
-        self.ends: dict[int, tuple[int, Tensors]] = {}  # overlap: modules.keep_end
+        self.starts = Starts()  # overlap: where a path's next task starts
         self.tasks_done, self.tokens_trained = 0, 0
         self.timings: dict[str, float] = dict.fromkeys(TIMED, 0.0)  # see TIMED
         self.config: dict[str, Any] = {}
@@ -152,6 +153,9 @@ class Peer:
         # Push behind (behind.py): a task's deltas sent while the next task trains.
         self.push_behind = push_behind
         self.behind = Behind(f"{peer_id}-push")
+        # Fetch ahead (ahead.py): the next task claimed and downloaded near this one's end.
+        self.fetch_ahead = fetch_ahead
+        self.ahead = Ahead(f"{peer_id}-fetch")
 
     # ---- the loop -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -195,6 +199,7 @@ class Peer:
             self.run_finished = True
         finally:  # the last task's deltas go out before the peer leaves
             self.run_finished |= self.behind.drain()
+            self.ahead.hand_back(self._release)  # a task fetched ahead
             self.links.close()
         return self.tasks_done
 
@@ -207,7 +212,8 @@ class Peer:
                     break
                 self.behind.wait()  # it may fail: the task is then claimed again
                 continue
-            offers, reply = self._claim_batch()
+            ahead = self.ahead.take()  # the task fetched ahead, if any, rather than a claim
+            offers, reply = ([ahead[0]], None) if ahead is not None else self._claim_batch()
             if offers or not isinstance(reply, DipacoError):
                 last_contact = time.monotonic()
             if isinstance(reply, RejectedError) and reply.reason not in PASSING:
@@ -215,7 +221,8 @@ class Peer:
             if offers:
                 one = len(offers) == 1
                 try:
-                    self.run_task(offers[0]) if one else self.run_batch(offers)
+                    fetched = ahead[1] if ahead is not None else None
+                    self.run_task(offers[0], fetched) if one else self.run_batch(offers)
                 except RunOver:
                     what = f"task {offers[0].task_id}" if one else "a batch of tasks"
                     log.info("peer %s: the run finished during %s", self.peer_id, what)
@@ -277,13 +284,16 @@ class Peer:
             log.warning("peer %s: release failed: %s", self.peer_id, again)
 
     # ---- one task -----------------------------------------------------------------------------
-    def run_task(self, task: m.TaskOffer) -> None:
-        """Fetch, train and push one task, heartbeating all along (downloads can be slow)."""
+    def run_task(self, task: m.TaskOffer, fetched: dict | Exception | None = None) -> None:
+        """Fetch, train and push one task, heartbeating all along (downloads can be slow);
+        ``fetched``: its modules fetched ahead (or what that fetch raised)."""
         lease: Lease = (task, {"step": 0}, threading.Event())
         with heartbeating(self.transport, self.peer_id, [lease], self.config["heartbeat_seconds"]):
-            run = self._setup_task(*lease)
+            run = self._setup_task(*lease, fetched=fetched)
             try:
-                self.trainer.train(run)
+                self.trainer.train(
+                    run, (lambda r: fetch_next_ahead(self, r)) if self.fetch_ahead else None
+                )
             except TaskAborted:
                 if self.stop.is_set():  # leave cleanly: hand it back rather than let it expire
                     self.transport.request(
@@ -292,7 +302,7 @@ class Peer:
                 self.checkpoint.drop()
                 raise
             if self.push_behind:
-                return self._push_behind(run, lease)
+                return push_behind(self, run, lease)
             self._finish_task(run)
 
     def _setup_task(
@@ -303,15 +313,20 @@ class Peer:
         *,
         resume: bool = True,
         stream: Any = None,
+        fetched: dict | Exception | None = None,
     ) -> TaskRun:
-        """Fetch the path's modules; build its model and optimizer, with its inner state (or the
-        task's checkpoint, with ``resume``); open its data slice. Returns the task's state."""
+        """Fetch the path's modules (unless ``fetched`` ahead); build its model and optimizer,
+        with its inner state (or the task's checkpoint, with ``resume``); open its data slice.
+        Returns the task's state."""
         log.info("peer %s: training %s (path P%d)", self.peer_id, task.task_id, task.path)
         self.behind.wait(task.path)  # the path's last task is still being pushed: its state
         if task.owners:
             self.links.owners.update(task.owners)
         with timed(self.timings, "fetch"):
-            modules = continued(task, self.fetch(task), self.ends.get(task.path))
+            if isinstance(fetched, Exception):
+                raise fetched
+            fetch = self.fetch if fetched is None else (lambda _: fetched)
+            modules = self.starts.fetch(task, fetch, self.cache, self.config, self.topology)
         with timed(self.timings, "train"):
             model = self.trainer.build(task, modules, self.cache)
             run = self.trainer.open(
@@ -331,24 +346,9 @@ class Peer:
         self.tokens_trained += tokens
         self.last_path = task.path
         if self.parallel == 1:
-            keep_end(self.ends, task, delta, self.config)
+            self.starts.keep(task, delta, self.config)
         log.info(
             "peer %s: %s done, loss %.3f -> %.3f", self.peer_id, task.task_id, losses[0], losses[-1]
-        )
-
-    def _push_behind(self, run: TaskRun, lease: Lease) -> None:
-        """Encode and save here (``trainer.finish_behind``), send on the push thread (behind.py)."""
-        self.behind.wait()  # one send at a time
-        wire, undo, tokens = self.trainer.finish_behind(run, self.pusher.encode)
-        task, delta, losses = run.task, run.delta, run.losses
-        beat = self.config["heartbeat_seconds"]
-        self.behind.start(
-            task,
-            lambda: self.pusher.send(task, wire, list(delta), tokens, losses),
-            beating=lambda: heartbeating(self.transport, self.peer_id, [lease], beat),
-            undo=undo,
-            failed=lambda exc: self._task_failed(task, exc, pause=False, checkpoint=False),
-            done=lambda: self._pushed(task, delta, tokens, losses),
         )
 
     def fetch(self, task: m.TaskOffer) -> Tensors:
@@ -447,3 +447,43 @@ def make_trainer(peer: Peer) -> PathTrainer:
             trainer.train_cfg["batch_size"],
         )
     return trainer
+
+
+def push_behind(peer: Peer, run: TaskRun, lease: Lease) -> None:
+    """Encode and save here (``trainer.finish_behind``), send on the push thread (behind.py)."""
+    peer.behind.wait()  # one send at a time
+    wire, undo, tokens = peer.trainer.finish_behind(run, peer.pusher.encode)
+    task, delta, losses = run.task, run.delta, run.losses
+    beat = peer.config["heartbeat_seconds"]
+    peer.behind.start(
+        task,
+        lambda: peer.pusher.send(task, wire, list(delta), tokens, losses),
+        beating=lambda: heartbeating(peer.transport, peer.peer_id, [lease], beat),
+        undo=undo,
+        failed=lambda exc: peer._task_failed(task, exc, pause=False, checkpoint=False),
+        done=lambda: peer._pushed(task, delta, tokens, losses),
+    )
+
+
+def fetch_next_ahead(peer: Peer, run: TaskRun) -> None:
+    """Fetch ahead: near the task's end, claim the next task and fetch its modules."""
+    per_step = (time.monotonic() - run.began) / max(1, run.step)
+    room = peer.max_tasks is None or (
+        peer.tasks_done + 2 + len(peer.behind.holding) <= peer.max_tasks
+    )
+    if (
+        not room
+        or peer.stop.is_set()
+        or not peer.ahead.due(run.task.inner_steps - run.step, per_step)
+    ):
+        return
+    holding = [run.task.task_id, *peer.behind.holding]
+    claim = m.ClaimTask(peer_id=peer.peer_id, holding=holding, wait=0.0)
+    beat = peer.config["heartbeat_seconds"]
+    peer.ahead.start(
+        lambda: peer.transport.request(claim),
+        peer.fetch,
+        lambda offer: heartbeating(
+            peer.transport, peer.peer_id, [(offer, {"step": 0}, threading.Event())], beat
+        ),
+    )

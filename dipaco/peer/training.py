@@ -259,10 +259,12 @@ class PathTrainer:
                 )
                 run.progress["saved"] = time.monotonic()
 
-    def train(self, run: TaskRun) -> None:
-        """Every inner step of ``run`` left to do."""
+    def train(self, run: TaskRun, after_step: Callable[[TaskRun], None] | None = None) -> None:
+        """Every inner step of ``run`` left to do; ``after_step(run)`` after each (fetch ahead)."""
         while not run.finished:
             self.stepped(run, self.step(run))
+            if after_step is not None:
+                after_step(run)
 
     def interleave(
         self, runs: list[TaskRun], dropped: Callable[[TaskRun, TaskAborted], None]

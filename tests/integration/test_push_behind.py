@@ -1,5 +1,6 @@
-"""Push behind (``dipaco-peer join --push-behind``), real processes on 127.0.0.1: a peer whose
-uploads are slow trains its next task while the last one's deltas go out, and the run ends with
+"""Push behind and fetch ahead (``dipaco-peer join --push-behind --fetch-ahead``), real processes
+on 127.0.0.1: a peer whose uploads and downloads are slow trains its next task while the last
+one's deltas go out, claims and downloads the task after it meanwhile, and the run ends with
 every task's deltas applied once."""
 
 import json
@@ -33,9 +34,10 @@ def test_a_peer_trains_its_next_task_while_the_last_ones_deltas_upload(run_copy,
         # training here: without push behind the peer would idle through it.
         peer = subprocess.Popen(
             [BIN / "dipaco-peer", "join", address, "--authkey-file", root / "coordinator" /
-             "authkey", "--peer-id", "peer0", "--state-dir", tmp_path / "peer0", "--push-behind"],
+             "authkey", "--peer-id", "peer0", "--state-dir", tmp_path / "peer0", "--push-behind",
+             "--fetch-ahead"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "DIPACO_FAULTS": "peer.send=sleep:1.0"},
+            env={**os.environ, "DIPACO_FAULTS": "peer.send=sleep:1.0;peer.fetch=sleep:0.3"},
         )  # fmt: skip
         procs.append(peer)
         out, _ = coordinator.communicate(timeout=300)
@@ -57,6 +59,10 @@ def test_a_peer_trains_its_next_task_while_the_last_ones_deltas_upload(run_copy,
         elif e["event"] == "delta":
             acked.add(e["task"])
     assert overlapped >= 3, "the peer never trained a task while its last one was pushed"
+    # Tasks were claimed and downloaded ahead, and the peer says so when it leaves.
+    timings = json.loads((tmp_path / "peer0" / "timings.json").read_text())
+    assert timings["fetched_ahead_tasks"] >= 2, timings
+    assert "fetched ahead of training" in peer_out
     # Every path's every round: one task done, each of its modules' deltas in one outer step.
     done = [(e["path"], e["round"]) for e in events if e["event"] == "delta"]
     assert sorted(done) == [(p, r) for p in range(4) for r in range(2)]

@@ -200,6 +200,30 @@ def test_an_ahead_task_starts_where_the_peers_last_task_of_the_path_ended():
     assert continued(task, release, (1, delta)) is release  # not the round before
 
 
+def test_an_eager_start_takes_a_share_of_the_peers_delta_and_the_modules_last_step():
+    import torch
+
+    from dipaco.peer.modules import Eager, continued
+
+    release = {"a": {"w": torch.full((2,), 1.0)}, "b": {"w": torch.full((2,), 5.0)}}
+    delta = {"a": {"w": torch.full((2,), 0.4)}, "b": {"w": torch.full((2,), 0.5)}}
+    eager = Eager(lambda mid: 4)  # four paths through every module
+    # The peer had "a" at version 0 (value 1.8); the fetch moved it to version 1 (value 1.0):
+    # the module's last step was -0.8.
+    eager.saw({"a": (0, {"w": torch.full((2,), 1.8)}), "b": None}, {"a": (1, release["a"])})
+    task = m.TaskOffer(
+        task_id="t", path=0, round=2, module_versions={"a": 1, "b": 2}, inner_steps=1,
+        step_offset=0, total_steps=1, lease_seconds=1.0, seed=0,
+    )  # fmt: skip
+    start = continued(task, release, (1, delta), eager)
+    # "a": 1.0 - 0.4 / 4 - (3 / 4) * 0.8 = 0.3; "b" applied the peer's delta: its release.
+    assert torch.allclose(start["a"]["w"], torch.full((2,), 0.3))
+    assert start["b"] is release["b"]
+    # The last step unknown (no earlier release seen): the peer's share alone.
+    fresh = continued(task, release, (1, delta), Eager(lambda mid: 4))
+    assert torch.allclose(fresh["a"]["w"], torch.full((2,), 0.9))
+
+
 def test_a_restarted_scheduler_still_sends_a_peer_ahead_on_the_paths_it_trained(tmp_path):
     co = make(tmp_path, overlap=True)
     tr = LocalTransport(co.handle)

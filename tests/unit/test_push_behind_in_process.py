@@ -31,15 +31,21 @@ def refusing_once(co, reason, refused: list[str]):
     return handle
 
 
-def train(root, config, push_behind, refused=None):
+def train(root, config, push_behind, refused=None, setup=None, **options):
+    """Two local peers (``options`` for each) until the run ends; ``setup(peer)`` before they
+    start. Returns the coordinator, the peers and the run's events."""
     prep = prepare(root, config)
     metrics = MetricsLog(root / "metrics.jsonl")
     co = build_coordinator(prep, metrics, evaluate=False)
     handle = refusing_once(co, Reason.HUGE_NORM, refused) if refused is not None else co.handle
     peers = [
-        Peer(LocalTransport(handle), f"local-{i}", root / "peers", push_behind=push_behind)
+        Peer(
+            LocalTransport(handle), f"local-{i}", root / "peers", push_behind=push_behind, **options
+        )
         for i in range(2)
     ]
+    for peer in peers if setup is not None else ():
+        setup(peer)
     threads = [threading.Thread(target=p.run, daemon=True) for p in peers]
     for t in threads:
         t.start()
