@@ -10,6 +10,7 @@ finished.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
@@ -109,8 +110,26 @@ def run_rounds(
             strategy.core.rounds,
         )
     if strategy.core.finished:
-        announce_finished(strategy, grid)
+        within(ANNOUNCE_LIMIT_SECONDS, lambda: announce_finished(strategy, grid))
     return result
+
+
+# The most the ServerApp waits to tell the nodes the run has finished. One fresh-clone run saw
+# that take 3 minutes (a Flower grid call blocked, cause unknown) where it takes seconds; a node
+# that is not told stops when the SuperLink says the run is over.
+ANNOUNCE_LIMIT_SECONDS = 30.0
+
+
+def within(limit: float, work: Callable[[], Any]) -> bool:
+    """Run ``work`` on a daemon thread and wait at most ``limit`` seconds; False (and logged) if
+    it had not returned by then (it is left to finish or die with the process)."""
+    thread = threading.Thread(target=work, name="announce-finished", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        log.warning("telling the nodes the run has finished took over %.0f s: not waiting", limit)
+        return False
+    return True
 
 
 def announce_finished(strategy: RoundDriver, grid: Grid, wait: float = 15.0) -> int:

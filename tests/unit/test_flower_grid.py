@@ -243,3 +243,38 @@ def test_a_node_that_keeps_failing_a_path_does_not_hold_it(run_copy, tmp_path, t
     assert len(lost) <= tiny_config.train.rounds
     trained_p1 = {e["peer"] for e in events(root, "delta_acked") if e["path"] == 0}
     assert trained_p1 and lost[0]["peer"] not in trained_p1
+
+
+def test_a_grid_call_that_hangs_at_the_end_does_not_hold_the_serverapp(
+    strict, tmp_path, tiny_config, monkeypatch
+):
+    """Telling the nodes the run has finished is bounded: a Flower grid call that blocks then
+    (once seen for 3 minutes in a fresh-clone run) delays the ServerApp by the limit at most."""
+    import time
+
+    from dipaco.flower import server
+
+    monkeypatch.setattr(server, "ANNOUNCE_LIMIT_SECONDS", 1.0)
+    grid = LocalGrid(client_app, nodes(tmp_path, 21))
+    last_round, release = [], threading.Event()
+    real = grid.get_node_ids
+
+    def get_node_ids():
+        if last_round:  # the run has finished: the announcement's call blocks
+            release.wait(60)
+        return real()
+
+    def on_round(info):
+        if info["outer_round"] >= tiny_config.train.rounds:
+            last_round.append(time.monotonic())
+
+    grid.get_node_ids = get_node_ids
+    core = serve(grid, strict("hang"), evaluate=False, on_round=on_round)
+    returned = time.monotonic()
+    release.set()  # the announcement goes on, and ends, before the grid closes
+    for thread in threading.enumerate():
+        if thread.name == "announce-finished":
+            thread.join(30)
+    grid.close()
+    assert core.finished and last_round
+    assert returned - last_round[0] < 10  # the 1 s limit, not the blocked call's 60 s
