@@ -43,6 +43,7 @@ COORDINATOR_POINTS = {
     "outer_step.momentum_written": 12,
     "outer_step.committed": 12,
     "atomic.before_rename": 100,
+    "submit.committed": 8,
     "submit.before_ack": 8,
 }
 KINDS = ["coordinator-point", "coordinator-external", "peer", "proxy", "disk-full", "clock-skew"]

@@ -241,6 +241,8 @@ def write(
             file.unlink(missing_ok=True)
     for folder in folders:
         fsync_path(folder)
+    if folders:
+        fault_point("submit.committed")  # durable, not yet acknowledged
     for mid, base, stale, seen, rnd in plan.store:
         damped = weight * trust * core.policy.stale_damping**stale
         if seen > rnd:

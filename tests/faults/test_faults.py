@@ -16,10 +16,16 @@ from proxy import Proxy
 pytestmark = pytest.mark.slow
 
 
-def assert_sound(c, reference=None):
+def assert_sound(c, reference=None, last_ack_may_be_lost=False):
     check = check_run(c.root, c.workdir / "peers")
     assert check.ok, check
-    assert check.acked >= 4 * 4 * 2  # 4 paths x 4 modules each x 2 rounds
+    assert check.applied == 4 * 4 * 2  # 4 paths x 4 modules each x 2 rounds, each once
+    # Every applied delta was acknowledged, but for one: a coordinator killed (inside another
+    # thread's outer step) after storing the run's last delta and before replying finishes the
+    # run when it restarts; the peer's retry is acknowledged only while the coordinator lingers,
+    # and these scenarios linger 0.5 s against the peer's 2 s between retries
+    # (test_the_runs_last_delta_is_acknowledged_after_a_restart_while_the_coordinator_lingers).
+    assert check.acked >= check.applied - (4 if last_ack_may_be_lost else 0), check
     if reference is not None:
         assert compare_params(c.root, reference) == []
 
@@ -37,6 +43,19 @@ def test_coordinator_killed_inside_the_outer_step_twice(cluster, reference):
         "outer_step.momentum_written",
         "outer_step.params_written",
     ]
+    assert_sound(c, reference, last_ack_may_be_lost=True)
+
+
+def test_the_runs_last_delta_is_acknowledged_after_a_restart_while_the_coordinator_lingers(
+    cluster, reference
+):
+    # Killed once the run's last delta (8 tasks: 4 paths x 2 rounds) is durable, before the
+    # ack: the restarted coordinator finds every delta of the last round, steps and finishes,
+    # and answers the peer's retry during its linger (the default 5 s).
+    c = cluster(coordinator_faults=["submit.committed=kill@8"], linger=5.0)
+    c.run()
+    assert c.coordinator_kills == 1
+    assert [f["point"] for f in c.faults_injected()] == ["submit.committed"]
     assert_sound(c, reference)
 
 
