@@ -20,10 +20,10 @@ def assert_sound(c, reference=None, last_ack_may_be_lost=False):
     check = check_run(c.root, c.workdir / "peers")
     assert check.ok, check
     assert check.applied == 4 * 4 * 2  # 4 paths x 4 modules each x 2 rounds, each once
-    # Every applied delta was acknowledged, but for one: a coordinator killed (inside another
-    # thread's outer step) after storing the run's last delta and before replying finishes the
-    # run when it restarts; the peer's retry is acknowledged only while the coordinator lingers,
-    # and these scenarios linger 0.5 s against the peer's 2 s between retries
+    # Every applied delta was acknowledged, but maybe the run's last: when the reply to it is
+    # lost (the coordinator killed after storing it, the connection cut), the coordinator
+    # finishes the run without it; the peer's retry is acknowledged only while the coordinator
+    # lingers, and these scenarios linger 0.5 s against the peer's 2 s between retries
     # (test_the_runs_last_delta_is_acknowledged_after_a_restart_while_the_coordinator_lingers).
     assert check.acked >= check.applied - (4 if last_ack_may_be_lost else 0), check
     if reference is not None:
@@ -89,8 +89,9 @@ def test_connections_dropped_and_delayed_by_a_proxy(cluster):
     # Not compared with the reference: a peer whose ack was cut retries its push while the
     # round goes on, and the other peer may take that path's next task before the path's inner
     # optimizer state is saved. Its delta is valid, from another inner state than the
-    # reference's (docs/reliability.md).
-    assert_sound(c)
+    # reference's (docs/reliability.md). The cut reply may be the run's last ack, which the
+    # coordinator, lingering 0.5 s, never gets to send again.
+    assert_sound(c, last_ack_may_be_lost=True)
 
 
 def test_a_full_disk_refuses_deltas_until_it_is_freed(cluster, reference):
