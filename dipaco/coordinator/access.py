@@ -33,11 +33,15 @@ from dipaco.config import SecuritySection
 from dipaco.errors import RejectedError
 from dipaco.fileio import write_json_atomic
 from dipaco.protocols.auth import check_public_key, fingerprint
+from dipaco.protocols.limits import KeyBuckets
 from dipaco.protocols.reasons import Reason
 
 log = logging.getLogger(__name__)
 
 ACCESS_FILE, PEERS_FILE = "access.json", "peers.json"
+# Keys whose request rate is remembered (the most recently seen): an open run's callers can make
+# keys at will, and a bucket for every key ever seen would grow without end.
+RATE_KEYS = 65536
 
 # Reasons that an honest peer never earns: a key collecting enough of them is banned. Others
 # (stale, handover, finished, rate-limited, clock-skew...) happen to honest peers on bad links,
@@ -131,7 +135,9 @@ class AccessPolicy:
         self.names: dict[str, str] = {}  # peer id -> key
         self.banned: dict[str, dict[str, Any]] = {}
         self.offences: Counter[str] = Counter()
-        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
+        self._buckets = KeyBuckets(
+            self.settings.requests_per_second, self.settings.burst, RATE_KEYS, clock=clock
+        )
         self._load_peers()
         self.reload()
 
@@ -208,25 +214,12 @@ class AccessPolicy:
                 f"dipaco-coordinator allow {key}",
                 reason=Reason.UNKNOWN_PEER,
             )
-        if not self._take_token(key):
+        if self._buckets.take(key) is None:
             raise RejectedError(
                 f"key {short} sends more than {self.settings.requests_per_second:g} requests/s "
                 f"(burst {self.settings.burst}); slow down",
                 reason=Reason.RATE_LIMITED,
             )
-
-    def _take_token(self, key: str) -> bool:
-        now = self.clock()
-        with self.lock:
-            tokens, at = self._buckets.get(key, (float(self.settings.burst), now))
-            tokens = min(
-                float(self.settings.burst), tokens + (now - at) * self.settings.requests_per_second
-            )
-            if tokens < 1.0:
-                self._buckets[key] = (tokens, now)
-                return False
-            self._buckets[key] = (tokens - 1.0, now)
-            return True
 
     def bind(self, name: str, key: str) -> None:
         """Peer id ``name`` belongs to ``key`` from its first use on; another key may not use it."""

@@ -17,7 +17,7 @@ import logging
 import random
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from dipaco.errors import DipacoError, RejectedError
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.discovery import key as dht_key
+from dipaco.protocols.limits import KeyBuckets
 from dipaco.protocols.reasons import Reason
 from dipaco.protocols.wire import tensors_sha256
 
@@ -79,16 +80,6 @@ class Held:
         return release if release is not None and release.version == version else None
 
 
-@dataclass
-class KeyUse:
-    """What one key asked of a serving peer: its request tokens, and per module the newest
-    version it fetched and how many times."""
-
-    tokens: float
-    at: float
-    fetched: dict[str, tuple[int, int]]
-
-
 class SeedServer:
     """Answers other peers' signed ``FetchSeed`` requests from ``held``, sealed with this peer's
     key. Anything else, a replay, a version not held, or a key over its share (``SEED_*``) is
@@ -105,7 +96,11 @@ class SeedServer:
         self.guard = auth.ReplayGuard(clock_skew)
         self.clock = clock
         self._lock = threading.Lock()
-        self._uses: OrderedDict[str, KeyUse] = OrderedDict()  # key -> use, least recent first
+        # Per key: its request tokens, and per module the newest version it fetched and how
+        # many times ({module: (version, times)}).
+        self._uses = KeyBuckets(
+            SEED_REQUESTS_PER_SECOND, SEED_BURST, SEED_KEYS, state=dict, clock=clock
+        )
         self.served = 0  # module versions sent
         self.bytes_out = 0  # their tensor bytes
         self.refused: Counter[str] = Counter()  # reason -> requests answered with an Error
@@ -117,40 +112,33 @@ class SeedServer:
             signed = auth.open_request(data)
             with self._lock:
                 self.guard.check(signed)  # a replay costs its signer nothing
-                use = self._admit(signed.key)
+                fetched = self._admit(signed.key)
             req = m.decode_message(signed.body)
             if not isinstance(req, m.FetchSeed):
                 raise RejectedError(
                     f"a peer serves FetchSeed only, not {type(req).__name__}",
                     reason=Reason.BAD_MESSAGE,
                 )
-            reply: Any = self._serve(req, use, auth.fingerprint(signed.key))
+            reply: Any = self._serve(req, fetched, auth.fingerprint(signed.key))
         except DipacoError as exc:
             with self._lock:
                 self.refused[exc.reason] += 1
             reply = m.Error(reason=exc.reason, message=str(exc))
         return auth.seal_reply(self.identity, nonce, m.encode_message(reply))
 
-    def _admit(self, key: str) -> KeyUse:
-        """``key``'s use, with one request token taken (under the lock); RejectedError
+    def _admit(self, key: str) -> dict[str, tuple[int, int]]:
+        """What ``key`` fetched, with one of its request tokens taken; RejectedError
         (rate-limited) when it has none left."""
-        now = self.clock()
-        use = self._uses.pop(key, None) or KeyUse(float(SEED_BURST), now, {})
-        self._uses[key] = use  # the most recent, last
-        while len(self._uses) > SEED_KEYS:
-            self._uses.popitem(last=False)
-        use.tokens = min(float(SEED_BURST), use.tokens + (now - use.at) * SEED_REQUESTS_PER_SECOND)
-        use.at = now
-        if use.tokens < 1.0:
+        bucket = self._uses.take(key)
+        if bucket is None:
             raise RejectedError(
                 f"key {auth.fingerprint(key)} asks this peer more than "
                 f"{SEED_REQUESTS_PER_SECOND:g} times a second; fetch from the module's owner",
                 reason=Reason.RATE_LIMITED,
             )
-        use.tokens -= 1.0
-        return use
+        return bucket.state
 
-    def _serve(self, req: m.FetchSeed, use: KeyUse, who: str) -> m.Modules:
+    def _serve(self, req: m.FetchSeed, fetched: dict[str, tuple[int, int]], who: str) -> m.Modules:
         release = self.held.get(req.module, req.version)
         if release is None:
             raise RejectedError(
@@ -158,7 +146,7 @@ class SeedServer:
             )
         size = sum(t.numel() * t.element_size() for t in release.tensors.values())
         with self._lock:
-            version, times = use.fetched.get(req.module, (release.version, 0))
+            version, times = fetched.get(req.module, (release.version, 0))
             times = times if version == release.version else 0
             if times >= SEED_REPEATS:
                 raise RejectedError(
@@ -166,7 +154,7 @@ class SeedServer:
                     f"{times} times already; fetch it from the module's owner",
                     reason=Reason.RATE_LIMITED,
                 )
-            use.fetched[req.module] = (release.version, times + 1)
+            fetched[req.module] = (release.version, times + 1)
             self.served += 1
             self.bytes_out += size
         return m.Modules(

@@ -168,6 +168,21 @@ def test_a_peer_over_its_rate_limit_is_refused_until_it_slows_down(tmp_path):
     assert isinstance(other.request(m.Hello(peer_id="bob")), m.Welcome)
 
 
+def test_a_flood_of_new_keys_keeps_the_rate_limits_bounded(tmp_path, monkeypatch):
+    co = make(tmp_path, requests_per_second=1.0, burst=3)
+    buckets = co.access._buckets
+    monkeypatch.setattr(buckets, "keys", 5)  # 65536 in a real run
+    alice = peer(co)
+    for _ in range(3):
+        alice.request(m.Hello(peer_id="alice"))
+    assert refused(lambda: alice.request(m.Hello(peer_id="alice"))) == "rate-limited"
+    for i in range(20):  # keys made at will, one request each
+        peer(co).request(m.Hello(peer_id=f"sybil{i}"))
+    assert len(buckets) == 5  # not one bucket per key ever seen
+    # The price: a forgotten key starts afresh, as a new key would.
+    assert isinstance(alice.request(m.Hello(peer_id="alice")), m.Welcome)
+
+
 def test_repeated_offenders_are_banned_and_an_allow_lifts_the_ban(tmp_path):
     co = make(tmp_path, ban_after=3)
     mallory = auth.Identity.generate()

@@ -239,7 +239,8 @@ def test_one_key_gets_its_share_of_a_serving_peers_upload_and_no_more(monkeypatc
     assert refusal(server, me, greedy, m.FetchSeed("g", "L9.M9", 1)) == "not-held"
     assert server.served == 4 and server.refused["rate-limited"] == 1 + 8 - SEED_BURST + spent
     # The counts of the least recent keys are forgotten beyond SEED_KEYS: bounded memory.
-    monkeypatch.setattr(seeds, "SEED_KEYS", 3)
+    assert server._uses.keys == seeds.SEED_KEYS
+    monkeypatch.setattr(server._uses, "keys", 3)
     for _ in range(3):
         refusal(server, me, auth.Identity.generate(), fetch)
     assert len(server._uses) == 3 and greedy.public_key not in server._uses
