@@ -233,15 +233,16 @@ class SeedFetcher:
         """The module versions of ``needed`` that some other peer holds. For those no one holds
         yet (a version just released: every peer of the round wants it at once), wait a random
         part of ``wait`` seconds, looking again every 0.1 s: the peer whose wait ends first
-        fetches from the owner and announces, and the others find it. Only for modules whose
-        previous version someone else held: a peer alone (or among peers that cannot be
-        dialled) never waits."""
+        fetches from the owner and announces, and the others find it. Only for the run's first
+        versions (version 0: every peer that starts with the run wants them at once) and for
+        modules whose previous version someone else held: a peer alone (or among peers that
+        cannot be dialled) waits only on its first tasks."""
         self._found = {(mid, v): self.holders(mid, v) for mid, v in needed.items()}
         found = {mid: v for mid, v in needed.items() if self._found[mid, v]}
         rest = {
             mid: v
             for mid, v in needed.items()
-            if mid not in found and v > 0 and self.holders(mid, v - 1)
+            if mid not in found and (v == 0 or self.holders(mid, v - 1))
         }
         if rest and self.wait > 0:
             end = time.monotonic() + random.uniform(0, self.wait)

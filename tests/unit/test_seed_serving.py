@@ -2,10 +2,13 @@
 it keeps (``Held``), and what it accepts from another peer (``SeedFetcher``'s check). The
 whole path over real hivemind nodes is tests/integration/test_modules_peer_to_peer.py."""
 
+import random
+import time
+
 import torch
 
 from dipaco.peer import seeds
-from dipaco.peer.seeds import SEED_BURST, Held, Release, SeedFetcher, SeedServer
+from dipaco.peer.seeds import SEED_BURST, Held, Release, SeedFetcher, SeedServer, seed_key
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
@@ -143,6 +146,38 @@ def test_holders_are_the_well_formed_records_of_others_fastest_first():
     assert [h for h, _ in f.holders("M", 1)] == ["fast", "slow"]
     f.node = Records(["not", "a", "dict"])
     assert f.holders("M", 1) == []
+
+
+class LaterRecords:
+    """A DHT where another peer holds ``held`` (module, version) and announces ``later`` 0.3 s
+    from now."""
+
+    peer_id = "self"
+
+    def __init__(self, later, held=()):
+        self.later, self.held, self.at = later, held, time.monotonic() + 0.3
+
+    def get(self, key):
+        ok = {"other": {"key": "k", "addresses": ["/ip4/127.0.0.1/tcp/1"]}}
+        keys = [seed_key("run", mid, v) for mid, v in self.held]
+        if time.monotonic() >= self.at:
+            keys += [seed_key("run", mid, v) for mid, v in self.later]
+        return ok if key in keys else None
+
+
+def test_the_runs_first_versions_and_successors_of_shared_ones_wait_for_a_holder():
+    # Every peer that starts with the run wants the version-0 modules at once: one fetches
+    # from the owner, announces, and the others wait for it rather than all asking the owner.
+    f = fetcher()
+    f.wait = 30.0
+    random.seed(1)  # waits drawn past 0.3 s
+    f.node = LaterRecords([("M", 0)])
+    assert f.find({"M": 0}) == {"M": 0}
+    # A later version waits only if someone else held its previous one (else no one serves).
+    f.node = LaterRecords([("N", 5)])
+    assert f.find({"N": 5}) == {}  # nobody held N v4: asked of the owner at once
+    f.node = LaterRecords([("N", 5)], held=[("N", 4)])
+    assert f.find({"N": 5}) == {"N": 5}
 
 
 class Unreachable(Records):
