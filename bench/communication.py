@@ -15,6 +15,15 @@ to the new module versions being committed and fetchable.
 With ``--serve-modules`` every peer has its own hivemind node and serves the module versions
 it holds (``dipaco-peer join --serve-modules``); the table's last column is the module owner's
 share of the bytes served to the peers (the rest came from other peers).
+
+The overlap of communication and training: ``--overlap`` turns on ``scheduler.overlap`` (a peer
+that has pushed trains its path's next round rather than wait for the round to close), and
+``--pipeline`` the peer's own (``push-behind``: uploads while the next task trains;
+``fetch-ahead``: the next task's download while this one trains; ``both``). The bytes per token
+do not change with them; where the peers' time goes does, and each row prints it: the share
+spent on transfers the training waited for (fetch, push, save) and waiting for work.
+
+    python bench/communication.py --h 8 --codecs int8 --overlap --pipeline both
 """
 
 from __future__ import annotations
@@ -63,6 +72,8 @@ def one_run(
     network: dict | None = None,
     serve: bool = False,
     topology: str = "2x2",
+    overlap: bool = False,
+    pipeline: str = "none",
 ) -> dict:
     root = work / f"{codec}-H{h}{'-p2p' if serve else ''}"
     shutil.copytree(prepared, root, ignore=shutil.ignore_patterns("coordinator", "peers"))
@@ -71,7 +82,7 @@ def one_run(
     prep.config = prep.config.replace(
         train={"inner_steps": h, "rounds": rounds},
         network={"codec": codec, **(network or {})},
-        scheduler={"quorum": 1.0, "heartbeat_seconds": 1.0},
+        scheduler={"quorum": 1.0, "heartbeat_seconds": 1.0, "overlap": overlap},
         **({"outer": outer} if outer else {}),
     )
     coordinator = build_coordinator(prep, MetricsLog(root / "metrics.jsonl"), evaluate=False)
@@ -120,6 +131,8 @@ def one_run(
                 connect=lambda owner, addrs, i=i: link(i),
                 identity=identities[i],
                 seeds=seeders[i][0] if serve else None,
+                push_behind=pipeline in ("push-behind", "both"),
+                fetch_ahead=pipeline in ("fetch-ahead", "both"),
             )
             for i in range(n_peers)
         ]
@@ -147,6 +160,8 @@ def one_run(
             node.shutdown()
         server.shutdown()
     tokens = sum(p["tokens"] for p in coordinator.status().state["peers"].values())
+    seconds = {k: sum(p.timings[k] for p in peers) for k in peers[0].timings}
+    busy = sum(seconds.values()) or 1.0
     c = prep.config
     path_params = sum(p.numel() for p in prep.initial_model().parameters())
     per_step_tokens = c.train.batch_size * c.train.seq_len
@@ -169,6 +184,11 @@ def one_run(
         # of the bytes served to the peers, the module owner's share (the rest: other peers)
         "owner_share": owner_out / (owner_out + seed_out) if owner_out + seed_out else 1.0,
         "wall_s": wall,
+        "overlap": overlap,
+        "pipeline": pipeline,
+        # the peers' time: transfers training waited for, and waiting for work (claims)
+        "transfer": sum(seconds.get(k, 0.0) for k in ("fetch", "push", "save")) / busy,
+        "waiting": seconds.get("claim", 0.0) / busy,
     }
 
 
@@ -199,6 +219,17 @@ def main() -> None:
     ap.add_argument("--outer-lr", type=float, help="outer.lr (default: the codec's)")
     ap.add_argument("--outer-momentum", type=float, help="outer.momentum (default: the codec's)")
     ap.add_argument("--outer-rescale", help="outer.rescale")
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="scheduler.overlap: peers train their path's next round rather than wait",
+    )
+    ap.add_argument(
+        "--pipeline",
+        choices=("none", "push-behind", "fetch-ahead", "both"),
+        default="none",
+        help="the peers' uploads (push-behind) and downloads (fetch-ahead) while they train",
+    )
     ap.add_argument("--out", default="runs/bench/communication.json")
     args = ap.parse_args()
     outer = {
@@ -240,18 +271,23 @@ def main() -> None:
                         network,
                         args.serve_modules,
                         args.topology,
+                        args.overlap,
+                        args.pipeline,
                     )
                 )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    how = ", overlap" * args.overlap + (f", {args.pipeline}" if args.pipeline != "none" else "")
     table = Table(
-        title=f"bytes per trained token, {args.peers} peers, tiny preset ({args.topology})"
+        title=f"bytes per trained token, {args.peers} peers, tiny preset ({args.topology}){how}"
     )
     for col in ("codec", "H", "up B/tok", "down B/tok", "DDP B/tok", "DDP/up", "DDP/down"):
         table.add_column(col, justify="right")
     table.add_column("val ppl", justify="right")
     table.add_column("round overhead", justify="right")
     table.add_column("owner's share down", justify="right")
+    table.add_column("transfers", justify="right")
+    table.add_column("waiting", justify="right")
     for r in rows:
         table.add_row(
             r["codec"],
@@ -264,6 +300,8 @@ def main() -> None:
             f"{r['ppl']:.2f}",
             f"{r['round_overhead_ms']:.0f} ms" if r["round_overhead_ms"] is not None else "-",
             f"{100 * r['owner_share']:.0f}%",
+            f"{100 * r['transfer']:.1f}%",
+            f"{100 * r['waiting']:.1f}%",
         )
     console.print(table)
     for h in args.h:

@@ -95,3 +95,20 @@ def test_the_fuzz_bench_counts_its_examples(tmp_path):
     result = json.loads((tmp_path / "fuzz.json").read_text())
     assert result["failed"] == [] and len(result["tests"]) >= 3
     assert all(t["passing"] == 20 for t in result["tests"].values()), result
+
+
+def test_the_communication_bench_with_overlap_and_both_pipelines(tmp_path):
+    """Over real hivemind nodes: 2 peers with overlap, push behind and fetch ahead move the
+    same kind of bytes (an int8 delta up per task, modules down) and say where their time went."""
+    out = tmp_path / "communication.json"
+    done = subprocess.run(
+        [sys.executable, REPO / "bench" / "communication.py", "--quick", "--codecs", "int8",
+         "--peers", "2", "--overlap", "--pipeline", "both", "--out", out],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["overlap"] and row["pipeline"] == "both"
+    assert row["up_per_token"] > 0 and row["down_per_token"] > 0 and row["ratio_up"] > 1
+    assert row["ppl"] > 1 and 0 <= row["transfer"] + row["waiting"] < 1
+    assert "overlap, both" in done.stdout
