@@ -153,48 +153,55 @@ def build_coordinator(
     running: dict[int, threading.Thread] = {}
 
     def start_phase(phase: int) -> None:
-        """Run a discriminative phase in the background; its tasks open when it is ready."""
-        if phase in running or phase in coordinator.phases:
-            return
-
-        def work() -> None:
-            try:
-                t0 = time.monotonic()
-                others = [m for m in c.build_topology().module_ids() if not coordinator.owns(m)]
-                if others:
-                    raise ConfigError(
-                        f"a discriminative phase scores every path, but modules {others} belong "
-                        f"to other owners; run phases with the scheduler owning every module"
-                    )
-                routing = discriminative_phase(
-                    prep,
-                    phase,
-                    path_loader(prep, coordinator.store.params, device=device),
-                    stage=lambda s: metrics({"event": "stage", "stage": s}),
-                    device=device,
-                )
-                tokens = routing.stats["shards"]["train"]["tokens"]
-                coordinator.add_phase(phase, routing.prefix, tokens, phase_files(prep, phase))
-                metrics(
-                    {
-                        "event": "routing_phase",
-                        "phase": phase,
-                        "seconds": round(time.monotonic() - t0, 2),
-                        "label_counts": routing.stats.get("label_counts"),
-                        "label_accuracy": routing.stats.get("label_accuracy"),
-                        "shard_tokens": tokens,
-                    }
-                )
-            except Exception as exc:  # the run cannot go on without its shards: say why
-                log.exception("routing phase %d failed", phase)
-                metrics({"event": "routing_phase_failed", "phase": phase, "error": str(exc)})
-                coordinator.failure = f"routing phase {phase} failed: {exc}"
-                coordinator.finished_event.set()
-
-        running[phase] = threading.Thread(target=work, name=f"routing-phase-{phase}", daemon=True)
+        """Run a discriminative phase in the background; its tasks open when it is ready.
+        Called as a round closes and from the plateau rule's scoring: the lock keeps the two
+        from starting one phase twice."""
+        with coordinator.lock:
+            if phase in running or phase in coordinator.phases:
+                return
+            running[phase] = threading.Thread(
+                target=lambda: phase_work(phase), name=f"routing-phase-{phase}", daemon=True
+            )
         running[phase].start()
 
-    def decide_phase(rnd: int, losses: dict[int, float] | None) -> None:
+    def phase_work(phase: int) -> None:
+        """A discriminative phase: score, label, fit the router, re-shard; then open it."""
+        try:
+            t0 = time.monotonic()
+            others = [m for m in c.build_topology().module_ids() if not coordinator.owns(m)]
+            if others:
+                raise ConfigError(
+                    f"a discriminative phase scores every path, but modules {others} belong "
+                    f"to other owners; run phases with the scheduler owning every module"
+                )
+            routing = discriminative_phase(
+                prep,
+                phase,
+                path_loader(prep, coordinator.store.params, device=device),
+                stage=lambda s: metrics({"event": "stage", "stage": s}),
+                device=device,
+            )
+            tokens = routing.stats["shards"]["train"]["tokens"]
+            coordinator.add_phase(phase, routing.prefix, tokens, phase_files(prep, phase))
+            metrics(
+                {
+                    "event": "routing_phase",
+                    "phase": phase,
+                    "seconds": round(time.monotonic() - t0, 2),
+                    "label_counts": routing.stats.get("label_counts"),
+                    "label_accuracy": routing.stats.get("label_accuracy"),
+                    "shard_tokens": tokens,
+                }
+            )
+        except Exception as exc:  # the run cannot go on without its shards: say why
+            log.exception("routing phase %d failed", phase)
+            metrics({"event": "routing_phase_failed", "phase": phase, "error": str(exc)})
+            coordinator.failure = f"routing phase {phase} failed: {exc}"
+            coordinator.finished_event.set()
+
+    def decide_phase(
+        rnd: int, losses: dict[int, float] | None, modules: Callable[[str], Tensors]
+    ) -> None:
         """Start a phase once the held-out loss of the current shards stops improving."""
         phase = coordinator.phase_of(rnd)
         if len(coordinator.phase_rounds) >= c.routing.discriminative_phases:
@@ -202,7 +209,7 @@ def build_coordinator(
         if phase != prep.routing.phase or phase not in coordinator.phases:
             return  # the current shards' phase is not the one trained on yet
         if losses is None:
-            losses = heldout_losses(prep, coordinator.store.params, device)
+            losses = heldout_losses(prep, modules, device)
             metrics(
                 {"event": "heldout", "round": rnd, "losses": {str(p): v for p, v in losses.items()}}
             )
@@ -263,27 +270,34 @@ def build_coordinator(
         return lambda mid: remote[mid] if mid in remote else own[mid]
 
     def on_round(rnd: int) -> None:
-        # With other owners the validation fetches their modules; held-out scoring (early
-        # stopping, the plateau rule) needs every module here and waits; a scheduled routing
-        # phase stops the run with that reason (start_phase).
+        # Called under the coordinator's lock as the round closes. What takes long runs after
+        # it, in order, outside the lock (serial.py), on this round's versions of our modules:
+        # the dict of each holds them (a later step writes new tensors while another reference
+        # to these exists). With other owners the validation fetches their modules; held-out
+        # scoring (early stopping, the plateau rule) needs every module here; a scheduled
+        # routing phase stops the run with that reason (start_phase).
         whole = all(coordinator.owns(mid) for mid in coordinator.owners)
-        losses = None
-        if early is not None and whole:
-            losses = track_early_stopping(prep, early, coordinator.store.params, rnd, device)
-            metrics(
-                {"event": "heldout", "round": rnd, "losses": {str(p): v for p, v in losses.items()}}
-            )
-        if evaluate and c.eval.every_round:
-            # The validation runs after the round, outside the coordinator's lock (serial.py),
-            # on this round's versions of our modules: the dict of each holds them (a later
-            # step writes new tensors while another reference to these exists).
+        scored = (early is not None or plateau > 0) and whole
+        if (evaluate and c.eval.every_round) or scored:
             own = {mid: coordinator.store.params(mid) for mid in coordinator.owned_modules()}
-            coordinator.after_round.submit(lambda: validate_round(rnd, own))
+            coordinator.after_round.submit(lambda: after_round(rnd, own, scored))
         for k, after in enumerate(coordinator.phase_rounds, start=1):
             if rnd >= after:
                 start_phase(k)
-        if plateau > 0 and whole:
-            decide_phase(rnd, losses)
+
+    def after_round(rnd: int, own: dict[str, Tensors], scored: bool) -> None:
+        losses = None
+        if early is not None and scored:
+            losses = track_early_stopping(prep, early, own.__getitem__, rnd, device)
+            metrics(
+                {"event": "heldout", "round": rnd, "losses": {str(p): v for p, v in losses.items()}}
+            )
+        if plateau > 0 and scored:
+            # The decision's first round is one no task has been issued for yet
+            # (phases.schedule_phase): the rounds trained meanwhile keep their shards.
+            decide_phase(rnd, losses, own.__getitem__)
+        if evaluate and c.eval.every_round:
+            validate_round(rnd, own)
 
     def validate_round(rnd: int, own: dict[str, Tensors]) -> None:
         modules = whole_model(own)  # with other owners: their modules fetched now

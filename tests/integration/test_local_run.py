@@ -117,3 +117,55 @@ def test_a_rounds_validation_holds_up_no_peer(run_copy, tiny_config, monkeypatch
     assert coordinator.finished_event.wait(120)
     evals = [e for e in metrics.read() if e["event"] == "eval"]
     assert [e["round"] for e in evals] == [1, 2]
+
+
+def test_early_stoppings_held_out_scoring_holds_up_no_peer(run_copy, tiny_config, monkeypatch):
+    """Round 1's held-out scoring for early stopping is held until round 2 has closed: like the
+    validation, it runs after the round on round 1's modules, not under the coordinator's
+    lock. Every round is scored, and the kept snapshots are of scored rounds."""
+    from dipaco.coordinator.early_stopping import EarlyStopping
+    from dipaco.protocols.wire import tensors_sha256
+    from dipaco.run import factory
+
+    tiny_config = tiny_config.replace(
+        scheduler={"quorum": 1.0}, eval={"early_stopping": True, "every_round": False}
+    )
+    real = factory.track_early_stopping
+    started, release = threading.Event(), threading.Event()
+    held: dict[str, str] = {}
+
+    def track(prep, early, modules, rnd, device="cpu"):
+        if not started.is_set():  # round 1's: note what it sees, then wait
+            mids = prep.config.build_topology().module_ids()
+            held.update({mid: tensors_sha256(modules(mid)) for mid in mids})
+            started.set()
+            assert release.wait(300)
+            assert held == {mid: tensors_sha256(modules(mid)) for mid in mids}
+        return real(prep, early, modules, rnd, device)
+
+    monkeypatch.setattr(factory, "track_early_stopping", track)
+    root = run_copy()
+    prep = prepare(root, tiny_config)
+    metrics = MetricsLog(root / "metrics.jsonl")
+    coordinator = build_coordinator(prep, metrics, evaluate=False)
+    round_two = threading.Event()
+    metrics.listeners.append(
+        lambda e: e["event"] == "round" and e["round"] >= 2 and round_two.set()
+    )
+    threads = run_local_peers(coordinator, prep, 2, stop=threading.Event())
+    try:
+        assert started.wait(300), "round 1 was never scored"
+        assert round_two.wait(120), "round 2 did not close while round 1 was being scored"
+        assert coordinator.finished and not coordinator.finished_event.is_set()
+        assert {coordinator.store.version(mid) for mid in held} == {2}
+    finally:
+        release.set()
+    for t in threads:
+        t.join(300)
+    assert coordinator.finished_event.wait(120)
+    scored = [e["round"] for e in metrics.read() if e["event"] == "heldout"]
+    assert scored == [1, 2]
+    early = EarlyStopping(root / "early_stopping")
+    paths = prep.config.build_topology().num_paths
+    assert sorted(early.paths()) == list(range(paths))
+    assert {early.best(p)["round"] for p in range(paths)} <= {1, 2}
