@@ -177,7 +177,7 @@ class SchedulerSection(_Section):
     min_step_fraction: float = Field(0.25, gt=0, le=1)
     # Peers wait less for a round: a peer that finds no open path gets the next round of a
     # path it trained for this one, from where that ended (one round stale, applied with the
-    # staleness rule above); the outer step defaults to a plain one. docs/operations.md.
+    # staleness rule above). The outer step is the run's, as without overlap. docs/operations.md.
     overlap: bool = False
     # Where such a task starts: "end", where the peer's last task of the path ended (the
     # release minus its whole delta); "eager", the release plus the step the module is likely
@@ -221,20 +221,17 @@ class NetworkSection(_Section):
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM = 2.5, 0.0
 SIGN_OUTER_LR, SIGN_OUTER_MOMENTUM = 1.0, 0.5  # with network.codec sign1 (measured)
-OVERLAP_OUTER_LR, OVERLAP_OUTER_MOMENTUM = 1.0, 0.0  # with scheduler.overlap (measured)
 SPARSE_FEEDBACK_DECAY = 0.9  # network.error_feedback_decay's default with a sparse codec
 
 
 def outer_lr_momentum(c: RunConfig) -> tuple[float, float]:
     """The run's outer lr and momentum: as set, else the defaults for its codec (sparse, sign1:
-    docs/results.md) and for overlap, a plain step (with overlap it reached 22.67 on the scale
-    benchmark where Nesterov reached 25.46; docs/operations.md "Overlap")."""
+    docs/results.md). Overlap keeps the paper's step: which step is better depended on H and
+    the peers' speeds, the same with overlap on and off (docs/operations.md "Overlap")."""
     if c.network.sparse:
         lr, momentum = SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM
     elif c.network.codec == "sign1":
         lr, momentum = SIGN_OUTER_LR, SIGN_OUTER_MOMENTUM
-    elif c.scheduler.overlap:
-        lr, momentum = OVERLAP_OUTER_LR, OVERLAP_OUTER_MOMENTUM
     else:
         lr, momentum = OUTER_LR, OUTER_MOMENTUM
     return (

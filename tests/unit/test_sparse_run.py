@@ -17,22 +17,24 @@ from dipaco.run.metrics_log import MetricsLog
 
 
 @pytest.mark.parametrize(
-    "network, outer, expected",
+    "network, outer, expected, overlap",
     [
-        ({"codec": "lossless"}, {}, (0.7, 0.9)),
-        ({"codec": "int8"}, {}, (0.7, 0.9)),
-        ({"codec": "topk2"}, {}, (2.5, 0.0)),
-        ({"codec": "topk4"}, {"lr": 1.0}, (1.0, 0.0)),
-        ({"codec": "topk2"}, {"momentum": 0.5}, (2.5, 0.5)),
-        ({"codec": "sign1"}, {}, (1.0, 0.5)),
-        ({"codec": "sign1"}, {"momentum": 0.9}, (1.0, 0.9)),
-        ({"codec": "lossless"}, {"lr": 0.3, "momentum": 0.0}, (0.3, 0.0)),
+        ({"codec": "lossless"}, {}, (0.7, 0.9), False),
+        ({"codec": "int8"}, {}, (0.7, 0.9), False),
+        ({"codec": "topk2"}, {}, (2.5, 0.0), False),
+        ({"codec": "topk4"}, {"lr": 1.0}, (1.0, 0.0), False),
+        ({"codec": "topk2"}, {"momentum": 0.5}, (2.5, 0.5), False),
+        ({"codec": "sign1"}, {}, (1.0, 0.5), False),
+        ({"codec": "sign1"}, {"momentum": 0.9}, (1.0, 0.9), False),
+        ({"codec": "lossless"}, {"lr": 0.3, "momentum": 0.0}, (0.3, 0.0), False),
+        ({"codec": "int8"}, {}, (0.7, 0.9), True),  # overlap keeps the paper's step
+        ({"codec": "int8"}, {"lr": 1.0, "momentum": 0.0}, (1.0, 0.0), True),
     ],
 )
 def test_the_outer_step_defaults_follow_the_codec_and_give_way_to_the_config(
-    network, outer, expected
+    network, outer, expected, overlap
 ):
-    c = preset_config("tiny").replace(network=network, outer=outer)
+    c = preset_config("tiny").replace(network=network, outer=outer, scheduler={"overlap": overlap})
     assert outer_lr_momentum(c) == expected
     assert c.network.decay == (0.9 if c.network.sparse else 1.0)
     # What the config file says survives a round trip (unset stays unset).
