@@ -34,6 +34,10 @@ from dipaco.protocols import auth
 
 log = logging.getLogger(__name__)
 
+# Rounds whose after-round work (validation, held-out scoring) may wait while an earlier one runs;
+# beyond that the oldest waiting round is skipped (serial.py).
+ROUND_BACKLOG = 2
+
 
 # The key of the request being handled, set by the service (service.py) for the operation it
 # runs: a context variable, so each server thread sees its own request's caller. None outside a
@@ -125,7 +129,8 @@ class CoordinatorBase:
         self.finished_event = threading.Event()
         # What follows a round and takes long (the per-round validation) runs here, outside
         # the lock; finished_event is set through it, after the last round's (serial.py).
-        self.after_round = Serial("dipaco-after-round")
+        # At most ROUND_BACKLOG rounds' work waits (each holds its round's tensors).
+        self.after_round = Serial("dipaco-after-round", max_waiting=ROUND_BACKLOG)
         self.failure: str | None = None  # set when the run cannot go on (finished_event too)
         # Ownership: module id -> owner id. The scheduler knows every module's owner; an owner
         # that is not the scheduler lists only its own modules.

@@ -6,6 +6,10 @@ with other owners their modules fetched over the network), runs here instead, so
 heartbeat or delta waits for it. The coordinator's ``finished_event`` is set through the same
 queue (:meth:`Serial.then`), so whoever waits for the run's end sees the last round's validation
 logged.
+
+Each round's work holds that round's tensors. When it falls behind (the validation takes longer
+than a round), at most ``max_waiting`` rounds wait: the oldest waiting one is skipped, and said,
+so that a slow validation costs skipped rounds, never memory without end.
 """
 
 from __future__ import annotations
@@ -20,27 +24,41 @@ log = logging.getLogger(__name__)
 
 class Serial:
     """Runs the functions given to :meth:`submit` one at a time, in order, on a worker thread
-    that lives while there is work. A function that fails is logged, and the next one runs."""
+    that lives while there is work. A function that fails is logged, and the next one runs.
 
-    def __init__(self, name: str) -> None:
+    Work submitted with ``on_skip`` may be skipped: when more than ``max_waiting`` such pieces
+    wait (not counting the one running), the oldest waiting one is dropped and its ``on_skip``
+    called, on the submitter's thread."""
+
+    def __init__(self, name: str, max_waiting: int | None = None) -> None:
         self.name = name
+        self.max_waiting = max_waiting
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._queue: deque[Callable[[], None]] = deque()
+        # (work, what to call if it is skipped; None: never skipped)
+        self._queue: deque[tuple[Callable[[], None], Callable[[], None] | None]] = deque()
         self._running = False
 
-    def submit(self, fn: Callable[[], None]) -> None:
+    def submit(self, fn: Callable[[], None], on_skip: Callable[[], None] | None = None) -> None:
+        skipped = []
         with self._lock:
-            self._queue.append(fn)
+            self._queue.append((fn, on_skip))
+            if on_skip is not None and self.max_waiting is not None:
+                waiting = [item for item in self._queue if item[1] is not None]
+                for item in waiting[: max(0, len(waiting) - self.max_waiting)]:
+                    self._queue.remove(item)
+                    skipped.append(item[1])
             if not self._running:
                 self._running = True
                 threading.Thread(target=self._work, name=self.name, daemon=True).start()
+        for skip in skipped:
+            skip()
 
     def then(self, fn: Callable[[], None]) -> None:
         """``fn`` after everything submitted so far: at once (here) when nothing is queued."""
         with self._lock:
             if self._running:
-                self._queue.append(fn)
+                self._queue.append((fn, None))
                 return
         fn()
 
@@ -61,7 +79,7 @@ class Serial:
                     self._running = False
                     self._idle.notify_all()
                     return
-                fn = self._queue.popleft()
+                fn, _ = self._queue.popleft()
             try:
                 fn()
             except Exception:  # one round's work failing must not stop the next round's

@@ -280,10 +280,22 @@ def build_coordinator(
         scored = (early is not None or plateau > 0) and whole
         if (evaluate and c.eval.every_round) or scored:
             own = {mid: coordinator.store.params(mid) for mid in coordinator.owned_modules()}
-            coordinator.after_round.submit(lambda: after_round(rnd, own, scored))
+            coordinator.after_round.submit(
+                lambda: after_round(rnd, own, scored), on_skip=lambda: skipped(rnd)
+            )
         for k, after in enumerate(coordinator.phase_rounds, start=1):
             if rnd >= after:
                 start_phase(k)
+
+    def skipped(rnd: int) -> None:
+        """A round whose validation and held-out scoring never started: later rounds came in
+        while earlier ones were still being evaluated (serial.py's backlog)."""
+        log.warning(
+            "round %d is not validated or scored: the evaluation of earlier rounds is slower "
+            "than the rounds (set eval.max_docs lower, or eval.every_round off)",
+            rnd,
+        )
+        metrics({"event": "round_work_skipped", "round": rnd})
 
     def after_round(rnd: int, own: dict[str, Tensors], scored: bool) -> None:
         losses = None

@@ -119,6 +119,49 @@ def test_a_rounds_validation_holds_up_no_peer(run_copy, tiny_config, monkeypatch
     assert [e["round"] for e in evals] == [1, 2]
 
 
+def test_a_validation_slower_than_the_rounds_skips_rounds_instead_of_holding_them(
+    prepared_tiny, tiny_config, tmp_path, monkeypatch
+):
+    """Round 1's validation is held until round 4 has closed. Each waiting round's work holds
+    that round's tensors, so at most two wait (base.ROUND_BACKLOG): round 2's is skipped,
+    with a warning and a `round_work_skipped` event, and rounds 3 and 4 are validated."""
+    from dipaco.run import factory
+
+    tiny_config = tiny_config.replace(
+        scheduler={"quorum": 1.0}, train={"rounds": 4, "inner_steps": 8}
+    )
+    real = factory.evaluate_modules
+    started, release = threading.Event(), threading.Event()
+
+    def evaluate(prep, modules, **kwargs):
+        if not started.is_set():
+            started.set()
+            assert release.wait(300)
+        return real(prep, modules, **kwargs)
+
+    monkeypatch.setattr(factory, "evaluate_modules", evaluate)
+    root = tmp_path / "run"
+    prep = prepare(root, tiny_config, reuse=prepared_tiny)
+    metrics = MetricsLog(root / "metrics.jsonl")
+    coordinator = build_coordinator(prep, metrics, evaluate=True)
+    round_four = threading.Event()
+    metrics.listeners.append(
+        lambda e: e["event"] == "round" and e["round"] >= 4 and round_four.set()
+    )
+    threads = run_local_peers(coordinator, prep, 2, stop=threading.Event())
+    try:
+        assert started.wait(300), "round 1 was never validated"
+        assert round_four.wait(300), "round 4 did not close while round 1 was being validated"
+    finally:
+        release.set()
+    for t in threads:
+        t.join(300)
+    assert coordinator.finished_event.wait(120)
+    events = metrics.read()
+    assert [e["round"] for e in events if e["event"] == "round_work_skipped"] == [2]
+    assert [e["round"] for e in events if e["event"] == "eval"] == [1, 3, 4]
+
+
 def test_early_stoppings_held_out_scoring_holds_up_no_peer(run_copy, tiny_config, monkeypatch):
     """Round 1's held-out scoring for early stopping is held until round 2 has closed: like the
     validation, it runs after the round on round 1's modules, not under the coordinator's

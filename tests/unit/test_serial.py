@@ -36,3 +36,38 @@ def test_drain_gives_up_after_its_timeout():
     assert not serial.drain(0.2)
     gate.set()
     assert serial.drain(10)
+
+
+def test_a_backlog_of_skippable_work_drops_the_oldest_waiting_and_says_so():
+    """Round work that falls behind holds its round's tensors: beyond ``max_waiting`` waiting
+    pieces the oldest waiting one is skipped (its ``on_skip`` called); the running one, the
+    newest ones and unskippable work (``then``) always run."""
+    serial, gate, seen, skipped = Serial("t", max_waiting=2), threading.Event(), [], []
+    serial.submit(lambda: (gate.wait(10), seen.append(1)), on_skip=lambda: skipped.append(1))
+    assert _started(serial)
+    for r in (2, 3, 4, 5):
+        serial.submit(lambda r=r: seen.append(r), on_skip=lambda r=r: skipped.append(r))
+    serial.then(lambda: seen.append("end"))
+    assert skipped == [2, 3]  # said at once, on the submitter's thread
+    gate.set()
+    assert serial.drain(10)
+    assert seen == [1, 4, 5, "end"]
+    unbounded = Serial("u")  # without max_waiting nothing is skipped
+    hold = threading.Event()
+    unbounded.submit(lambda: hold.wait(10), on_skip=lambda: skipped.append("u"))
+    for _ in range(5):
+        unbounded.submit(lambda: None, on_skip=lambda: skipped.append("u"))
+    hold.set()
+    assert unbounded.drain(10) and "u" not in skipped
+
+
+def _started(serial: Serial) -> bool:
+    """Whether the first piece of work has left the queue (it is running)."""
+    import time
+
+    for _ in range(1000):
+        with serial._lock:
+            if not serial._queue:
+                return True
+        time.sleep(0.01)
+    return False
