@@ -73,50 +73,65 @@ def test_stopped_and_resumed_run_matches_an_uninterrupted_one(run_copy, tiny_con
             assert torch.equal(resumed.store.params(mid)[name], tensor), (mid, name)
 
 
+class HoldFirst:
+    """``factory.<name>`` wrapped: its first call (round 1's) notes the module tensors it is
+    given (``args[modules_at]``), waits for ``release``, and checks they are still the same."""
+
+    def __init__(self, monkeypatch, name: str, modules_at: int) -> None:
+        from dipaco.protocols.wire import tensors_sha256
+        from dipaco.run import factory
+
+        real = getattr(factory, name)
+        self.started, self.release = threading.Event(), threading.Event()
+        self.held: dict[str, str] = {}
+
+        def hashes(prep, modules) -> dict[str, str]:
+            mids = prep.config.build_topology().module_ids()
+            return {mid: tensors_sha256(modules(mid)) for mid in mids}
+
+        def wrapper(*args, **kwargs):
+            if not self.started.is_set():
+                self.held.update(hashes(args[0], args[modules_at]))
+                self.started.set()
+                assert self.release.wait(300)
+                assert self.held == hashes(args[0], args[modules_at])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(factory, name, wrapper)
+
+
+def run_holding(prep, hold: HoldFirst, last: int, what: str, evaluate: bool) -> list[dict]:
+    """Two local peers train the run to its ``last`` round while round 1's ``hold`` waits;
+    the run is over but not ended (its end waits for the held work), then it is let go.
+    Returns the run's metrics events."""
+    metrics = MetricsLog(prep.root / "metrics.jsonl")
+    coordinator = build_coordinator(prep, metrics, evaluate=evaluate)
+    closed = threading.Event()
+    metrics.listeners.append(
+        lambda e: e["event"] == "round" and e["round"] >= last and closed.set()
+    )
+    threads = run_local_peers(coordinator, prep, 2, stop=threading.Event())
+    try:
+        assert hold.started.wait(300), f"round 1 was never {what}"
+        assert closed.wait(300), f"round {last} did not close while round 1 was being {what}"
+        assert coordinator.finished and not coordinator.finished_event.is_set()
+        assert {coordinator.store.version(mid) for mid in hold.held} == {last}
+    finally:
+        hold.release.set()  # round 1's work checks that its modules stayed round 1's
+    for t in threads:
+        t.join(300)
+    assert coordinator.finished_event.wait(120)
+    return metrics.read()
+
+
 def test_a_rounds_validation_holds_up_no_peer(run_copy, tiny_config, monkeypatch):
     """Round 1's validation is held until the peers have finished a task of round 2: it runs on
     its own thread with round 1's modules, not under the coordinator's lock (where every claim,
     heartbeat and push would wait for it). It is logged, for every round, before the run's end."""
-    from dipaco.protocols.wire import tensors_sha256
-    from dipaco.run import factory
-
     tiny_config = tiny_config.replace(scheduler={"quorum": 1.0})  # two rounds
-    real = factory.evaluate_modules
-    started, release = threading.Event(), threading.Event()
-    held: dict[str, str] = {}
-
-    def evaluate(prep, modules, **kwargs):
-        if not started.is_set():  # round 1's: note what it sees, then wait
-            mids = prep.config.build_topology().module_ids()
-            held.update({mid: tensors_sha256(modules(mid)) for mid in mids})
-            started.set()
-            assert release.wait(300)
-            assert held == {mid: tensors_sha256(modules(mid)) for mid in mids}
-        return real(prep, modules, **kwargs)
-
-    monkeypatch.setattr(factory, "evaluate_modules", evaluate)
-    root = run_copy()
-    prep = prepare(root, tiny_config)
-    metrics = MetricsLog(root / "metrics.jsonl")
-    coordinator = build_coordinator(prep, metrics, evaluate=True)
-    round_two = threading.Event()
-    metrics.listeners.append(
-        lambda e: e["event"] == "round" and e["round"] >= 2 and round_two.set()
-    )
-    threads = run_local_peers(coordinator, prep, 2, stop=threading.Event())
-    try:
-        assert started.wait(300), "round 1 was never validated"
-        assert round_two.wait(120), "round 2 did not close while round 1 was being validated"
-        # The run is over, but its end waits for the last round's validation.
-        assert coordinator.finished and not coordinator.finished_event.is_set()
-        assert {coordinator.store.version(mid) for mid in held} == {2}
-    finally:
-        release.set()  # round 1's validation checks that its modules stayed round 1's
-    for t in threads:
-        t.join(300)
-    assert coordinator.finished_event.wait(120)
-    evals = [e for e in metrics.read() if e["event"] == "eval"]
-    assert [e["round"] for e in evals] == [1, 2]
+    hold = HoldFirst(monkeypatch, "evaluate_modules", 1)
+    events = run_holding(prepare(run_copy(), tiny_config), hold, 2, "validated", evaluate=True)
+    assert [e["round"] for e in events if e["event"] == "eval"] == [1, 2]
 
 
 def test_a_validation_slower_than_the_rounds_skips_rounds_instead_of_holding_them(
@@ -125,39 +140,12 @@ def test_a_validation_slower_than_the_rounds_skips_rounds_instead_of_holding_the
     """Round 1's validation is held until round 4 has closed. Each waiting round's work holds
     that round's tensors, so at most two wait (base.ROUND_BACKLOG): round 2's is skipped,
     with a warning and a `round_work_skipped` event, and rounds 3 and 4 are validated."""
-    from dipaco.run import factory
-
     tiny_config = tiny_config.replace(
         scheduler={"quorum": 1.0}, train={"rounds": 4, "inner_steps": 8}
     )
-    real = factory.evaluate_modules
-    started, release = threading.Event(), threading.Event()
-
-    def evaluate(prep, modules, **kwargs):
-        if not started.is_set():
-            started.set()
-            assert release.wait(300)
-        return real(prep, modules, **kwargs)
-
-    monkeypatch.setattr(factory, "evaluate_modules", evaluate)
-    root = tmp_path / "run"
-    prep = prepare(root, tiny_config, reuse=prepared_tiny)
-    metrics = MetricsLog(root / "metrics.jsonl")
-    coordinator = build_coordinator(prep, metrics, evaluate=True)
-    round_four = threading.Event()
-    metrics.listeners.append(
-        lambda e: e["event"] == "round" and e["round"] >= 4 and round_four.set()
-    )
-    threads = run_local_peers(coordinator, prep, 2, stop=threading.Event())
-    try:
-        assert started.wait(300), "round 1 was never validated"
-        assert round_four.wait(300), "round 4 did not close while round 1 was being validated"
-    finally:
-        release.set()
-    for t in threads:
-        t.join(300)
-    assert coordinator.finished_event.wait(120)
-    events = metrics.read()
+    hold = HoldFirst(monkeypatch, "evaluate_modules", 1)
+    prep = prepare(tmp_path / "run", tiny_config, reuse=prepared_tiny)
+    events = run_holding(prep, hold, 4, "validated", evaluate=True)
     assert [e["round"] for e in events if e["event"] == "round_work_skipped"] == [2]
     assert [e["round"] for e in events if e["event"] == "eval"] == [1, 3, 4]
 
@@ -167,48 +155,15 @@ def test_early_stoppings_held_out_scoring_holds_up_no_peer(run_copy, tiny_config
     validation, it runs after the round on round 1's modules, not under the coordinator's
     lock. Every round is scored, and the kept snapshots are of scored rounds."""
     from dipaco.coordinator.early_stopping import EarlyStopping
-    from dipaco.protocols.wire import tensors_sha256
-    from dipaco.run import factory
 
     tiny_config = tiny_config.replace(
         scheduler={"quorum": 1.0}, eval={"early_stopping": True, "every_round": False}
     )
-    real = factory.track_early_stopping
-    started, release = threading.Event(), threading.Event()
-    held: dict[str, str] = {}
-
-    def track(prep, early, modules, rnd, device="cpu"):
-        if not started.is_set():  # round 1's: note what it sees, then wait
-            mids = prep.config.build_topology().module_ids()
-            held.update({mid: tensors_sha256(modules(mid)) for mid in mids})
-            started.set()
-            assert release.wait(300)
-            assert held == {mid: tensors_sha256(modules(mid)) for mid in mids}
-        return real(prep, early, modules, rnd, device)
-
-    monkeypatch.setattr(factory, "track_early_stopping", track)
-    root = run_copy()
-    prep = prepare(root, tiny_config)
-    metrics = MetricsLog(root / "metrics.jsonl")
-    coordinator = build_coordinator(prep, metrics, evaluate=False)
-    round_two = threading.Event()
-    metrics.listeners.append(
-        lambda e: e["event"] == "round" and e["round"] >= 2 and round_two.set()
-    )
-    threads = run_local_peers(coordinator, prep, 2, stop=threading.Event())
-    try:
-        assert started.wait(300), "round 1 was never scored"
-        assert round_two.wait(120), "round 2 did not close while round 1 was being scored"
-        assert coordinator.finished and not coordinator.finished_event.is_set()
-        assert {coordinator.store.version(mid) for mid in held} == {2}
-    finally:
-        release.set()
-    for t in threads:
-        t.join(300)
-    assert coordinator.finished_event.wait(120)
-    scored = [e["round"] for e in metrics.read() if e["event"] == "heldout"]
-    assert scored == [1, 2]
-    early = EarlyStopping(root / "early_stopping")
+    hold = HoldFirst(monkeypatch, "track_early_stopping", 2)
+    prep = prepare(run_copy(), tiny_config)
+    events = run_holding(prep, hold, 2, "scored", evaluate=False)
+    assert [e["round"] for e in events if e["event"] == "heldout"] == [1, 2]
+    early = EarlyStopping(prep.root / "early_stopping")
     paths = prep.config.build_topology().num_paths
     assert sorted(early.paths()) == list(range(paths))
     assert {early.best(p)["round"] for p in range(paths)} <= {1, 2}
