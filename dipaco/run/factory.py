@@ -160,7 +160,7 @@ def build_coordinator(
             if phase in running or phase in coordinator.phases:
                 return
             running[phase] = threading.Thread(
-                target=lambda: phase_work(phase), name=f"routing-phase-{phase}", daemon=True
+                target=phase_work, args=(phase,), name=f"routing-phase-{phase}", daemon=True
             )
         running[phase].start()
 
