@@ -1,17 +1,27 @@
 """Atomic file writes: data goes to a temporary name, is fsynced, then renamed into place.
 
 A reader therefore sees either the old file or the complete new one, never a partial write,
-even if the writer crashes or the machine loses power.
+even if the writer crashes or the machine loses power. A writer that writes many small files
+may recycle them (:class:`Spares`) rather than create and delete one per write.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
+import itertools
 import json
 import math
 import os
 import re
+import secrets
+import shutil
+import sys
 import tempfile
+import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from types import TracebackType
@@ -43,16 +53,182 @@ def plain_name_error(name: object, depth: int = MAX_NAME_DEPTH) -> str | None:
     return None
 
 
-class AtomicFile:
-    """A binary file that appears at ``path`` only on ``commit`` (or a clean ``with`` exit)."""
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
 
-    def __init__(self, path: str | Path) -> None:
+
+def _renameat2() -> Any:
+    """libc's renameat2, where the system has one (Linux, glibc 2.28 on); else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_RENAMEAT2 = _renameat2()
+
+
+def exchange(a: str | Path, b: str | Path) -> bool:
+    """Swap the files named ``a`` and ``b`` in one atomic step (Linux's RENAME_EXCHANGE): a
+    reader of either name sees one file or the other, never none. False, with nothing changed,
+    where ``b`` does not exist or the system or the filesystem cannot exchange; other errors
+    raise, as a rename's would."""
+    if _RENAMEAT2 is None:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOENT, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+class Spares:
+    """Emptied files kept to be written again: a writer of many small files renames one of
+    these next to the file it writes instead of creating a file, and gives back the file it
+    replaced (or no longer needs) instead of deleting it.
+
+    Why: ext4 without a journal (the disks of many cloud machines, and of ours) passes over
+    every inode deleted in the last minutes each time it creates a file, so creating costs in
+    proportion to the files deleted lately. A coordinator that creates and deletes several
+    files per delta spent about a third of its CPU there at a few hundred files a second
+    (``perf`` on ``bench/soak.py``: ``ext4_create``, ``recently_deleted``), and more the longer
+    and faster it ran. Renaming moves no inode, and a file kept here is never deleted.
+
+    A file given back is renamed into ``folder`` as it is: a reader who opened it under its
+    old name goes on reading it, as it would a deleted file. It is emptied and handed out
+    again only after ``age`` seconds, when such a reader has long finished. Files of
+    ``max_bytes`` or more are deleted as before (a reader may have mapped one into memory, and
+    reading a mapping of a file emptied under it kills the reader), and so is any file that
+    would take the folder past ``keep`` files or ``keep_bytes`` bytes. The folder must be on
+    the filesystem of the files it serves (renames cannot cross two; where one fails, the file
+    is created or deleted as before). Spares left by an earlier process are used again.
+    Thread-safe.
+    """
+
+    def __init__(
+        self,
+        folder: str | Path,
+        max_bytes: int,
+        keep: int = 4096,
+        keep_bytes: int = 64 << 20,
+        age: float = 2.0,
+    ) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.max_bytes, self.keep, self.keep_bytes, self.age = max_bytes, keep, keep_bytes, age
+        self._lock = threading.Lock()
+        self._free: deque[tuple[float, Path, int]] = deque()  # (given at, file, bytes)
+        self._bytes = 0
+        self._names = itertools.count()
+        self._token = secrets.token_hex(4)  # this process's names, apart from another's
+        self.reused = 0  # files written in a spare rather than created (tests, benchmarks)
+        for f in sorted(self.folder.iterdir()):  # nobody reads an earlier process's spares
+            if len(self._free) < keep and f.is_file() and not f.is_symlink():
+                os.truncate(f, 0)
+                self._free.append((0.0, f, 0))
+            else:
+                f.unlink(missing_ok=True)
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self, path: Path) -> tuple[int, Path] | None:
+        """An aged spare, renamed to a temporary name next to ``path`` and opened empty for
+        writing: (descriptor, name); None if there is none (the caller creates a file)."""
+        with self._lock:
+            if not self._free or time.monotonic() - self._free[0][0] < self.age:
+                return None
+            _, spare, size = self._free.popleft()
+            self._bytes -= size
+        tmp = path.parent / f".{path.name}.{self._token}{next(self._names)}"
+        try:
+            os.rename(spare, tmp)
+        except OSError:
+            spare.unlink(missing_ok=True)
+            return None
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            return None
+        self.reused += 1
+        return fd, tmp
+
+    def give(self, path: str | Path) -> None:
+        """Keep the file at ``path`` as a spare (emptied), or delete it if it cannot be kept."""
+        path = Path(path)
+        try:
+            size = os.lstat(path).st_size
+            with self._lock:
+                kept = (
+                    size < self.max_bytes
+                    and len(self._free) < self.keep
+                    and self._bytes + size <= self.keep_bytes
+                )
+                if kept:
+                    self._bytes += size  # reserved before the rename, released if it fails
+            if not kept:
+                path.unlink()
+                return
+            spare = self.folder / f"{self._token}-{next(self._names)}"
+            try:
+                os.rename(path, spare)
+            except OSError:
+                with self._lock:
+                    self._bytes -= size
+                raise
+        except FileNotFoundError:
+            return
+        except OSError:
+            path.unlink(missing_ok=True)
+            return
+        with self._lock:
+            self._free.append((time.monotonic(), spare, size))
+
+    def give_folder(self, folder: str | Path) -> None:
+        """Give back every file in ``folder`` (not below it), then remove the folder."""
+        folder = Path(folder)
+        try:
+            files = list(folder.iterdir())
+        except FileNotFoundError:
+            return
+        for f in files:
+            if f.is_dir() and not f.is_symlink():
+                shutil.rmtree(f, ignore_errors=True)
+            else:
+                self.give(f)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def replace(self, tmp: Path, path: Path) -> None:
+        """Put ``tmp`` in place of ``path`` atomically, keeping the replaced file as a spare."""
+        if exchange(tmp, path):
+            self.give(tmp)  # now the old file
+        else:
+            os.replace(tmp, path)
+
+
+class AtomicFile:
+    """A binary file that appears at ``path`` only on ``commit`` (or a clean ``with`` exit).
+    With ``spares``, it is written in a recycled file, and the file it replaces is kept."""
+
+    def __init__(self, path: str | Path, spares: Spares | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        got = spares.take(self.path) if spares is not None else None
+        if got is None:
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+        else:
+            fd, tmp = got
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide shared artifacts from other users
         self._tmp = Path(tmp)
         self._file = os.fdopen(fd, "wb")
+        self._spares = spares
 
     def write(self, *parts: bytes | bytearray | memoryview) -> None:
         """Append ``parts`` in order (several parts spare joining them into one copy)."""
@@ -63,18 +239,20 @@ class AtomicFile:
     def commit(
         self,
         sync_dir: bool = True,
-        replace: Callable[[Path, Path], None] = os.replace,
+        replace: Callable[[Path, Path], None] | None = None,
         sync: bool = True,
     ) -> None:
         """Flush, fsync, rename into place; then fsync the folder, unless the caller moves the
         file again (a staged delta) and syncs the folder it finally lands in. ``replace`` does
         the rename (a writer that must not let an older snapshot replace a newer one checks
-        first, durable.py)."""
+        first, durable.py); by default, :meth:`Spares.replace` with spares, else ``os.replace``."""
         self._file.flush()
         if sync:
             os.fsync(self._file.fileno())
         self._file.close()
         fault_point("atomic.before_rename")  # a crash here leaves only the temporary file
+        if replace is None:
+            replace = self._spares.replace if self._spares is not None else os.replace
         replace(self._tmp, self.path)
         if not sync_dir:
             return
@@ -117,10 +295,11 @@ def write_atomic(
     *parts: bytes | bytearray | memoryview,
     sync_dir: bool = True,
     sync: bool = True,
+    spares: Spares | None = None,
 ) -> None:
     """Write ``parts``, concatenated, to ``path`` crash-safe: all of it appears, or nothing.
     ``sync=False`` skips the fsync (and the folder's): the caller syncs later (sync_files)."""
-    f = AtomicFile(path)
+    f = AtomicFile(path, spares)
     try:
         f.write(*parts)
     except BaseException:
@@ -152,8 +331,8 @@ def json_bytes(obj: object) -> bytes:
     return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
 
 
-def write_json_atomic(path: str | Path, obj: object) -> None:
-    write_atomic(path, json_bytes(obj))
+def write_json_atomic(path: str | Path, obj: object, spares: Spares | None = None) -> None:
+    write_atomic(path, json_bytes(obj), spares=spares)
 
 
 def file_info(path: str | Path) -> dict[str, Any]:

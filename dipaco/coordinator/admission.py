@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.base import CoordinatorBase, RequestSlot, request_slot
 from dipaco.coordinator.records import Task
 from dipaco.coordinator.store import delta_meta
 from dipaco.coordinator.validation import delta_norm
@@ -75,21 +75,11 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
             )
         path_mids = core.topology.path_modules(path)
         mids = [mid for mid in path_mids if core.owns(mid)]
-    deltas = split_delta(core, req, path_mids, mids)  # decoding and finiteness: no lock
-    weight = delta_weight(core, task, req.tokens)
-    for _attempt in range(8):
-        with core.lock:
-            plan = reserve(core, req, task, mids)
-        try:
-            if write(core, req, plan, dict(deltas), weight):
-                break
-        finally:
-            with core.lock:
-                for key in plan.keys:
-                    core.inflight.pop(key, None)
-                core.step_cond.notify_all()
-    else:  # the modules stepped under this delta eight times: the run is racing ahead of it
-        core._reject(req.peer_id, Reason.STALE, f"the modules of path {path} keep moving")
+    slot = request_slot(core.request_slots)  # held since the request was decoded (service.py)
+    try:
+        plan = admit(core, req, task, path_mids, mids, slot)
+    finally:
+        slot.give()  # the outer steps below may wait for one another: never in a slot
     fault_point("submit.before_ack")
     covers_path = set(mids) == set(path_mids)
     stored = [s.mid for s in plan.store]
@@ -106,6 +96,34 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
         task_done=covers_path and core.is_scheduler,
         dropped=plan.dropped,
     )
+
+
+def admit(
+    core: CoordinatorBase,
+    req: m.SubmitDelta,
+    task: Task,
+    path_mids: list[str],
+    mids: list[str],
+    slot: RequestSlot,
+) -> Plan:
+    """Decode, check, reserve and durably store the delta; its plan once committed."""
+    slot.take()
+    deltas = split_delta(core, req, path_mids, mids)  # decoding and finiteness: no lock
+    weight = delta_weight(core, task, req.tokens)
+    for _attempt in range(8):
+        with core.lock:
+            plan = reserve(core, req, task, mids)
+        try:
+            if write(core, req, plan, dict(deltas), weight, slot):
+                return plan
+        finally:
+            with core.lock:
+                for key in plan.keys:
+                    core.inflight.pop(key, None)
+                core.step_cond.notify_all()
+    # the modules stepped under this delta eight times: the run is racing ahead of it
+    core._reject(req.peer_id, Reason.STALE, f"the modules of path {task.path} keep moving")
+    raise AssertionError("unreachable: _reject raises")
 
 
 def reserve(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]) -> Plan:
@@ -208,19 +226,23 @@ def write(
     plan: Plan,
     deltas: dict[str, dict[str, torch.Tensor]],
     weight: float,
+    slot: RequestSlot,
 ) -> bool:
-    """Judge the planned deltas, write them durably (outside the lock), then commit them
-    (under it). False, with nothing committed, if a module stepped meanwhile: the caller
+    """Judge the planned deltas, write them durably (outside the lock, in the request's
+    ``slot``), then commit them (under the lock, the slot given back: the commit may wait for
+    a module's step). False, with nothing committed, if a module stepped meanwhile: the caller
     plans again, for the delta is now late."""
-    norms, trust = check_content(core, req, req.path, deltas, [s.mid for s in plan.store])
     staged, folders = {}, set()
     try:
+        slot.take()
+        norms, trust = check_content(core, req, req.path, deltas, [s.mid for s in plan.store])
         for mid, base, stale, _, rnd in plan.store:
             damped = weight * trust * core.policy.stale_damping**stale
             meta = delta_meta(
                 req.path, damped, req.task_id, req.peer_id, base, core.voter_of(req), rnd
             )
             staged[mid] = (core.store.stage_delta(mid, req.task_id, meta, deltas[mid]), meta)
+        slot.give()
         with core.lock:
             while any(mid in core.stepping for mid in staged):
                 core.step_cond.wait(timeout=1.0)

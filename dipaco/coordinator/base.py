@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import Counter, defaultdict
@@ -37,12 +38,53 @@ log = logging.getLogger(__name__)
 # Rounds whose after-round work (validation, held-out scoring) may wait while an earlier one runs;
 # beyond that the oldest waiting round is skipped (serial.py).
 ROUND_BACKLOG = 2
+# Heavy requests (SubmitDelta, FetchModules) served at once; DIPACO_REQUEST_SLOTS overrides.
+REQUEST_SLOTS = 2
 
 
 # The key of the request being handled, set by the service (service.py) for the operation it
 # runs: a context variable, so each server thread sees its own request's caller. None outside a
 # request, and for in-process calls without a key (the local transport's tests, the ticker).
 _CALLER: ContextVar[str | None] = ContextVar("dipaco_caller", default=None)
+
+
+class RequestSlot:
+    """A request's hold on one of the coordinator's request slots (``request_slots``): taken
+    for the request's CPU and disk work, given back before it waits for anything another
+    request or an outer step may hold. ``take`` and ``give`` may each repeat."""
+
+    def __init__(self, slots: threading.BoundedSemaphore) -> None:
+        self.slots, self.held = slots, False
+
+    def take(self) -> None:
+        if not self.held:
+            self.slots.acquire()
+            self.held = True
+
+    def give(self) -> None:
+        if self.held:
+            self.held = False
+            self.slots.release()
+
+
+_SLOT: ContextVar[RequestSlot | None] = ContextVar("dipaco_request_slot", default=None)
+
+
+@contextmanager
+def holding_slot(slots: threading.BoundedSemaphore) -> Iterator[RequestSlot]:
+    """Run the ``with`` block as a request with its slot (not yet taken); given back at the end."""
+    slot = RequestSlot(slots)
+    token = _SLOT.set(slot)
+    try:
+        yield slot
+    finally:
+        _SLOT.reset(token)
+        slot.give()
+
+
+def request_slot(slots: threading.BoundedSemaphore) -> RequestSlot:
+    """The slot of the request being handled, or a new one (a caller outside ``handle``)."""
+    return _SLOT.get() or RequestSlot(slots)
 
 
 @contextmanager
@@ -120,7 +162,10 @@ class CoordinatorBase:
         self.clock = clock
         # coordinator.json and validation.json: group commit (durable.py)
         self.state_file = GroupWriter(
-            self.lock, lambda: self._state_bytes(), self.root / "coordinator.json"
+            self.lock,
+            lambda: self._state_bytes(),
+            self.root / "coordinator.json",
+            self.store.spares,
         )
         self.rejections: Counter[str] = Counter()
         self.rejections_by_peer: dict[str, Counter[str]] = defaultdict(Counter)
@@ -171,6 +216,14 @@ class CoordinatorBase:
         # open a path (outer steps, reports, ended leases), which wakes them.
         self.waiting_claims = 0
         self.long_poll_slots = 256
+        # The heavy requests (a delta's admission, a module fetch) run at most this many at
+        # once (service.perform); the others queue, each woken once. One runs Python while
+        # another waits on the disk; more only hand the interpreter lock and the coordinator's
+        # lock back and forth: with 64 peers at once, over a thousand thread switches per
+        # delta, which doubled the coordinator's CPU per delta (bench/soak.py).
+        self.request_slots = threading.BoundedSemaphore(
+            int(os.environ.get("DIPACO_REQUEST_SLOTS", REQUEST_SLOTS))
+        )
         self.work_generation = 0
         self.path_rounds_cache: tuple[tuple, list[tuple[int, int, bool]]] | None = None
         self.handing: dict[str, tuple[str, float]] = {}  # module -> (new owner, since)
@@ -213,7 +266,10 @@ class CoordinatorBase:
             window=v.norm_window,
         )
         self.norm_file = GroupWriter(
-            self.lock, lambda: json_bytes(self.norms.snapshot()), self.root / "validation.json"
+            self.lock,
+            lambda: json_bytes(self.norms.snapshot()),
+            self.root / "validation.json",
+            self.store.spares,
         )
         self.heldout_loss = heldout_loss
         self.key_scores = KeyScores(self.root / "key_scores.json", v.heldout_tolerance)

@@ -23,7 +23,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
-from dipaco.fileio import AtomicFile
+from dipaco.fileio import AtomicFile, Spares
 
 _DEFERRED: ContextVar[bool] = ContextVar("dipaco_deferred_writes", default=False)
 
@@ -40,10 +40,14 @@ def deferring() -> Iterator[None]:
 
 class GroupWriter:
     """The file at ``path``, written by group commit. ``snapshot`` runs under ``lock`` (the
-    coordinator's) and returns the bytes to write."""
+    coordinator's) and returns the bytes to write; with ``spares``, into a recycled file, the
+    replaced one kept (fileio.Spares)."""
 
-    def __init__(self, lock: Any, snapshot: Callable[[], bytes], path: Path) -> None:
+    def __init__(
+        self, lock: Any, snapshot: Callable[[], bytes], path: Path, spares: Spares | None = None
+    ) -> None:
         self.lock, self.snapshot, self.path = lock, snapshot, Path(path)
+        self.spares = spares
         self._cv = threading.Condition()
         self._marked = 0  # changes made so far
         self._written = 0  # changes on disk
@@ -103,12 +107,15 @@ class GroupWriter:
         def replace(tmp: Path, path: Path) -> None:
             with self._rename:
                 if number > self._placed:
-                    os.replace(tmp, path)
+                    if self.spares is not None:
+                        self.spares.replace(tmp, path)
+                    else:
+                        os.replace(tmp, path)
                     self._placed = number
                     return
             tmp.unlink(missing_ok=True)  # a later snapshot is already in place
 
-        f = AtomicFile(self.path)
+        f = AtomicFile(self.path, self.spares)
         try:
             f.write(data)
         except BaseException:

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import logging
 
-from dipaco.coordinator.base import CoordinatorBase, acting_for
+from dipaco.coordinator.base import (
+    CoordinatorBase,
+    RequestSlot,
+    acting_for,
+    holding_slot,
+    request_slot,
+)
 from dipaco.coordinator.durable import deferring
 from dipaco.errors import DipacoError, RejectedError
 from dipaco.protocols import auth
@@ -44,9 +50,15 @@ def handle(core: CoordinatorBase, data: bytes) -> bytes:
     Every refusal is an Error reply with its reason, counted once (per peer id when the
     message names one, else per key) and against the key's ban budget.
     """
+    with holding_slot(core.request_slots) as slot:
+        return handle_in_slot(core, data, slot)
+
+
+def handle_in_slot(core: CoordinatorBase, data: bytes, slot: RequestSlot) -> bytes:
     nonce, key, who = "", None, "unknown"
     try:
         nonce = auth.peek_nonce(data)
+        slot.take()  # the signature and hash checks, the decoding: CPU (see SLOTTED)
         signed = auth.open_request(data)
         nonce, key, who = signed.nonce, signed.key, f"key:{auth.fingerprint(signed.key)}"
         with core.lock:  # replays first: a replayed request costs its signer nothing
@@ -60,6 +72,8 @@ def handle(core: CoordinatorBase, data: bytes) -> bytes:
                 reason=Reason.TOO_LARGE,
             )
         req = m.decode_message(signed.body)
+        if OPS.get(type(req)) not in SLOTTED:
+            slot.give()
         who = getattr(req, "peer_id", None) or getattr(req, "owner_id", None) or who
         reply = perform(core, key, req)
     except DipacoError as exc:
@@ -107,13 +121,30 @@ def refuse(core: CoordinatorBase, who: str, reason: str, message: str) -> None:
 # Operations that take the coordinator's lock themselves, for their short state transitions
 # only: a delta's decoding, checks and durable write run while other requests are served.
 SELF_LOCKING = {"submit"}
+# Operations that run in a request slot (``core.request_slots``: a few threads at once): a
+# module fetch, a shard file's, and a delta's admission, which gives its slot back before it
+# waits for a module's outer step or makes one (admission.py). Every request opens its envelope
+# and is decoded in one (handle); the others give it back then. Nothing waits for another
+# request while it holds a slot: a claim's long poll holds none.
+SLOTTED = {"fetch", "fetch_file", "submit"}
 
 
 def perform(core: CoordinatorBase, key: str, req: m.Message) -> m.Message:
-    name = getattr(req, "peer_id", None) or getattr(req, "owner_id", None)
     op = OPS.get(type(req))
     if op is None:
         raise RejectedError(f"{type(req).__name__} is not a request", reason=Reason.BAD_MESSAGE)
+    if op not in SLOTTED:
+        return run_op(core, key, req, op)
+    slot = request_slot(core.request_slots)
+    slot.take()
+    try:
+        return run_op(core, key, req, op)
+    finally:
+        slot.give()
+
+
+def run_op(core: CoordinatorBase, key: str, req: m.Message, op: str) -> m.Message:
+    name = getattr(req, "peer_id", None) or getattr(req, "owner_id", None)
     try:
         with acting_for(key), deferring():
             with core.lock:

@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from dipaco.errors import CorruptFileError, WireError
-from dipaco.fileio import write_atomic
+from dipaco.fileio import Spares, write_atomic
 
 MAGIC = b"DPCO"
 VERSION = 1
@@ -305,16 +305,22 @@ _XXH3_TRAILER = 16 + len(FILE_MARK)
 
 
 def write_tensor_file(
-    path: str | Path, frame: Frame, sync: bool = True, sync_dir: bool = True
+    path: str | Path,
+    frame: Frame,
+    sync: bool = True,
+    sync_dir: bool = True,
+    spares: Spares | None = None,
 ) -> None:
     """Write ``frame`` crash-safe (temporary name, rename) with its checksum trailer, straight
     from the tensors' memory. ``sync=False`` leaves the fsync to the caller (store.py syncs an
-    outer step's files in the background, before the files they replace are deleted)."""
+    outer step's files in the background, before the files they replace are deleted).
+    ``spares``: written in a recycled file (fileio.Spares)."""
     head, arrays = encode_parts(frame, align=FILE_ALIGN)
     digest = xxhash.xxh3_128(head)
     for a in arrays:
         digest.update(a)
-    write_atomic(path, head, *arrays, digest.digest() + FILE_MARK, sync=sync, sync_dir=sync_dir)
+    trailer = digest.digest() + FILE_MARK
+    write_atomic(path, head, *arrays, trailer, sync=sync, sync_dir=sync_dir, spares=spares)
 
 
 def read_tensor_file(path: str | Path) -> Frame:

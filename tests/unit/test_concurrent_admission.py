@@ -150,3 +150,71 @@ def test_a_step_not_yet_on_disk_is_redone_the_same_with_the_deltas_acked_meanwhi
     assert again.version("m") == 1
     assert all(torch.equal(again.params("m")[k], stepped[k]) for k in stepped)
     assert [d.task_id for d in again.modules["m"].pending.values()] == ["t1-0"]
+
+
+def test_deltas_are_written_two_at_a_time_and_long_polls_hold_no_slot(tmp_path, monkeypatch):
+    co = tiny_coordinator(tmp_path)
+    tr = LocalTransport(co.handle)
+    tasks = claim_all(tr)  # every path leased: a new claim waits for one (a long poll)
+    polls = [
+        threading.Thread(target=tr.request, args=(m.ClaimTask(peer_id=f"w{i}", wait=2.0),))
+        for i in range(2)
+    ]
+    for t in polls:
+        t.start()
+    deadline = time.monotonic() + 10
+    while co.waiting_claims < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert co.waiting_claims == 2
+    free = [co.request_slots.acquire(blocking=False) for _ in range(2)]
+    assert free == [True, True]  # the waiting claims hold no slot
+    for _ in free:
+        co.request_slots.release()
+    inside, most, count = [0], [0], threading.Lock()
+    stage = co.store.stage_delta
+
+    def slow_stage(*args, **kwargs):  # a delta's durable write, outside the lock
+        with count:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.1)
+        try:
+            return stage(*args, **kwargs)
+        finally:
+            with count:
+                inside[0] -= 1
+
+    monkeypatch.setattr(co.store, "stage_delta", slow_stage)
+    acks = {}
+    submits = [
+        threading.Thread(target=lambda t=t: acks.update({t.path: submit(co, tr, t)}))
+        for t in tasks.values()
+    ]
+    for t in submits:
+        t.start()
+    for t in submits:
+        t.join(30)
+    # The two waiting claims took no slot; the four deltas were written two at a time.
+    assert most[0] == 2
+    assert all(isinstance(a, m.DeltaAck) and len(a.accepted) == 4 for a in acks.values())
+    for t in polls:
+        t.join(30)
+    assert co.request_slots.acquire(blocking=False) and co.request_slots.acquire(blocking=False)
+
+
+def test_outer_steps_write_recycled_files_and_the_store_reopens_the_same(tmp_path):
+    co = tiny_coordinator(tmp_path, rounds=3)
+    co.store.spares.age = 0.0  # hand spares out at once (a run reuses them after seconds)
+    tr = LocalTransport(co.handle)
+    for _ in range(3):
+        for task in claim_all(tr).values():
+            assert isinstance(submit(co, tr, task), m.DeltaAck)
+    co.store.sync_all()
+    assert co.finished and co.store.spares.reused > 0
+    reopened = ModuleStore(tmp_path)
+    reopened.load(co.topology.module_ids())
+    for mid in co.topology.module_ids():
+        assert reopened.version(mid) == 3
+        for name, tensor in co.store.params(mid).items():
+            assert torch.equal(reopened.params(mid)[name], tensor)
+    assert json.loads((tmp_path / "coordinator.json").read_text())["run_id"] == "test"
