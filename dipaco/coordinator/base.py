@@ -29,7 +29,7 @@ from dipaco.coordinator.serial import Serial
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.validation import KeyScores, NormTracker
 from dipaco.errors import CorruptFileError, RejectedError
-from dipaco.fileio import json_bytes
+from dipaco.fileio import compact_json_bytes
 from dipaco.model.topology import Topology
 from dipaco.protocols import auth
 
@@ -267,7 +267,7 @@ class CoordinatorBase:
         )
         self.norm_file = GroupWriter(
             self.lock,
-            lambda: json_bytes(self.norms.snapshot()),
+            lambda: compact_json_bytes(self.norms.snapshot()),
             self.root / "validation.json",
             self.store.spares,
         )
