@@ -7,6 +7,7 @@ may recycle them (:class:`Spares`) rather than create and delete one per write.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -17,6 +18,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -128,10 +130,17 @@ class Spares:
         self._names = itertools.count()
         self._token = secrets.token_hex(4)  # this process's names, apart from another's
         self.reused = 0  # files written in a spare rather than created (tests, benchmarks)
-        for f in sorted(self.folder.iterdir()):  # nobody reads an earlier process's spares
-            if len(self._free) < keep and f.is_file() and not f.is_symlink():
-                os.truncate(f, 0)
-                self._free.append((0.0, f, 0))
+        for f in sorted(self.folder.iterdir()):  # an earlier process's: emptied when reused
+            info = f.lstat()
+            if (
+                stat.S_ISREG(info.st_mode)
+                and len(self._free) < keep
+                and self._bytes + info.st_size <= keep_bytes
+            ):
+                self._free.append((0.0, f, info.st_size))
+                self._bytes += info.st_size
+            elif f.is_dir() and not f.is_symlink():
+                shutil.rmtree(f, ignore_errors=True)
             else:
                 f.unlink(missing_ok=True)
 
@@ -161,10 +170,14 @@ class Spares:
         return fd, tmp
 
     def give(self, path: str | Path) -> None:
-        """Keep the file at ``path`` as a spare (emptied), or delete it if it cannot be kept."""
+        """Keep the file at ``path`` as a spare (emptied when handed out again), or delete it if
+        it cannot be kept."""
         path = Path(path)
         try:
-            size = os.lstat(path).st_size
+            info = os.lstat(path)
+            if not stat.S_ISREG(info.st_mode):
+                return  # a folder, a link: not a spare, and not ours to delete
+            size = info.st_size
             with self._lock:
                 kept = (
                     size < self.max_bytes
@@ -185,8 +198,9 @@ class Spares:
                 raise
         except FileNotFoundError:
             return
-        except OSError:
-            path.unlink(missing_ok=True)
+        except OSError:  # cannot be kept (the rename failed): deleted, as without spares
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
             return
         with self._lock:
             self._free.append((time.monotonic(), spare, size))

@@ -47,12 +47,15 @@ def test_a_spare_waits_its_age_before_it_is_written_again(tmp_path):
 def test_large_files_and_a_full_folder_are_deleted_as_before(tmp_path):
     spares = Spares(tmp_path / ".spare", max_bytes=10, keep=1, age=0.0)
     big, small, more = tmp_path / "big", tmp_path / "small", tmp_path / "more"
+    folder = tmp_path / "a-folder"
     big.write_bytes(b"x" * 10)  # may be mapped by a reader: never emptied under it
     small.write_bytes(b"x")
     more.write_bytes(b"y")
+    folder.mkdir()
     for f in (big, small, more):
         spares.give(f)
-    assert not big.exists() and not small.exists() and not more.exists()
+    spares.give(folder)  # not a file: never a spare (removing it is the caller's business)
+    assert not big.exists() and not small.exists() and not more.exists() and folder.is_dir()
     assert len(spares) == 1 and len(list((tmp_path / ".spare").iterdir())) == 1
     spares.give(tmp_path / "never-existed")  # nothing to keep: no error
 
@@ -69,15 +72,15 @@ def test_a_folder_given_back_is_kept_file_by_file_and_removed(tmp_path):
     assert (tmp_path / "new.dpt").read_bytes() == b"fresh" and spares.reused == 1
 
 
-def test_spares_left_by_an_earlier_process_are_emptied_and_used_again(tmp_path):
+def test_spares_left_by_an_earlier_process_are_used_again(tmp_path):
     first = Spares(tmp_path / ".spare", max_bytes=1 << 20, age=60.0)
     for i in range(2):
         (tmp_path / f"f{i}").write_bytes(b"secret" * 10)
         first.give(tmp_path / f"f{i}")
-    again = Spares(tmp_path / ".spare", max_bytes=1 << 20, age=60.0)  # a restart: no reader left
-    assert len(again) == 2
-    assert all(f.stat().st_size == 0 for f in (tmp_path / ".spare").iterdir())
-    write_atomic(tmp_path / "x", b"new", spares=again)
+    (tmp_path / ".spare" / "a-folder").mkdir()  # not a file: removed
+    again = Spares(tmp_path / ".spare", max_bytes=1 << 20, age=60.0)  # a restart
+    assert len(again) == 2 and not (tmp_path / ".spare" / "a-folder").exists()
+    write_atomic(tmp_path / "x", b"new", spares=again)  # in one of them, emptied first
     assert (tmp_path / "x").read_bytes() == b"new" and again.reused == 1
 
 
