@@ -72,7 +72,16 @@ _SLOT: ContextVar[RequestSlot | None] = ContextVar("dipaco_request_slot", defaul
 
 @contextmanager
 def holding_slot(slots: threading.BoundedSemaphore) -> Iterator[RequestSlot]:
-    """Run the ``with`` block as a request with its slot (not yet taken); given back at the end."""
+    """Run the ``with`` block as a request with its slot: the request's own if the block runs
+    within one (every part of a request holds at most one slot, or two requests could each
+    hold one and wait for another), else a new one (not yet taken). Given back at the end."""
+    current = _SLOT.get()
+    if current is not None:
+        try:
+            yield current
+        finally:
+            current.give()
+        return
     slot = RequestSlot(slots)
     token = _SLOT.set(slot)
     try:
@@ -83,7 +92,7 @@ def holding_slot(slots: threading.BoundedSemaphore) -> Iterator[RequestSlot]:
 
 
 def request_slot(slots: threading.BoundedSemaphore) -> RequestSlot:
-    """The slot of the request being handled, or a new one (a caller outside ``handle``)."""
+    """The slot of the request being handled, or a new one (a caller outside any request)."""
     return _SLOT.get() or RequestSlot(slots)
 
 

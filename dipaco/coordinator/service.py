@@ -14,7 +14,6 @@ from dipaco.coordinator.base import (
     RequestSlot,
     acting_for,
     holding_slot,
-    request_slot,
 )
 from dipaco.coordinator.durable import deferring
 from dipaco.errors import DipacoError, RejectedError
@@ -135,12 +134,9 @@ def perform(core: CoordinatorBase, key: str, req: m.Message) -> m.Message:
         raise RejectedError(f"{type(req).__name__} is not a request", reason=Reason.BAD_MESSAGE)
     if op not in SLOTTED:
         return run_op(core, key, req, op)
-    slot = request_slot(core.request_slots)
-    slot.take()
-    try:
+    with holding_slot(core.request_slots) as slot:  # handle's, or act_for's own
+        slot.take()
         return run_op(core, key, req, op)
-    finally:
-        slot.give()
 
 
 def run_op(core: CoordinatorBase, key: str, req: m.Message, op: str) -> m.Message:

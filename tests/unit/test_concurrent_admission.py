@@ -18,6 +18,7 @@ from dipaco.coordinator import store as store_module
 from dipaco.coordinator.durable import GroupWriter, deferring
 from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.store import ModuleStore
+from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LocalTransport
 
@@ -218,3 +219,35 @@ def test_outer_steps_write_recycled_files_and_the_store_reopens_the_same(tmp_pat
         for name, tensor in co.store.params(mid).items():
             assert torch.equal(reopened.params(mid)[name], tensor)
     assert json.loads((tmp_path / "coordinator.json").read_text())["run_id"] == "test"
+
+
+def test_deltas_admitted_for_a_transport_hold_one_slot_each(tmp_path, monkeypatch):
+    """``act_for`` (how the Flower ServerApp runs its nodes' requests) takes a request's slot
+    in ``perform``; the admission inside must use that one, not take a second: three deltas
+    at once, two slots, each request holding one and waiting for another, would never end."""
+    co = tiny_coordinator(tmp_path)
+    keys = [auth.Identity.generate().public_key for _ in range(3)]
+    tasks = [
+        co.act_for(key, m.ClaimTask(peer_id=f"p{i}", prefer_path=i)) for i, key in enumerate(keys)
+    ]
+    stage = co.store.stage_delta
+
+    def slow(*args, **kwargs):
+        time.sleep(0.2)
+        return stage(*args, **kwargs)
+
+    monkeypatch.setattr(co.store, "stage_delta", slow)
+    acks = {}
+
+    def push(i):
+        delta = delta_message(tasks[i], f"p{i}", constant_delta(co, tasks[i]))
+        acks[i] = co.act_for(keys[i], delta)
+
+    threads = [threading.Thread(target=push, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "admission waited for a second slot"
+    assert sorted(acks) == [0, 1, 2]
+    assert all(isinstance(a, m.DeltaAck) and len(a.accepted) == 4 for a in acks.values())
