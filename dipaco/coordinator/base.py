@@ -28,7 +28,7 @@ from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
 from dipaco.coordinator.serial import Serial
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.validation import KeyScores, NormTracker
-from dipaco.errors import CorruptFileError, RejectedError
+from dipaco.errors import ConfigError, CorruptFileError, RejectedError
 from dipaco.fileio import compact_json_bytes
 from dipaco.model.topology import Topology
 from dipaco.protocols import auth
@@ -38,8 +38,19 @@ log = logging.getLogger(__name__)
 # Rounds whose after-round work (validation, held-out scoring) may wait while an earlier one runs;
 # beyond that the oldest waiting round is skipped (serial.py).
 ROUND_BACKLOG = 2
-# Heavy requests (SubmitDelta, FetchModules) served at once; DIPACO_REQUEST_SLOTS overrides.
+# Requests whose CPU and disk work runs at once (service.py); DIPACO_REQUEST_SLOTS overrides.
 REQUEST_SLOTS = 2
+
+
+def request_slots() -> int:
+    """How many requests work at once: ``DIPACO_REQUEST_SLOTS`` (a positive whole number), else
+    REQUEST_SLOTS."""
+    text = os.environ.get("DIPACO_REQUEST_SLOTS", "").strip()
+    if not text:
+        return REQUEST_SLOTS
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"DIPACO_REQUEST_SLOTS must be a whole number from 1 on, not {text!r}")
+    return int(text)
 
 
 # The key of the request being handled, set by the service (service.py) for the operation it
@@ -225,14 +236,13 @@ class CoordinatorBase:
         # open a path (outer steps, reports, ended leases), which wakes them.
         self.waiting_claims = 0
         self.long_poll_slots = 256
-        # The heavy requests (a delta's admission, a module fetch) run at most this many at
-        # once (service.perform); the others queue, each woken once. One runs Python while
+        # Requests do their CPU and disk work (the envelope, decoding, a delta's checks and
+        # write, a module fetch) at most this many at once (service.py); the others queue,
+        # each woken once. One runs Python while
         # another waits on the disk; more only hand the interpreter lock and the coordinator's
         # lock back and forth: with 64 peers at once, over a thousand thread switches per
         # delta, which doubled the coordinator's CPU per delta (bench/soak.py).
-        self.request_slots = threading.BoundedSemaphore(
-            int(os.environ.get("DIPACO_REQUEST_SLOTS", REQUEST_SLOTS))
-        )
+        self.request_slots = threading.BoundedSemaphore(request_slots())
         self.work_generation = 0
         self.path_rounds_cache: tuple[tuple, list[tuple[int, int, bool]]] | None = None
         self.handing: dict[str, tuple[str, float]] = {}  # module -> (new owner, since)

@@ -11,6 +11,7 @@ import json
 import threading
 import time
 
+import pytest
 import torch
 from _tiny import constant_delta, delta_message, tiny_coordinator
 
@@ -18,6 +19,7 @@ from dipaco.coordinator import store as store_module
 from dipaco.coordinator.durable import GroupWriter, deferring
 from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.store import ModuleStore
+from dipaco.errors import ConfigError
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LocalTransport
@@ -251,3 +253,13 @@ def test_deltas_admitted_for_a_transport_hold_one_slot_each(tmp_path, monkeypatc
     assert not any(t.is_alive() for t in threads), "admission waited for a second slot"
     assert sorted(acks) == [0, 1, 2]
     assert all(isinstance(a, m.DeltaAck) and len(a.accepted) == 4 for a in acks.values())
+
+
+def test_the_number_of_request_slots_is_set_or_refused_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIPACO_REQUEST_SLOTS", "3")
+    co = tiny_coordinator(tmp_path / "three", start=False)
+    assert [co.request_slots.acquire(blocking=False) for _ in range(4)] == [True] * 3 + [False]
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("DIPACO_REQUEST_SLOTS", bad)
+        with pytest.raises(ConfigError, match="DIPACO_REQUEST_SLOTS must be a whole number"):
+            tiny_coordinator(tmp_path / f"bad{bad}", start=False)
