@@ -17,6 +17,7 @@ peer that stops heartbeating for ``lease_seconds`` has vanished.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -73,6 +74,8 @@ class Scheduler:
         self.policy = policy or DeadlinePolicy()
         self.leases: dict[str, Lease] = {}  # task id -> live lease
         self.issued: dict[str, Lease] = {}  # every task id handed out, for late submissions
+        # issued_json's encoded entries: task id -> (fields, module versions, JSON text)
+        self._issued_text: dict[str, tuple[tuple, dict[str, int], str]] = {}
         self.attempts: dict[tuple[int, int], int] = {}
         self.expired = 0
         # Leases released or expired, task id -> round: their tickets are void, so a ticket
@@ -266,7 +269,7 @@ class Scheduler:
     def leases_of(self, peer_id: str) -> list[Lease]:
         return [lease for lease in self.leases.values() if lease.peer_id == peer_id]
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, with_issued: bool = True) -> dict[str, Any]:
         """What a restart must find again (coordinator.json ``scheduler``), in few bytes.
 
         ``issued``: every task remembered (live leases included) as ``[task, path, round, peer,
@@ -276,11 +279,16 @@ class Scheduler:
         ``durations`` and ``paces``: what deadlines and step offers are judged by.
         """
         now = self.clock()
-        return {
-            "issued": [
+        issued = (
+            [
                 [t, x.path, x.round, x.peer_id, x.steps, x.module_versions]
                 for t, x in self.issued.items()
-            ],
+            ]
+            if with_issued
+            else None
+        )
+        return {
+            **({"issued": issued} if with_issued else {}),
             "live": {
                 t: [round(x.deadline - now, 3), round(max(0.0, now - x.issued_at), 3)]
                 for t, x in self.leases.items()
@@ -289,6 +297,24 @@ class Scheduler:
             "durations": [round(d, 3) for d in self.durations],
             "paces": {peer: [round(x, 4) for x in pace] for peer, pace in self.paces.items()},
         }
+
+    def issued_json(self) -> str:
+        """:meth:`snapshot`'s ``issued`` as compact JSON, each task's entry encoded once and
+        kept while it stays the same: coordinator.json is written for most requests, and with
+        hundreds of peers encoding every remembered task again was most of its cost."""
+        parts, cache = [], self._issued_text
+        for t, x in self.issued.items():
+            fields = (x.path, x.round, x.peer_id, x.steps)
+            hit = cache.get(t)
+            if hit is None or hit[0] != fields or hit[1] != x.module_versions:
+                entry = [t, *fields, x.module_versions]
+                text = json.dumps(entry, sort_keys=True, separators=(",", ":"))
+                hit = cache[t] = (fields, dict(x.module_versions), text)
+            parts.append(hit[2])
+        if len(cache) > 2 * len(self.issued) + 64:  # tasks forgotten since
+            for t in [t for t in cache if t not in self.issued]:
+                del cache[t]
+        return "[" + ",".join(parts) + "]"
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Take back a :meth:`snapshot` (already checked) after a restart.

@@ -18,8 +18,10 @@ from _tiny import constant_delta, delta_message, tiny_coordinator
 from dipaco.coordinator import store as store_module
 from dipaco.coordinator.durable import GroupWriter, deferring
 from dipaco.coordinator.outer import OuterSettings
+from dipaco.coordinator.state import snapshot_state
 from dipaco.coordinator.store import ModuleStore
 from dipaco.errors import ConfigError
+from dipaco.fileio import compact_json_bytes
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LocalTransport
@@ -263,3 +265,30 @@ def test_the_number_of_request_slots_is_set_or_refused_clearly(tmp_path, monkeyp
         monkeypatch.setenv("DIPACO_REQUEST_SLOTS", bad)
         with pytest.raises(ConfigError, match="DIPACO_REQUEST_SLOTS must be a whole number"):
             tiny_coordinator(tmp_path / f"bad{bad}", start=False)
+
+
+def test_coordinator_json_keeps_each_tasks_encoding_and_writes_the_same_bytes(tmp_path):
+    """coordinator.json's remembered tasks are encoded once each (Scheduler.issued_json); the
+    file must be exactly what encoding the whole state gives, whatever changed in between."""
+    co = tiny_coordinator(tmp_path, rounds=3, clock=lambda: 1000.0)  # leases' times hold still
+    tr = LocalTransport(co.handle)
+
+    def same() -> None:
+        with co.lock:
+            assert co._state_bytes() == compact_json_bytes(snapshot_state(co))
+
+    same()
+    for _ in range(2):
+        tasks = claim_all(tr)
+        same()
+        for task in tasks.values():
+            assert isinstance(submit(co, tr, task), m.DeltaAck)
+            same()
+    # A remembered task changed in place (its module versions, its steps): encoded anew.
+    with co.lock:
+        lease = next(iter(co.scheduler.issued.values()))
+        lease.module_versions[next(iter(lease.module_versions))] += 7
+        lease.steps += 1
+    same()
+    saved = json.loads((tmp_path / "coordinator.json").read_text())
+    assert len(saved["scheduler"]["issued"]) == len(co.scheduler.issued) > 0
