@@ -121,8 +121,7 @@ class Spares:
         keep_bytes: int = 64 << 20,
         age: float = 2.0,
     ) -> None:
-        self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder = Path(folder)  # made by the first file given back: a reader writes nothing
         self.max_bytes, self.keep, self.keep_bytes, self.age = max_bytes, keep, keep_bytes, age
         self._lock = threading.Lock()
         self._free: deque[tuple[float, Path, int]] = deque()  # (given at, file, bytes)
@@ -130,8 +129,12 @@ class Spares:
         self._names = itertools.count()
         self._token = secrets.token_hex(4)  # this process's names, apart from another's
         self.reused = 0  # files written in a spare rather than created (tests, benchmarks)
-        for f in sorted(self.folder.iterdir()):  # an earlier process's: emptied when reused
-            info = f.lstat()
+        earlier = sorted(self.folder.iterdir()) if self.folder.is_dir() else []
+        for f in earlier:  # an earlier process's (emptied when reused); the rest left as is
+            try:
+                info = f.lstat()
+            except OSError:  # taken meanwhile by another process on this folder
+                continue
             if (
                 stat.S_ISREG(info.st_mode)
                 and len(self._free) < keep
@@ -139,10 +142,6 @@ class Spares:
             ):
                 self._free.append((0.0, f, info.st_size))
                 self._bytes += info.st_size
-            elif f.is_dir() and not f.is_symlink():
-                shutil.rmtree(f, ignore_errors=True)
-            else:
-                f.unlink(missing_ok=True)
 
     def __len__(self) -> int:
         return len(self._free)
@@ -191,6 +190,7 @@ class Spares:
                 return
             spare = self.folder / f"{self._token}-{next(self._names)}"
             try:
+                self.folder.mkdir(parents=True, exist_ok=True)
                 os.rename(path, spare)
             except OSError:
                 with self._lock:

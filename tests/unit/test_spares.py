@@ -77,9 +77,9 @@ def test_spares_left_by_an_earlier_process_are_used_again(tmp_path):
     for i in range(2):
         (tmp_path / f"f{i}").write_bytes(b"secret" * 10)
         first.give(tmp_path / f"f{i}")
-    (tmp_path / ".spare" / "a-folder").mkdir()  # not a file: removed
+    (tmp_path / ".spare" / "a-folder").mkdir()  # not a file: left alone
     again = Spares(tmp_path / ".spare", max_bytes=1 << 20, age=60.0)  # a restart
-    assert len(again) == 2 and not (tmp_path / ".spare" / "a-folder").exists()
+    assert len(again) == 2 and (tmp_path / ".spare" / "a-folder").is_dir()
     write_atomic(tmp_path / "x", b"new", spares=again)  # in one of them, emptied first
     assert (tmp_path / "x").read_bytes() == b"new" and again.reused == 1
 
@@ -93,3 +93,14 @@ def test_exchange_swaps_two_files_and_declines_when_one_is_missing(tmp_path):
         assert (a.read_bytes(), b.read_bytes()) == (b"B", b"A")
     else:  # a system without RENAME_EXCHANGE: Spares.replace falls back to a rename
         assert (a.read_bytes(), b.read_bytes()) == (b"A", b"B")
+
+
+def test_a_store_only_read_writes_nothing(tmp_path):
+    """Opening spares (every ModuleStore does, also one opened to export or evaluate a run)
+    makes no folder: a read-only run folder stays readable."""
+    spares = Spares(tmp_path / "run" / ".spare", max_bytes=1 << 20)
+    assert not (tmp_path / "run").exists() and len(spares) == 0
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "old").write_bytes(b"x")
+    spares.give(tmp_path / "run" / "old")  # the first file given back makes the folder
+    assert len(spares) == 1 and (tmp_path / "run" / ".spare").is_dir()
