@@ -279,16 +279,14 @@ class Scheduler:
         ``durations`` and ``paces``: what deadlines and step offers are judged by.
         """
         now = self.clock()
-        issued = (
-            [
+        state: dict[str, Any] = {}
+        if with_issued:
+            state["issued"] = [
                 [t, x.path, x.round, x.peer_id, x.steps, x.module_versions]
                 for t, x in self.issued.items()
             ]
-            if with_issued
-            else None
-        )
         return {
-            **({"issued": issued} if with_issued else {}),
+            **state,
             "live": {
                 t: [round(x.deadline - now, 3), round(max(0.0, now - x.issued_at), 3)]
                 for t, x in self.leases.items()

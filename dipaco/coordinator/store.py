@@ -37,7 +37,6 @@ import logging
 import os
 import queue
 import secrets
-import shutil
 import sys
 import threading
 from collections.abc import Callable
@@ -486,7 +485,7 @@ def persist_step(
     new: ModuleRecord,
     info: dict,
     on_disk: Callable[[dict], None] | None,
-    spares: Spares | None = None,
+    spares: Spares,
 ) -> None:
     """Write a step's version and momentum files (not synced yet), then commit head.json
     (synced), then delete what the step before needed as its fallback (kept as ``spares``),
@@ -522,14 +521,8 @@ def persist_step(
     # This step's deltas stay one step longer: a corrupt v+1 is redone from v and them.
     done = root / "deltas" / mid / f"v{old.version - 1}"
     for stale in (f"v{v - KEEP_VERSIONS}.dpt", f"m{v - KEEP_VERSIONS}.dpt"):
-        if spares is not None:
-            spares.give(folder / stale)
-        else:
-            (folder / stale).unlink(missing_ok=True)
-    if spares is not None:
-        spares.give_folder(done)
-    else:
-        shutil.rmtree(done, ignore_errors=True)
+        spares.give(folder / stale)
+    spares.give_folder(done)
     sync_files(folder / f"v{v}.dpt", folder / f"m{v}.dpt")
     if on_disk is not None:
         on_disk(info)
