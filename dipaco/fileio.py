@@ -98,7 +98,7 @@ class Spares:
     Why: ext4 without a journal (the disks of many cloud machines, and of ours) passes over
     every inode deleted in the last minutes each time it creates a file, so creating costs in
     proportion to the files deleted lately. A coordinator that creates and deletes several
-    files per delta spent about a third of its CPU there at a few hundred files a second
+    files per delta spent a large share of its CPU there at a few hundred files a second
     (``perf`` on ``bench/soak.py``: ``ext4_create``, ``recently_deleted``), and more the longer
     and faster it ran. Renaming moves no inode, and a file kept here is never deleted.
 
