@@ -43,7 +43,7 @@ OPS = {
 }
 
 
-def handle(core: CoordinatorBase, data: bytes) -> bytes:
+def handle(core: CoordinatorBase, data: bytes) -> bytearray | memoryview:
     """Open the signed request, admit its key, run the operation, sign the reply.
 
     Every refusal is an Error reply with its reason, counted once (per peer id when the
@@ -53,7 +53,7 @@ def handle(core: CoordinatorBase, data: bytes) -> bytes:
         return handle_in_slot(core, data, slot)
 
 
-def handle_in_slot(core: CoordinatorBase, data: bytes, slot: RequestSlot) -> bytes:
+def handle_in_slot(core: CoordinatorBase, data: bytes, slot: RequestSlot) -> bytearray | memoryview:
     nonce, key, who = "", None, "unknown"
     try:
         nonce = auth.peek_nonce(data)
@@ -81,7 +81,8 @@ def handle_in_slot(core: CoordinatorBase, data: bytes, slot: RequestSlot) -> byt
                 core._count(who, exc.reason)
         log.info("rejected %s: %s (%s)", who, exc, exc.reason)
         reply = m.Error(reason=exc.reason, message=str(exc))
-    sealed = auth.seal_reply(core.identity, nonce, m.encode_message(reply))
+    room = auth.ENVELOPE_ROOM  # sealed in place: a large reply's body is never copied
+    sealed = auth.seal_reply(core.identity, nonce, m.encode_message(reply, room=room), room=room)
     with core.lock:  # bytes moved, for the dashboard and `dipaco status`
         peer = core.peers.get(who)
         if peer is not None:

@@ -55,6 +55,9 @@ from dipaco.protocols.wire import loads_checked
 KEY_PREFIX = "ed25519:"
 REQUEST_MAGIC, REPLY_MAGIC = b"DPQ1", b"DPR1"
 MAX_ENVELOPE_HEADER = 4096
+# Free bytes to leave in front of a message (``encode_message(msg, room=ENVELOPE_ROOM)``) so that
+# sealing it writes the envelope's header there, in place, and never copies the body.
+ENVELOPE_ROOM = 8 + MAX_ENVELOPE_HEADER
 DEFAULT_SKEW_SECONDS = 300.0
 
 
@@ -211,11 +214,22 @@ def body_digest(body: bytes | bytearray | memoryview) -> str:
     return blake3.blake3(body, max_threads=threads).hexdigest()
 
 
-def _pack(magic: bytes, header: dict[str, Any], body: bytes | bytearray) -> bytearray:
+def _pack(
+    magic: bytes, header: dict[str, Any], body: bytes | bytearray, room: int = 0
+) -> bytearray | memoryview:
+    """The envelope: magic, header length, header, then the body (``body[room:]``). With
+    ``room``, the header goes into the free bytes in front of the body and the envelope is a
+    view of ``body`` from there: no copy of the body at all."""
     head = canonical(header)
-    out = bytearray(8 + len(head) + len(body))  # the one copy of the body, straight into place
+    start = room - 8 - len(head)
+    if room and start >= 0 and isinstance(body, bytearray):
+        body[start : start + 4], body[start + 4 : start + 8] = magic, struct.pack("<I", len(head))
+        body[start + 8 : room] = head
+        return memoryview(body)[start:]
+    payload = memoryview(body)[room:]
+    out = bytearray(8 + len(head) + len(payload))  # the one copy of the body, into place
     out[:4], out[4:8], out[8 : 8 + len(head)] = magic, struct.pack("<I", len(head)), head
-    out[8 + len(head) :] = body
+    out[8 + len(head) :] = payload
     return out
 
 
@@ -252,15 +266,19 @@ def _unpack(data: bytes, magic: bytes) -> tuple[dict[str, Any], memoryview]:
     return header, body
 
 
-def seal_request(identity: Identity, body: bytes, now: float | None = None) -> tuple[bytes, str]:
-    """The signed request frame, and its nonce (the reply must carry it back)."""
+def seal_request(
+    identity: Identity, body: bytes | bytearray, now: float | None = None, *, room: int = 0
+) -> tuple[bytearray | memoryview, str]:
+    """The signed request frame, and its nonce (the reply must carry it back). ``room``: the
+    body starts after that many free bytes (``encode_message(msg, room=ENVELOPE_ROOM)``),
+    which the envelope's header fills in place."""
     ts = round(faults.now() if now is None else now, 3)  # faults.now: time.time(), unless a
     # fault-injection run skews this process's clock (DIPACO_CLOCK_SKEW)
     nonce = secrets.token_hex(16)
-    digest = body_digest(body)
+    digest = body_digest(memoryview(body)[room:])
     sig = identity.sign(_request_text(identity.public_key, ts, nonce, digest))
     header = {"key": identity.public_key, "ts": ts, "nonce": nonce, "blake3": digest, "sig": sig}
-    return _pack(REQUEST_MAGIC, header, body), nonce
+    return _pack(REQUEST_MAGIC, header, body, room), nonce
 
 
 def open_request(data: bytes) -> Signed:
@@ -285,11 +303,14 @@ def peek_nonce(data: bytes) -> str:
     return header["nonce"]
 
 
-def seal_reply(identity: Identity, nonce: str, body: bytes) -> bytes:
-    digest = body_digest(body)
+def seal_reply(
+    identity: Identity, nonce: str, body: bytes | bytearray, *, room: int = 0
+) -> bytearray | memoryview:
+    """The signed reply to the request with ``nonce``; ``room`` as for :func:`seal_request`."""
+    digest = body_digest(memoryview(body)[room:])
     sig = identity.sign(_reply_text(identity.public_key, nonce, digest))
     header = {"key": identity.public_key, "nonce": nonce, "blake3": digest, "sig": sig}
-    return _pack(REPLY_MAGIC, header, body)
+    return _pack(REPLY_MAGIC, header, body, room)
 
 
 def open_reply(data: bytes, nonce: str, expected_key: str | None) -> Signed:

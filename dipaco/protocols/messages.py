@@ -395,8 +395,9 @@ def _check_size(kind: str, name: str, value: Any, limit: int | None) -> None:
         )
 
 
-def encode_message(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytearray:
-    return encode(to_frame(msg), limits)
+def encode_message(msg: Message, limits: Limits = DEFAULT_LIMITS, room: int = 0) -> bytearray:
+    """The message's frame; ``room`` free bytes before it (wire.encode)."""
+    return encode(to_frame(msg), limits, room)
 
 
 def decode_message(

@@ -24,7 +24,7 @@ from dipaco.protocols.messages import Error, Message, decode_message, encode_mes
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[bytes], bytes]
+Handler = Callable[[bytes], bytes | bytearray | memoryview]  # a sealed reply, maybe a view
 BACKLOG = 1024  # connections waiting to be accepted (the kernel caps it at somaxconn)
 HANDSHAKE_SECONDS = 10.0  # a connection silent this long in its handshake is dropped
 CONNECT_SECONDS = 10.0  # a client's connect and handshake, each read of it, at most
@@ -110,7 +110,8 @@ class Transport(ABC):
     def request(self, msg: Message) -> Message:
         if self.identity is None:
             self.identity = auth.process_identity()
-        sealed, nonce = auth.seal_request(self.identity, encode_message(msg))
+        room = auth.ENVELOPE_ROOM  # the envelope is written in front of the frame: no copy
+        sealed, nonce = auth.seal_request(self.identity, encode_message(msg, room=room), room=room)
         opened = auth.open_reply(self._roundtrip(sealed), nonce, self.server_key)
         if self.server_key is None:
             self.server_key = opened.key

@@ -73,11 +73,13 @@ class Frame:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS) -> bytearray:
+def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS, room: int = 0) -> bytearray:
+    """The frame's bytes, after ``room`` free bytes: where the signed envelope's header goes,
+    in place (auth.ENVELOPE_ROOM), so that sealing never copies the body."""
     head, arrays = encode_parts(frame, limits)
-    out = bytearray(len(head) + sum(a.nbytes for a in arrays))  # one copy, straight into place
-    out[: len(head)] = head
-    offset = len(head)
+    out = bytearray(room + len(head) + sum(a.nbytes for a in arrays))  # one copy, into place
+    out[room : room + len(head)] = head
+    offset = room + len(head)
     for a in arrays:
         out[offset : offset + a.nbytes] = a
         offset += a.nbytes

@@ -112,7 +112,8 @@ class Rig:
     def call(self, raw: bytes) -> m.Message:
         """Send a sealed frame; return the reply message after checking its signature."""
         reply = self.co.handle(raw)
-        assert isinstance(reply, bytes | bytearray) and reply[:4] == auth.REPLY_MAGIC
+        assert isinstance(reply, bytes | bytearray | memoryview)
+        assert bytes(reply[:4]) == auth.REPLY_MAGIC
         (size,) = struct.unpack_from("<I", reply, 4)
         nonce = json.loads(bytes(reply[8 : 8 + size]))["nonce"]
         opened = auth.open_reply(reply, nonce, self.co.identity.public_key)

@@ -5,8 +5,10 @@ import struct
 import pytest
 import torch
 
-from dipaco.errors import CorruptFileError, WireError
+from dipaco.errors import CorruptFileError, RejectedError, WireError
+from dipaco.protocols import auth
 from dipaco.protocols import messages as m
+from dipaco.protocols.reasons import Reason
 from dipaco.protocols.wire import (
     DTYPES,
     MAGIC,
@@ -165,3 +167,34 @@ def test_tensor_files_are_read_into_aligned_writable_tensors_and_old_files_still
     (tmp_path / "old.dpt").write_bytes(bytes(damaged))
     with pytest.raises(CorruptFileError, match="checksum"):
         read_tensor_file(tmp_path / "old.dpt")
+
+
+def test_an_envelope_sealed_in_place_is_the_same_bytes_and_never_copies_the_body():
+    """The transports seal a message in the room left in front of its frame: the envelope is a
+    view of the frame's own buffer, byte for byte what sealing a copy makes, and it verifies."""
+    me = auth.Identity.generate()
+    msg = m.SubmitDelta("p", "t1", 0, {"L0.M0": 0}, 8, [1.0], {"L0.M0/w": torch.randn(64, 64)})
+    room = auth.ENVELOPE_ROOM
+    body = m.encode_message(msg, room=room)
+    assert bytes(body[room:]) == bytes(m.encode_message(msg))
+    sealed, nonce = auth.seal_request(me, body, now=1_700_000_000.0, room=room)
+    assert isinstance(sealed, memoryview) and sealed.obj is body  # no new buffer
+    opened = auth.open_request(sealed)
+    assert opened.key == me.public_key
+    assert torch.equal(m.decode_message(opened.body).tensors["L0.M0/w"], msg.tensors["L0.M0/w"])
+    # The same envelope as sealing the plain frame (nonces differ: compare the layout).
+    plain, _ = auth.seal_request(me, bytes(m.encode_message(msg)), now=1_700_000_000.0)
+    assert len(plain) == len(sealed) and bytes(plain[:4]) == bytes(sealed[:4])
+    # A body changed after sealing fails the envelope's hash.
+    body[-1] ^= 0xFF
+    with pytest.raises(RejectedError) as info:
+        auth.open_request(sealed)
+    assert info.value.reason == Reason.BAD_SIGNATURE
+    # A reply sealed in place, and a room too small for the header (sealed by copying).
+    reply = m.encode_message(m.Ok(), room=room)
+    opened = auth.open_reply(auth.seal_reply(me, nonce, reply, room=room), nonce, me.public_key)
+    assert isinstance(m.decode_message(opened.body), m.Ok)
+    small = m.encode_message(m.Ok(), room=16)
+    sealed_small = auth.seal_reply(me, nonce, small, room=16)
+    assert isinstance(sealed_small, bytearray)
+    assert isinstance(m.decode_message(auth.open_reply(sealed_small, nonce, None).body), m.Ok)
