@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -236,6 +236,9 @@ class CoordinatorBase:
         # open a path (outer steps, reports, ended leases), which wakes them.
         self.waiting_claims = 0
         self.long_poll_slots = 256
+        # Who claimed in vain lately (a key, or a peer id without one) -> when: NoTask's
+        # retry_after grows with their number, so idle polls stay within POLLS_PER_SECOND.
+        self.pollers: OrderedDict[str, float] = OrderedDict()
         # Requests do their CPU and disk work (the envelope, decoding, a delta's checks and
         # write, a module fetch) at most this many at once (service.py); the others queue,
         # each woken once. One runs Python while

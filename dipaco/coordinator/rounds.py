@@ -68,11 +68,10 @@ def open_paths(core: CoordinatorBase) -> dict[int, int]:
     """The paths that owe their round a delta (path -> round). Once no one trains a path (its
     overdue straggler vanished), it is offered again for its modules still at its round, or
     they would wait for ever; the others drop its delta (admission)."""
-    return {
-        p: v
-        for p, v, reported in path_rounds(core)
-        if v < core.rounds and not reported and core.phase_of(v) in core.phases
-    }
+    rounds = path_rounds(core)
+    # Each round's phase is looked up once, not once per path: every claim asks this.
+    ok = {v: v < core.rounds and core.phase_of(v) in core.phases for v in {v for _, v, _ in rounds}}
+    return {p: v for p, v, reported in rounds if ok[v] and not reported}
 
 
 def ahead_paths(core: CoordinatorBase, peer_id: str) -> dict[int, int]:

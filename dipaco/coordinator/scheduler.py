@@ -104,10 +104,11 @@ class Scheduler:
         prefer: int | None,
         steps: int = 0,
         holding: Collection[str] = (),
-        last_trainer: Mapping[int, str] | None = None,
+        last_trainer: Callable[[int], str | None] | None = None,
     ) -> Lease | None:
         """Lease one open path (path -> round) to ``peer_id``; None if all are taken. Which
-        one: :meth:`pick` (``last_trainer``: who trained each path's round before, if known).
+        one: :meth:`pick` (``last_trainer(path)``: who trained the path's round before, if
+        known; asked only of the free paths).
 
         A peer that already holds a live lease (it restarted) gets the same task back, unless
         the peer names it in ``holding``: a path-parallel peer asking for one task more.
@@ -119,7 +120,10 @@ class Scheduler:
         free = sorted(set(open_paths) - self.leased_paths())
         if not free:
             return None
-        path = self.pick(peer_id, free, prefer, last_trainer or {})
+        last = {}
+        if last_trainer is not None:
+            last = {p: who for p in free if (who := last_trainer(p)) is not None}
+        path = self.pick(peer_id, free, prefer, last)
         rnd = open_paths[path]
         attempt = self.attempts.get((path, rnd), 0)
         self.attempts[(path, rnd)] = attempt + 1

@@ -23,6 +23,13 @@ from dipaco.protocols.reasons import Reason
 FILE_CHUNK = 4 << 20
 LONG_POLL_SECONDS = 2.0  # the longest a claim waits for a path to open (ClaimTask.wait)
 LOOK_AGAIN_SECONDS = 1.0  # a waiting claim looks for a path this often, woken or not
+# Idle polls back off under load: a NoTask says to come back after RETRY_AFTER seconds, or after
+# as many as keep the claims answered NoTask near POLLS_PER_SECOND in all (the pollers seen in
+# the last POLL_WINDOW seconds, each counted once), never more than MAX_RETRY_AFTER.
+RETRY_AFTER = 0.5
+POLLS_PER_SECOND = 100.0
+MAX_RETRY_AFTER = 30.0
+POLL_WINDOW = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +103,10 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
     if lease is None:
         return m.NoTask(
             reason="every open path is leased or waiting for its modules",
-            retry_after=0.5,
+            retry_after=retry_after(core, core._caller or req.peer_id),
             finished=False,
         )
+    core.pollers.pop(core._caller or req.peer_id, None)
     if fresh:
         if not lease.hedge_of:  # a copy keeps the base of the task it copies
             lease.module_versions = {
@@ -277,14 +285,13 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
     (rounds.ahead_paths) rather than wait for this round to close; with hedging, else a copy
     of a straggler's task (Scheduler.hedge). None if none of these."""
     open_paths = core.open_paths()
-    last = {p: core.trained_by.get((p, r - 1)) for p, r in open_paths.items()}
     lease = core.scheduler.claim(
         req.peer_id,
         open_paths,
         req.prefer_path,
         core.inner_steps,
         req.holding,
-        {p: who for p, who in last.items() if who is not None},
+        lambda p: core.trained_by.get((p, open_paths[p] - 1)),
     )
     if lease is None and core.policy.overlap:
         lease = core.scheduler.claim(
@@ -306,6 +313,21 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
                 }
             )
     return lease
+
+
+def retry_after(core: CoordinatorBase, who: str) -> float:
+    """When ``who`` (a key; one key with many peer ids polls as one) should claim again after
+    a NoTask: RETRY_AFTER, or longer when so many poll that their claims would take more than
+    POLLS_PER_SECOND. Each idle claim costs the scheduler a request's envelope and a look at
+    the paths; with 1,000 idle peers every 0.5 s that was most of a core (docs/operations.md,
+    capacity planning), and a round's paths are picked up within this delay of opening."""
+    now = time.monotonic()
+    pollers = core.pollers
+    pollers[who] = now
+    pollers.move_to_end(who)
+    while pollers and next(iter(pollers.values())) < now - POLL_WINDOW:
+        pollers.popitem(last=False)
+    return min(MAX_RETRY_AFTER, max(RETRY_AFTER, len(pollers) / POLLS_PER_SECOND))
 
 
 def wait_for_work(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:

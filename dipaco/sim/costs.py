@@ -147,7 +147,7 @@ class Settings:
     lease_seconds: float = 300.0
     # Requests a real peer sends often are run once per period here, and charged to the
     # scheduler as the calls of that period: heartbeats (a real peer: every 5 s) and the polls
-    # of an idle peer (a real one: the NoTask's retry_after, 0.5 s).
+    # of an idle peer (a real one: the NoTask's retry_after, 0.5 s, longer when many poll).
     heartbeat_seconds: float = 60.0
     real_heartbeat_seconds: float = 5.0
     poll_seconds: float = 30.0

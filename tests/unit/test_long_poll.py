@@ -126,3 +126,38 @@ def test_a_closing_round_wakes_every_waiting_claim_and_a_delta_that_opens_nothin
     # Each change woke one claim (plus one per lease, for the next): not every waiting claim.
     assert looks.count(True) == 4
     assert len(looks) <= (co.work_generation - changes) + 4, (len(looks), co.work_generation)
+
+
+def test_idle_polls_back_off_as_pollers_grow_and_one_key_counts_once(tmp_path, monkeypatch):
+    """With every path leased, each NoTask's retry_after keeps the idle claims near
+    POLLS_PER_SECOND in all: 0.5 s for a few pollers, longer for many (at most
+    MAX_RETRY_AFTER); a key that polls under many peer ids counts once; a poller that gets a
+    task, or is silent for POLL_WINDOW, no longer counts."""
+    monkeypatch.setattr(tasks, "POLLS_PER_SECOND", 4.0)  # 4 polls a second: 40 pollers = 10 s
+    co = tiny_coordinator(tmp_path, rounds=3)
+    leased = lease_every_path(co)
+
+    def idle(name, key=None):
+        tr = LocalTransport(co.handle).authenticate(
+            KEYS.setdefault(key or name, Identity.generate())
+        )
+        reply = tr.request(m.ClaimTask(peer_id=name))
+        assert isinstance(reply, m.NoTask) and not reply.finished
+        return reply.retry_after
+
+    assert idle("idle0") == tasks.RETRY_AFTER  # one poller: the usual interval
+    waits = [idle(f"idle{i}") for i in range(1, 40)]
+    assert waits[-1] == 40 / 4.0 and waits == sorted(waits)  # 40 pollers at 4 a second
+    # One key behind 10 more peer ids is one poller more, not 10.
+    assert [idle(f"sybil{i}", key="mallory") for i in range(10)][-1] == 41 / 4.0
+    assert max(idle(f"more{i}") for i in range(200)) == tasks.MAX_RETRY_AFTER  # capped
+    # Pollers silent for the window are forgotten; the retry interval comes back down.
+    stale = time.monotonic() - tasks.POLL_WINDOW - 1
+    for who in list(co.pollers):
+        co.pollers[who] = stale
+    assert idle("fresh") == tasks.RETRY_AFTER
+    # A poller that gets a task leaves the count: the round's paths open, idle0 takes one.
+    for p, task in enumerate(leased):
+        peer(co, f"p{p}").request(delta_message(task, f"p{p}", constant_delta(co, task)))
+    assert isinstance(peer(co, "fresh").request(m.ClaimTask(peer_id="fresh")), m.TaskOffer)
+    assert KEYS["fresh"].public_key not in co.pollers
