@@ -118,7 +118,8 @@ def tick_now(core: CoordinatorBase, step: bool = True) -> None:
         # Once overdue, a (path, round) stays skipped until the round is over everywhere: a
         # module that closed without it must not leave the path's other modules waiting.
         late = core.scheduler.overdue() - core.overdue
-        core.overdue = {(p, r) for p, r in core.overdue | late if r >= core.round}
+        current = core.round  # every module's versions: once, not once per skipped path
+        core.overdue = {(p, r) for p, r in core.overdue | late if r >= current}
         if late & core.overdue:
             core._save_state()  # the skip survives a restart: the round does not wait again
     if step:
