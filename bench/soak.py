@@ -304,6 +304,9 @@ def peer_loop(
                 ),
             )
             stats.submits += 1
+            # The submits that close a module's round wait for its outer step: apart, too.
+            closing = "SubmitDelta, closing" if ack.closed else "SubmitDelta, other"
+            stats.latencies[closing].append(stats.latencies["SubmitDelta"][-1])
             stats.tasks += 1
             stats.acked += [(mid, offer.task_id) for mid in ack.accepted]
             last_path = offer.path
@@ -711,7 +714,7 @@ def _print(result: dict[str, Any], label: str) -> None:
     )
     for op, p in result["latency_ms"].items():
         print(
-            f"  {op:14s} p50 {p['p50']:7.1f} ms  p90 {p['p90']:7.1f} ms  p99 {p['p99']:7.1f} ms"
+            f"  {op:20s} p50 {p['p50']:7.1f} ms  p90 {p['p90']:7.1f} ms  p99 {p['p99']:7.1f} ms"
             f"  ({p['n']} requests)"
         )
     rss = ", ".join(f"r{r}: {b / 2**20:.0f}" for r, b in result["rss_by_round"].items())
