@@ -2,6 +2,8 @@
 the same global batches, within 1e-6, from an optimizer that already holds state."""
 
 import dataclasses
+import os
+import sys
 
 import pytest
 import torch
@@ -35,6 +37,22 @@ def warm_up(model, optimizer, data) -> None:
         train_step(model, optimizer, data[i], SETTINGS, step=i)
 
 
+def lead(group: ddp.Group, out: str) -> None:
+    """Rank 0: the steps a single process takes, led over the group; its result saved."""
+    data = batches(WARM + STEPS)
+    model, optimizer = fresh()
+    warm_up(model, optimizer, data)
+    spec = {"model": dataclasses.asdict(CFG), "settings": dataclasses.asdict(SETTINGS)}
+    wrapped = ddp.start_task(group, model, optimizer, spec)
+    losses = []
+    for i in range(WARM, WARM + STEPS):
+        batch = ddp.send_step(group, i, data[i])
+        loss = ddp.sharded_step(group, model, wrapped, optimizer, batch, SETTINGS, step=i)
+        losses.append(loss.item())
+    ddp.quit_followers(group)
+    torch.save({"params": model.state_dict(), "losses": losses}, out)
+
+
 def rank_main(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     group = ddp.Group.join(init, rank, 2, "cpu")
@@ -42,23 +60,16 @@ def rank_main(rank: int, init: str, out: str) -> None:
     try:
         if rank != 0:
             ddp.follow(group)
-            ended = True
-            return
-        data = batches(WARM + STEPS)
-        model, optimizer = fresh()
-        warm_up(model, optimizer, data)
-        spec = {"model": dataclasses.asdict(CFG), "settings": dataclasses.asdict(SETTINGS)}
-        wrapped = ddp.start_task(group, model, optimizer, spec)
-        losses = []
-        for i in range(WARM, WARM + STEPS):
-            batch = ddp.send_step(group, i, data[i])
-            loss = ddp.sharded_step(group, model, wrapped, optimizer, batch, SETTINGS, step=i)
-            losses.append(loss.item())
-        ddp.quit_followers(group)
-        torch.save({"params": model.state_dict(), "losses": losses}, out)
+        else:
+            lead(group, out)
         ended = True
     finally:
         group.close(synchronise=ended)
+    # As `dipaco.cli.machine.follow_path` does: leave without the interpreter's teardown, where
+    # gloo's threads can abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_two_gloo_processes_train_the_path_a_single_process_trains(tmp_path):
