@@ -133,6 +133,7 @@ class AccessPolicy:
         self.access: dict[str, dict[str, Any]] = {"allowed": {}, "owners": {}, "revoked": {}}
         self._mtime: float | None = None
         self.names: dict[str, str] = {}  # peer id -> key
+        self._ids: dict[str, list[str]] = {}  # key -> its peer ids (names, the other way)
         self.banned: dict[str, dict[str, Any]] = {}
         self.offences: Counter[str] = Counter()
         self._buckets = KeyBuckets(
@@ -149,6 +150,9 @@ class AccessPolicy:
         try:
             data = json.loads(file.read_text())
             self.names = {str(k): str(v) for k, v in data.get("names", {}).items()}
+            self._ids = {}
+            for name, key in self.names.items():
+                self._ids.setdefault(key, []).append(name)
             self.banned = dict(data.get("banned", {}))
         except (ValueError, AttributeError) as exc:
             # Losing the bindings only means peer ids are bound afresh; say so, do not stop.
@@ -233,7 +237,7 @@ class AccessPolicy:
                     f"{fingerprint(key)}; pick another --peer-id",
                     reason=Reason.IDENTITY_MISMATCH,
                 )
-            used = sum(1 for k in self.names.values() if k == key)
+            used = len(self._ids.get(key, ()))
             if key not in self.self_keys and used >= self.settings.max_names_per_key:
                 raise RejectedError(
                     f"key {fingerprint(key)} already uses {used} peer ids "
@@ -241,7 +245,13 @@ class AccessPolicy:
                     reason=Reason.QUOTA,
                 )
             self.names[name] = key
+            self._ids.setdefault(key, []).append(name)
             self._save_peers()
+
+    def ids_of(self, key: str) -> list[str]:
+        """The peer ids bound to ``key`` (at most ``security.max_names_per_key``)."""
+        with self.lock:
+            return list(self._ids.get(key, ()))
 
     def offence(self, key: str | None, reason: str) -> None:
         """Count a hostile rejection against ``key``; ban it at ``security.ban_after``."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dipaco.coordinator.scheduler import Lease
+from dipaco.coordinator.leases import Lease
 from dipaco.data.shards import shard_name
 
 

@@ -321,10 +321,9 @@ def record_done(
     core.scheduler.finish(task.task_id)
     # Another live task of the path's round (a hedge's copy, or the straggler it copied) can
     # add nothing now: its lease ends, so its peer stops training it at its next heartbeat.
-    for other in list(core.scheduler.leases.values()):
-        if (other.path, other.round) == (task.path, task.round):
-            core.scheduler.release(other.task_id, other.peer_id)
-            core.metrics({"event": "task_dropped", "task": other.task_id, "peer": other.peer_id})
+    for other in core.scheduler.holders(task.path, task.round):
+        core.scheduler.release(other.task_id, other.peer_id)
+        core.metrics({"event": "task_dropped", "task": other.task_id, "peer": other.peer_id})
     peer = core.peers.setdefault(peer_id, PeerInfo())
     peer.tasks_done += 1
     peer.tokens += tokens
@@ -347,4 +346,5 @@ def free_paths(core: CoordinatorBase) -> set[int]:
     """The open paths no live lease holds: what an in-process adapter (Flower's ServerApp)
     may plan tasks for; the claim itself still goes through the service."""
     with core.lock:
-        return set(open_paths(core)) - core.scheduler.leased_paths()
+        leased = core.scheduler.leased_paths()
+        return {p for p in open_paths(core) if p not in leased}

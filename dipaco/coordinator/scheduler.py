@@ -13,6 +13,9 @@ is the median of the observed durations plus max(k * MAD, slack * median). Task 
 is offered the steps it trains in the median task's time (never below ``min_step_fraction`` of
 H), so a slow peer's task ends with the others', and its delta weighs the tokens it trained. A
 peer that stops heartbeating for ``lease_seconds`` has vanished.
+
+Every request runs the ticker's bookkeeping (expiry, overdue tasks) and a claim asks who holds
+what, so none of these scans the live leases: ``leases.LiveLeases`` keeps them indexed.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import json
 import math
 import statistics
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Collection, KeysView, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from dipaco.coordinator.leases import Lease, LiveLeases
 
 
 def robust_deadline(
@@ -36,19 +41,6 @@ def robust_deadline(
     median = statistics.median(samples)
     mad = statistics.median(abs(x - median) for x in samples)
     return median + max(mads * mad, slack * median)
-
-
-@dataclass
-class Lease:
-    task_id: str
-    path: int
-    round: int
-    peer_id: str
-    deadline: float
-    steps: int = 0
-    issued_at: float = 0.0
-    module_versions: dict[str, int] = field(default_factory=dict)
-    hedge_of: str = ""  # the straggler's task this one copies (scheduler.hedge)
 
 
 @dataclass(frozen=True)
@@ -72,7 +64,9 @@ class Scheduler:
         self.lease_seconds = lease_seconds
         self.clock = clock
         self.policy = policy or DeadlinePolicy()
-        self.leases: dict[str, Lease] = {}  # task id -> live lease
+        self.live = LiveLeases()  # the live leases, indexed (leases.py)
+        self._deadline: tuple[int, float | None] | None = None  # (durations seen, task_deadline)
+        self._finished = 0  # tasks finished (durations appended), for the cache above
         self.issued: dict[str, Lease] = {}  # every task id handed out, for late submissions
         # issued_json's encoded entries: task id -> (fields, module versions, JSON text)
         self._issued_text: dict[str, tuple[tuple, dict[str, int], str]] = {}
@@ -85,17 +79,25 @@ class Scheduler:
         self.durations: deque[float] = deque(maxlen=64)  # seconds from lease to done
         self.paces: dict[str, deque[float]] = {}  # per peer: seconds per step of its last tasks
 
+    @property
+    def leases(self) -> dict[str, Lease]:
+        """Task id -> live lease, oldest first; changed only through ``self.live``."""
+        return self.live.by_id
+
     def expire(self) -> list[Lease]:
-        now = self.clock()
-        gone = [lease for lease in self.leases.values() if lease.deadline < now]
+        """End the leases past their deadline; those ended (no scan: LiveLeases.expired)."""
+        gone = self.live.expired(self.clock())
         for lease in gone:
-            del self.leases[lease.task_id]
             self.ended[lease.task_id] = lease.round
             self.expired += 1
         return gone
 
-    def leased_paths(self) -> set[int]:
-        return {lease.path for lease in self.leases.values()}
+    def leased_paths(self) -> KeysView[int]:
+        return self.live.paths()
+
+    def holders(self, path: int, rnd: int) -> list[Lease]:
+        """The live leases of ``path``'s round ``rnd`` (a task and its hedged copy)."""
+        return self.live.of_task(path, rnd)
 
     def claim(
         self,
@@ -115,9 +117,10 @@ class Scheduler:
         """
         held = [lease for lease in self.leases_of(peer_id) if lease.task_id not in holding]
         if held:
-            held[0].deadline = self.clock() + self.lease_seconds
+            self.live.renew(held[0], self.clock() + self.lease_seconds)
             return held[0]
-        free = sorted(set(open_paths) - self.leased_paths())
+        leased = self.leased_paths()
+        free = sorted(p for p in open_paths if p not in leased)
         if not free:
             return None
         last = {}
@@ -137,7 +140,7 @@ class Scheduler:
             steps=self.steps_for(peer_id, steps),
             issued_at=now,
         )
-        self.leases[lease.task_id] = lease
+        self.live.add(lease)
         self.issued[lease.task_id] = lease
         return lease
 
@@ -165,20 +168,21 @@ class Scheduler:
         if len(self.durations) < self.policy.min_observations or self.leases_of(peer_id):
             return None
         typical, now = statistics.median(self.durations), self.clock()
-        holders = Counter((x.path, x.round) for x in self.leases.values())
-        late = [
-            x
-            for x in self.leases.values()
-            if x.peer_id != peer_id
-            and holders[(x.path, x.round)] == 1
-            and (x.path, x.round) not in done
-            and x.module_versions
-            and all(v >= x.round for v in x.module_versions.values())
-            and now - x.issued_at > typical
-        ]
-        if not late:
+        slow = None
+        for x in self.leases.values():  # oldest first: the first that qualifies
+            if now - x.issued_at <= typical:
+                break  # the rest are younger still
+            if (
+                x.peer_id != peer_id
+                and len(self.live.of_task(x.path, x.round)) == 1
+                and (x.path, x.round) not in done
+                and x.module_versions
+                and all(v >= x.round for v in x.module_versions.values())
+            ):
+                slow = x
+                break
+        if slow is None:
             return None
-        slow = min(late, key=lambda x: x.issued_at)
         attempt = self.attempts.get((slow.path, slow.round), 0)
         self.attempts[(slow.path, slow.round)] = attempt + 1
         lease = Lease(
@@ -192,27 +196,32 @@ class Scheduler:
             module_versions=dict(slow.module_versions),
             hedge_of=slow.task_id,
         )
-        self.leases[lease.task_id] = lease
+        self.live.add(lease)
         self.issued[lease.task_id] = lease
         return lease
 
     def task_deadline(self) -> float | None:
-        deadline = robust_deadline(
-            self.durations, self.policy.mads, self.policy.slack, self.policy.min_observations
-        )
-        return None if deadline is None else max(deadline, self.policy.floor)
+        """The task deadline (seconds): computed again only when a task has finished since."""
+        if self._deadline is None or self._deadline[0] != self._finished:
+            deadline = robust_deadline(
+                self.durations, self.policy.mads, self.policy.slack, self.policy.min_observations
+            )
+            value = None if deadline is None else max(deadline, self.policy.floor)
+            self._deadline = (self._finished, value)
+        return self._deadline[1]
 
     def overdue(self) -> set[tuple[int, int]]:
-        """(path, round) of live leases that have run past the task deadline."""
+        """(path, round) of live leases that have run past the task deadline: the oldest
+        leases, so the walk stops at the first that has not."""
         deadline = self.task_deadline()
         if deadline is None:
             return set()
-        now = self.clock()
-        return {
-            (lease.path, lease.round)
-            for lease in self.leases.values()
-            if now - lease.issued_at > deadline
-        }
+        now, late = self.clock(), set()
+        for lease in self.leases.values():
+            if now - lease.issued_at <= deadline:
+                break
+            late.add((lease.path, lease.round))
+        return late
 
     def steps_for(self, peer_id: str, steps: int) -> int:
         """H, or fewer for a peer too slow to finish H steps within the task deadline: as many
@@ -233,14 +242,15 @@ class Scheduler:
         lease = self.leases.get(task_id)
         if lease is None or lease.peer_id != peer_id:
             return None
-        lease.deadline = self.clock() + self.lease_seconds
+        self.live.renew(lease, self.clock() + self.lease_seconds)
         return lease
 
     def finish(self, task_id: str) -> None:
-        lease = self.leases.pop(task_id, None)
+        lease = self.live.drop(task_id)
         if lease is not None:
             took = self.clock() - lease.issued_at
             self.durations.append(took)
+            self._finished += 1
             # The peer's pace over whole tasks (fetch and push included), for its next offers.
             pace = self.paces.setdefault(lease.peer_id, deque(maxlen=3))
             pace.append(took / max(1, lease.steps))
@@ -249,7 +259,7 @@ class Scheduler:
         lease = self.leases.get(task_id)
         if lease is None or lease.peer_id != peer_id:
             return False
-        del self.leases[task_id]
+        self.live.drop(task_id)
         self.ended[task_id] = lease.round
         return True
 
@@ -271,7 +281,7 @@ class Scheduler:
         self.ended = {t: r for t, r in self.ended.items() if r >= first_round}
 
     def leases_of(self, peer_id: str) -> list[Lease]:
-        return [lease for lease in self.leases.values() if lease.peer_id == peer_id]
+        return self.live.of_peer(peer_id)
 
     def snapshot(self, with_issued: bool = True) -> dict[str, Any]:
         """What a restart must find again (coordinator.json ``scheduler``), in few bytes.
@@ -327,6 +337,7 @@ class Scheduler:
         """
         now = self.clock()
         live = saved.get("live", {})
+        back = []
         for task, path, rnd, peer, steps, versions in saved.get("issued", []):
             lease = Lease(task, path, rnd, peer, now, steps, now, dict(versions))
             self.issued[task] = lease
@@ -334,8 +345,11 @@ class Scheduler:
                 left, age = live[task]
                 lease.deadline = now + max(left, self.lease_seconds / 2)
                 lease.issued_at = now - age
-                self.leases[task] = lease
+                back.append(lease)
+        for lease in sorted(back, key=lambda x: x.issued_at):  # leases stay in issue order
+            self.live.add(lease)
         self.attempts.update({(p, r): n for p, r, n in saved.get("attempts", [])})
         self.durations.extend(saved.get("durations", []))
+        self._finished += 1  # the task deadline is judged afresh
         for peer, pace in saved.get("paces", {}).items():
             self.paces[peer] = deque(pace, maxlen=3)

@@ -14,8 +14,8 @@ import torch
 
 from dipaco.coordinator import rotation, tickets
 from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.leases import Lease
 from dipaco.coordinator.records import Task
-from dipaco.coordinator.scheduler import Lease
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
@@ -83,16 +83,12 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
     # A path-parallel peer names the tasks it holds already: it asks for one more.
     fresh = all(lease.task_id in req.holding for lease in core.scheduler.leases_of(req.peer_id))
     if fresh and core._caller is not None and not core.access.is_owner(core._caller):
-        held = [
-            lease
-            for lease in core.scheduler.leases.values()
-            if core.access.names.get(lease.peer_id) == core._caller
-        ]
-        if len(held) >= core.security.max_tasks_per_key:
+        held = sum(len(core.scheduler.leases_of(p)) for p in core.access.ids_of(core._caller))
+        if held >= core.security.max_tasks_per_key:
             core._reject(
                 req.peer_id,
                 Reason.QUOTA,
-                f"this key already holds {len(held)} live tasks "
+                f"this key already holds {held} live tasks "
                 f"(at most {core.security.max_tasks_per_key})",
             )
     lease = lease_open_or_ahead(core, req)

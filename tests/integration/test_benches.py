@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
         ("codecs", []),
         ("scale", ["--out", "{tmp}/scale.json", "--plot", "{tmp}/scale.html"]),
         ("path_parallel", []),
+        ("scheduler_leases", []),
     ],
 )
 def test_the_benchmark_runs_prints_its_ratio_and_records_its_row(bench, extra, tmp_path):
