@@ -26,6 +26,7 @@ from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.records import PeerInfo, Phase, ReportedModule
 from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
 from dipaco.coordinator.serial import Serial
+from dipaco.coordinator.statetext import trained_by_texts
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.validation import KeyScores, NormTracker
 from dipaco.errors import ConfigError, CorruptFileError, RejectedError
@@ -253,6 +254,7 @@ class CoordinatorBase:
         # (path, round) -> the peer whose task it was, since that peer's last Hello: overlap
         # offers a path's next round only to the peer that holds where it ended (in memory).
         self.trained_by: dict[tuple[int, int], str] = {}
+        self.trained_by_texts = trained_by_texts()  # its entries' JSON, kept (statetext.py)
         # (path, round) whose task ran past the deadline: rounds may close without them.
         self.overdue: set[tuple[int, int]] = set()
         self.void: dict[str, int] = {}  # an owner's copy of the scheduler's ended leases

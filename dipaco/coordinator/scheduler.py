@@ -20,7 +20,6 @@ what, so none of these scans the live leases: ``leases.LiveLeases`` keeps them i
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dipaco.coordinator.leases import Lease, LiveLeases
+from dipaco.coordinator.statetext import SchedulerTexts
 
 
 def robust_deadline(
@@ -68,8 +68,7 @@ class Scheduler:
         self._deadline: tuple[int, float | None] | None = None  # (durations seen, task_deadline)
         self._finished = 0  # tasks finished (durations appended), for the cache above
         self.issued: dict[str, Lease] = {}  # every task id handed out, for late submissions
-        # issued_json's encoded entries: task id -> (fields, module versions, JSON text)
-        self._issued_text: dict[str, tuple[tuple, dict[str, int], str]] = {}
+        self.texts = SchedulerTexts()  # snapshot_text's kept entries (statetext.py)
         self.attempts: dict[tuple[int, int], int] = {}
         self.expired = 0
         # Leases released or expired, task id -> round: their tickets are void, so a ticket
@@ -283,50 +282,36 @@ class Scheduler:
     def leases_of(self, peer_id: str) -> list[Lease]:
         return self.live.of_peer(peer_id)
 
-    def snapshot(self, with_issued: bool = True) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         """What a restart must find again (coordinator.json ``scheduler``), in few bytes.
 
         ``issued``: every task remembered (live leases included) as ``[task, path, round, peer,
-        steps, {module: version}]``; ``live``: each live lease's ``[seconds left, seconds since
-        issued]``: the clock is monotonic and does not survive a restart, so times are kept
-        relative to the save and rebased by :meth:`restore`; ``attempts``: ``[path, round, n]``;
-        ``durations`` and ``paces``: what deadlines and step offers are judged by.
+        steps, {module: version}]``; ``live``: each live lease's ``[deadline, issued at]`` on
+        this scheduler's clock, and ``clock`` that clock at the save: the clock is monotonic and
+        does not survive a restart, so :meth:`restore` rebases them; ``attempts``: ``[path,
+        round, n]``; ``durations`` and ``paces``: what deadlines and step offers are judged by.
         """
-        now = self.clock()
-        state: dict[str, Any] = {}
-        if with_issued:
-            state["issued"] = [
+        return {
+            "issued": [
                 [t, x.path, x.round, x.peer_id, x.steps, x.module_versions]
                 for t, x in self.issued.items()
-            ]
-        return {
-            **state,
+            ],
+            "clock": round(self.clock(), 3),
             "live": {
-                t: [round(x.deadline - now, 3), round(max(0.0, now - x.issued_at), 3)]
-                for t, x in self.leases.items()
+                t: [round(x.deadline, 3), round(x.issued_at, 3)] for t, x in self.leases.items()
             },
             "attempts": [[p, r, n] for (p, r), n in self.attempts.items()],
             "durations": [round(d, 3) for d in self.durations],
             "paces": {peer: [round(x, 4) for x in pace] for peer, pace in self.paces.items()},
         }
 
-    def issued_json(self) -> str:
-        """:meth:`snapshot`'s ``issued`` as compact JSON, each task's entry encoded once and
-        kept while it stays the same: coordinator.json is written for most requests, and with
-        hundreds of peers encoding every remembered task again was most of its cost."""
-        parts, cache = [], self._issued_text
-        for t, x in self.issued.items():
-            fields = (x.path, x.round, x.peer_id, x.steps)
-            hit = cache.get(t)
-            if hit is None or hit[0] != fields or hit[1] != x.module_versions:
-                entry = [t, *fields, x.module_versions]
-                text = json.dumps(entry, sort_keys=True, separators=(",", ":"))
-                hit = cache[t] = (fields, dict(x.module_versions), text)
-            parts.append(hit[2])
-        if len(cache) > 2 * len(self.issued) + 64:  # tasks forgotten since
-            for t in [t for t in cache if t not in self.issued]:
-                del cache[t]
-        return "[" + ",".join(parts) + "]"
+    def snapshot_text(self) -> str:
+        """:meth:`snapshot` as compact JSON, keys sorted, each remembered task, live lease,
+        attempt count and pace encoded once and kept while it stays the same (statetext.py):
+        coordinator.json is written for most requests."""
+        return self.texts.text(
+            self.issued, self.leases, self.attempts, self.paces, self.durations, self.clock()
+        )
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Take back a :meth:`snapshot` (already checked) after a restart.
@@ -338,11 +323,14 @@ class Scheduler:
         now = self.clock()
         live = saved.get("live", {})
         back = []
+        saved_at = saved.get("clock")  # None: an older file, times relative to its save
         for task, path, rnd, peer, steps, versions in saved.get("issued", []):
             lease = Lease(task, path, rnd, peer, now, steps, now, dict(versions))
             self.issued[task] = lease
             if task in live:
                 left, age = live[task]
+                if saved_at is not None:
+                    left, age = left - saved_at, max(0.0, saved_at - age)
                 lease.deadline = now + max(left, self.lease_seconds / 2)
                 lease.issued_at = now - age
                 back.append(lease)

@@ -20,6 +20,7 @@ import torch
 from dipaco.coordinator import rotation
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.records import ReportedModule
+from dipaco.coordinator.statetext import dumps, json_object, trained_by_text
 from dipaco.errors import CorruptFileError
 from dipaco.fileio import compact_json_bytes, finite_number
 from dipaco.protocols import keyrotation
@@ -149,51 +150,50 @@ def state_bytes(core: CoordinatorBase) -> bytes:
     """coordinator.json's content now, encoded under the coordinator's lock (the file and the
     state it holds must be one moment's: leases change under that lock). Compact JSON: the
     C encoder, ten times faster than an indented file for a scheduler's thousands of tasks;
-    the remembered tasks, most of a busy scheduler's file, are each encoded once
-    (``Scheduler.issued_json``). The same bytes as ``compact_json_bytes(snapshot_state(core))``."""
+    the long sections (remembered tasks, live leases, attempts, paces, who trained each
+    path's rounds) have each entry encoded once and kept while it is unchanged (statetext.py).
+    The same bytes as ``compact_json_bytes(snapshot_state(core))``."""
     with core.lock:
-        state = snapshot_state(core, with_issued=False)
-        if "scheduler" not in state:
-            return compact_json_bytes(state)
-        texts = {k: _json(v) for k, v in state.items() if k != "scheduler"}
-        sched = {k: _json(v) for k, v in state["scheduler"].items()}
-        sched["issued"] = core.scheduler.issued_json()  # each task encoded once
-        texts["scheduler"] = _object(sched)
-        return _object(texts).encode()
+        if not core.is_scheduler:
+            return compact_json_bytes(snapshot_state(core))
+        texts = {k: dumps(v) for k, v in _common(core).items()}
+        texts["trained_by"] = trained_by_text(core.trained_by_texts, core.trained_by)
+        texts["scheduler"] = core.scheduler.snapshot_text()
+        return json_object(texts).encode()
 
 
-def _json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+def _common(core: CoordinatorBase) -> dict[str, Any]:
+    """What coordinator.json holds apart from the scheduler's long sections."""
+    state: dict[str, Any] = {
+        "epoch": core.epoch,
+        "rejections": dict(core.rejections),
+        "rejections_by_peer": {p: dict(c) for p, c in core.rejections_by_peer.items()},
+        "run_id": core.run_id,
+        "owner_id": core.owner_id,
+    }
+    if core.is_scheduler:
+        state.update(
+            owners=core.owners,
+            remote={mid: r.to_json() for mid, r in core.remote.items()},
+            addresses=core.addresses,
+            owner_keys=core.owner_keys,
+            ended=core.scheduler.ended,
+            overdue=sorted([p, r] for p, r in core.overdue),
+        )
+    elif getattr(core, "key_rotations", None):
+        state["scheduler_rotations"] = core.key_rotations
+    return state
 
 
-def _object(texts: dict[str, str]) -> str:
-    """A JSON object from its values' JSON texts: what ``_json`` gives for the whole (keys
-    sorted), byte for byte."""
-    return "{" + ",".join(f"{_json(k)}:{v}" for k, v in sorted(texts.items())) + "}"
-
-
-def snapshot_state(core: CoordinatorBase, with_issued: bool = True) -> dict[str, Any]:
+def snapshot_state(core: CoordinatorBase) -> dict[str, Any]:
+    """coordinator.json's content now, as a value (``state_bytes`` encodes the same)."""
     with core.lock:
-        state: dict[str, Any] = {
-            "epoch": core.epoch,
-            "rejections": dict(core.rejections),
-            "rejections_by_peer": {p: dict(c) for p, c in core.rejections_by_peer.items()},
-            "run_id": core.run_id,
-            "owner_id": core.owner_id,
-        }
+        state = _common(core)
         if core.is_scheduler:
             state.update(
-                owners=core.owners,
-                remote={mid: r.to_json() for mid, r in core.remote.items()},
-                addresses=core.addresses,
-                owner_keys=core.owner_keys,
-                ended=core.scheduler.ended,
-                scheduler=core.scheduler.snapshot(with_issued),
-                overdue=sorted([p, r] for p, r in core.overdue),
+                scheduler=core.scheduler.snapshot(),
                 trained_by=sorted([p, r, peer] for (p, r), peer in core.trained_by.items()),
             )
-        elif getattr(core, "key_rotations", None):
-            state["scheduler_rotations"] = core.key_rotations
         return state
 
 
@@ -305,7 +305,9 @@ def _scheduler_problem(saved: Any) -> str | None:
         k in known and isinstance(v, list) and len(v) == 2 and all(_seconds(t) for t in v)
         for k, v in live.items()
     ):
-        return "'scheduler.live' is not {issued task: [seconds left, seconds since issued]}"
+        return "'scheduler.live' is not {issued task: [deadline, issued at]}"
+    if "clock" in saved and not _seconds(saved["clock"]):
+        return "'scheduler.clock' is not a time in seconds"
     if not _pairs(saved.get("attempts", []), 3):
         return "'scheduler.attempts' is not [[path, round, attempts]]"
     durations = saved.get("durations", [])

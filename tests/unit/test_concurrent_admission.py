@@ -267,11 +267,15 @@ def test_the_number_of_request_slots_is_set_or_refused_clearly(tmp_path, monkeyp
             tiny_coordinator(tmp_path / f"bad{bad}", start=False)
 
 
-def test_coordinator_json_keeps_each_tasks_encoding_and_writes_the_same_bytes(tmp_path):
-    """coordinator.json's remembered tasks are encoded once each (Scheduler.issued_json); the
-    file must be exactly what encoding the whole state gives, whatever changed in between."""
-    co = tiny_coordinator(tmp_path, rounds=3, clock=lambda: 1000.0)  # leases' times hold still
+def test_coordinator_json_keeps_each_entrys_encoding_and_writes_the_same_bytes(tmp_path):
+    """coordinator.json's long sections (remembered tasks, live leases, attempts, paces, who
+    trained each path's rounds) have each entry encoded once and kept (statetext.py); the file
+    must be exactly what encoding the whole state gives, whatever changed in between, and an
+    entry is encoded again only when it changed."""
+    now = [1000.0]
+    co = tiny_coordinator(tmp_path, rounds=3, clock=lambda: now[0])
     tr = LocalTransport(co.handle)
+    texts = co.scheduler.texts
 
     def same() -> None:
         with co.lock:
@@ -280,15 +284,28 @@ def test_coordinator_json_keeps_each_tasks_encoding_and_writes_the_same_bytes(tm
     same()
     for _ in range(2):
         tasks = claim_all(tr)
+        now[0] += 1.25  # the clock moves: the leases' times are kept as they are, not rebased
         same()
+        live = texts.live.encoded
+        for _ in range(3):
+            same()  # nothing changed: nothing encoded again
+        assert texts.live.encoded == live
+        tr.request(m.Heartbeat(peer_id="p0", task_id=tasks[0].task_id))  # one lease renewed
+        same()
+        assert texts.live.encoded == live + 1
         for task in tasks.values():
+            now[0] += 0.5
             assert isinstance(submit(co, tr, task), m.DeltaAck)
             same()
+    assert co.scheduler.paces and co.scheduler.attempts and co.trained_by
     # A remembered task changed in place (its module versions, its steps): encoded anew.
+    issued = texts.issued.encoded
     with co.lock:
         lease = next(iter(co.scheduler.issued.values()))
         lease.module_versions[next(iter(lease.module_versions))] += 7
         lease.steps += 1
     same()
+    assert texts.issued.encoded == issued + 1
     saved = json.loads((tmp_path / "coordinator.json").read_text())
     assert len(saved["scheduler"]["issued"]) == len(co.scheduler.issued) > 0
+    assert saved["scheduler"]["clock"] == now[0]

@@ -107,6 +107,24 @@ def test_a_restored_lease_keeps_its_time_left_and_expires_if_its_peer_is_gone(tm
     assert err.value.reason == "lease-ended"
 
 
+def test_a_file_from_before_the_clock_field_restores_its_leases_times_left(tmp_path):
+    """coordinator.json written before ``scheduler.clock`` held each lease as [seconds left,
+    seconds since issued]: a coordinator of this version resumes such a file the same way."""
+    clock = Clock(100.0)
+    co = make(tmp_path, clock)
+    task = claim(co, "alice", prefer=0)
+    state = saved(tmp_path)
+    sched = state["scheduler"]
+    assert sched["live"] == {task.task_id: [100.0 + LEASE, 100.0]}
+    del sched["clock"]
+    sched["live"] = {task.task_id: [LEASE - 1.0, 1.0]}  # the older form
+    (tmp_path / "coordinator.json").write_text(json.dumps(state))
+    co, clock = restart(tmp_path)
+    lease = co.scheduler.leases[task.task_id]
+    assert lease.deadline - clock.now == pytest.approx(LEASE - 1.0)
+    assert clock.now - lease.issued_at == pytest.approx(1.0)
+
+
 def test_task_ids_are_never_reused_across_restarts(tmp_path):
     co = make(tmp_path, Clock())
     seen = []
@@ -206,7 +224,8 @@ def test_the_saved_scheduler_state_is_small_and_has_its_documented_shape(tmp_pat
     sched = saved(tmp_path)["scheduler"]
     versions0 = dict.fromkeys(TOPO.path_modules(2), 0)
     assert sched["issued"] == [[task.task_id, 2, 0, "alice", 5, versions0]]
-    assert sched["live"] == {task.task_id: [LEASE, 0.0]}
+    assert sched["live"] == {task.task_id: [LEASE, 0.0]}  # [deadline, issued at], clock at 0
+    assert sched["clock"] == 0.0
     assert sched["attempts"] == [[2, 0, 1]]
     assert len(json.dumps(sched)) < 300
 
@@ -217,6 +236,7 @@ def test_the_saved_scheduler_state_is_small_and_has_its_documented_shape(tmp_pat
         (lambda s: s["scheduler"].update(issued=[["t", 0, 0]]), "scheduler.issued"),
         (lambda s: s["scheduler"].update(live={"nope": [1.0, 2.0]}), "scheduler.live"),
         (lambda s: s["scheduler"]["live"].update({"x": "soon"}), "scheduler.live"),
+        (lambda s: s["scheduler"].update(clock="noon"), "scheduler.clock"),
         (lambda s: s["scheduler"].update(attempts=[[0, -1, 2]]), "scheduler.attempts"),
         (lambda s: s["scheduler"].update(durations=[-3.0]), "scheduler.durations"),
         # JSON allows an integer no float holds (the fuzz test found it: an OverflowError).
