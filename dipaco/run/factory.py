@@ -40,6 +40,9 @@ from dipaco.run.metrics_log import MetricsLog
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
 
+# In the coordinator's folder: the last round whose after-round work (validation, held-out
+# scoring) finished, so that a restart runs the work a stop cut off (resume_round_work).
+AFTER_ROUND_FILE = "after_round.json"
 # The per-round validation's tries at fetching other owners' modules before it skips a round.
 FETCH_TRIES = 3
 
@@ -132,6 +135,27 @@ def build_owner(
     return coordinator
 
 
+def resume_round_work(coordinator: Coordinator, done_file: Path) -> None:
+    """At a restart, the round work (validation, held-out scoring) of the round the modules
+    are at, if it never finished: the process stopped after the round closed and before its
+    work ran, which runs on a thread of its own (serial.py) that a stop does not wait for.
+    Only the last round's versions are still there to score: an earlier round whose work was
+    lost with it stays unscored. ``done_file`` holds the last round whose work finished."""
+    try:
+        done = json.loads(done_file.read_text()).get("round", 0)
+    except (OSError, ValueError, AttributeError):  # none yet (a new run, or one from before)
+        done = 0
+    on_round = coordinator.on_round
+    with coordinator.lock:
+        rnd = coordinator.round
+        if on_round is not None and 0 < rnd and (not isinstance(done, int) or done < rnd):
+            log.info("round %d's validation and scoring did not finish: running them now", rnd)
+            on_round(rnd)  # as when it closed: queued, outside the lock
+            if coordinator.finished:  # the run's end is said after its last round's work
+                coordinator.finished_event.clear()
+                coordinator.after_round.then(coordinator.finished_event.set)
+
+
 def build_coordinator(
     prep: PreparedRun,
     metrics: MetricsLog,
@@ -147,6 +171,7 @@ def build_coordinator(
     c = prep.config
     coordinator: Coordinator
     early = EarlyStopping(prep.root / "early_stopping") if c.eval.early_stopping else None
+    done_file = prep.root / "coordinator" / AFTER_ROUND_FILE  # the last round whose work ran
     phase_rounds = sorted(c.routing.discriminative_after)
     plateau = c.routing.discriminative_plateau
     last_loss: dict[int, float] = {}  # routing phase -> the paths' mean held-out loss, last round
@@ -298,6 +323,13 @@ def build_coordinator(
         metrics({"event": "round_work_skipped", "round": rnd})
 
     def after_round(rnd: int, own: dict[str, Tensors], scored: bool) -> None:
+        round_work(rnd, own, scored)
+        try:  # done: a restart does not run it again (resume_round_work)
+            write_json_atomic(done_file, {"round": rnd})
+        except OSError as exc:
+            log.error("cannot save %s: %s", done_file, exc)
+
+    def round_work(rnd: int, own: dict[str, Tensors], scored: bool) -> None:
         losses = None
         if early is not None and scored:
             losses = track_early_stopping(prep, early, own.__getitem__, rnd, device)
@@ -360,6 +392,7 @@ def build_coordinator(
             routing.stats["shards"]["train"]["tokens"],
             phase_files(prep, routing.phase),
         )
+    resume_round_work(coordinator, done_file)
     # A restart after a phase's round (or its decision) but before its shards were written runs
     # it now.
     for k, after in enumerate(coordinator.phase_rounds, start=1):

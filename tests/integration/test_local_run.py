@@ -1,6 +1,7 @@
 """Whole runs on the local transport: real files, real training, peers in threads."""
 
 import threading
+import time
 
 import torch
 
@@ -167,3 +168,57 @@ def test_early_stoppings_held_out_scoring_holds_up_no_peer(run_copy, tiny_config
     paths = prep.config.build_topology().num_paths
     assert sorted(early.paths()) == list(range(paths))
     assert {early.best(p)["round"] for p in range(paths)} <= {1, 2}
+
+
+def test_a_restart_runs_the_round_work_that_a_stop_cut_off(run_copy, tiny_config, monkeypatch):
+    """The coordinator stops after a round closed and before its held-out scoring finished (that
+    work runs on a thread a stop does not wait for). The restarted coordinator scores the round
+    its modules are at, once: a third start finds the work done."""
+    from dipaco.coordinator.early_stopping import EarlyStopping
+    from dipaco.run import factory
+
+    tiny_config = tiny_config.replace(
+        scheduler={"quorum": 1.0}, eval={"early_stopping": True, "every_round": False}
+    )
+    prep = prepare(run_copy(), tiny_config)
+    real, cut, stopped, cut_off = factory.track_early_stopping, threading.Event(), set(), [True]
+
+    def scoring(*args, **kwargs):
+        """The first process's scoring never finishes: it stopped (its thread ends the test)."""
+        me = threading.current_thread()
+        if cut_off[0] or me in stopped:
+            stopped.add(me)
+            cut.wait(300)
+            raise RuntimeError("the process stopped")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(factory, "track_early_stopping", scoring)
+    log = prep.root / "metrics.jsonl"
+
+    def heldout() -> list[int]:
+        return [e["round"] for e in MetricsLog(log).read() if e["event"] == "heldout"]
+
+    try:
+        first = build_coordinator(prep, MetricsLog(log), evaluate=False)
+        stop = threading.Event()
+        threads = run_local_peers(first, prep, 2, stop=stop)
+        deadline = time.monotonic() + 300
+        while first.round < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join(300)
+        rnd = first.round
+        assert rnd >= 1 and stopped and heldout() == []
+        cut_off[0] = False
+        second = build_coordinator(prep, MetricsLog(log), evaluate=False)
+        assert second.after_round.drain(300)
+        assert heldout() == [rnd]
+        early = EarlyStopping(prep.root / "early_stopping")
+        paths = prep.config.build_topology().num_paths
+        assert {early.best(p)["round"] for p in range(paths)} == {rnd}
+        third = build_coordinator(prep, MetricsLog(log), evaluate=False)
+        assert third.after_round.drain(60)
+        assert heldout() == [rnd]  # done already: not run again
+    finally:
+        cut.set()
