@@ -30,7 +30,6 @@ from dipaco.coordinator.statetext import trained_by_texts
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.validation import KeyScores, NormTracker
 from dipaco.errors import ConfigError, CorruptFileError, RejectedError
-from dipaco.fileio import compact_json_bytes
 from dipaco.model.topology import Topology
 from dipaco.protocols import auth
 
@@ -291,7 +290,7 @@ class CoordinatorBase:
         )
         self.norm_file = GroupWriter(
             self.lock,
-            lambda: compact_json_bytes(self.norms.snapshot()),
+            self.norms.snapshot_bytes,
             self.root / "validation.json",
             self.store.spares,
         )

@@ -27,6 +27,7 @@ from typing import Literal
 
 import torch
 
+from dipaco.coordinator.statetext import EntryTexts, dumps
 from dipaco.errors import CorruptFileError
 from dipaco.fileio import write_json_atomic
 
@@ -198,6 +199,7 @@ class NormTracker:
         self.mode, self.mads, self.ratio = mode, mads, ratio
         self.min_observations, self.max_norm, self.window = min_observations, max_norm, window
         self.norms: dict[str, deque[float]] = {}
+        self._texts = EntryTexts(lambda mid, xs: f"{dumps(mid)}:{dumps(list(xs))}")
         if self.path is not None and self.path.exists():
             self._load()
 
@@ -223,6 +225,13 @@ class NormTracker:
     def snapshot(self) -> dict:
         """The statistics as saved (a copy: it may be written outside the lock)."""
         return {"norms": {mid: list(xs) for mid, xs in self.norms.items()}}
+
+    def snapshot_bytes(self) -> bytes:
+        """:meth:`snapshot` as the file holds it (compact JSON, keys sorted), each module's
+        norms encoded again only when they changed: an accepted delta adds a norm to its
+        path's modules alone, and the file is written for each (statetext.py)."""
+        pairs = self._texts.texts((mid, tuple(xs)) for mid, xs in sorted(self.norms.items()))
+        return ('{"norms":{' + ",".join(pairs) + "}}").encode()
 
     def stats(self, mid: str) -> tuple[float, float, int]:
         """Median, MAD and count of a module's recorded norms."""

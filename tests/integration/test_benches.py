@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
         ("scale", ["--out", "{tmp}/scale.json", "--plot", "{tmp}/scale.html"]),
         ("path_parallel", []),
         ("scheduler_leases", []),
+        ("state_files", []),
     ],
 )
 def test_the_benchmark_runs_prints_its_ratio_and_records_its_row(bench, extra, tmp_path):

@@ -269,7 +269,8 @@ def test_the_number_of_request_slots_is_set_or_refused_clearly(tmp_path, monkeyp
 
 def test_coordinator_json_keeps_each_entrys_encoding_and_writes_the_same_bytes(tmp_path):
     """coordinator.json's long sections (remembered tasks, live leases, attempts, paces, who
-    trained each path's rounds) have each entry encoded once and kept (statetext.py); the file
+    trained each path's rounds), and validation.json's norms per module, have each entry
+    encoded once and kept (statetext.py); the file
     must be exactly what encoding the whole state gives, whatever changed in between, and an
     entry is encoded again only when it changed."""
     now = [1000.0]
@@ -280,6 +281,7 @@ def test_coordinator_json_keeps_each_entrys_encoding_and_writes_the_same_bytes(t
     def same() -> None:
         with co.lock:
             assert co._state_bytes() == compact_json_bytes(snapshot_state(co))
+            assert co.norms.snapshot_bytes() == compact_json_bytes(co.norms.snapshot())
 
     same()
     for _ in range(2):
@@ -297,7 +299,8 @@ def test_coordinator_json_keeps_each_entrys_encoding_and_writes_the_same_bytes(t
             now[0] += 0.5
             assert isinstance(submit(co, tr, task), m.DeltaAck)
             same()
-    assert co.scheduler.paces and co.scheduler.attempts and co.trained_by
+    assert co.scheduler.paces and co.scheduler.attempts and co.trained_by and co.norms.norms
+    assert json.loads((tmp_path / "validation.json").read_text()) == co.norms.snapshot()
     # A remembered task changed in place (its module versions, its steps): encoded anew.
     issued = texts.issued.encoded
     with co.lock:
