@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.live import Live
 from rich.table import Table
@@ -190,9 +190,14 @@ def follow_path(group: ddp.Group) -> int:
     finally:
         group.close(synchronise=ended)
     say(f"worker {group.rank}: {steps} steps, done")
-    # Leave without the interpreter's teardown: gloo's threads can abort it ("terminate called
-    # without an active exception"), a signal the machine would read as a crash.
+    return leave_group_process(0)
+
+
+def leave_group_process(code: int) -> NoReturn:
+    """End a process that was in a --shard-path group, its group closed: without the
+    interpreter's teardown, where gloo's threads can abort it ("terminate called without an
+    active exception"), a signal the machine would read as a crash. Logs and output flushed."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

@@ -34,7 +34,7 @@ from rich.progress import (
 from dipaco.cli import stopping
 from dipaco.cli.common import command_parser, console, dispatch, one_line, say
 from dipaco.cli.doctor import add_doctor_command
-from dipaco.cli.machine import follow_path, join_machine, worker_group
+from dipaco.cli.machine import follow_path, join_machine, leave_group_process, worker_group
 from dipaco.errors import ConfigError, TransportError
 from dipaco.fileio import write_json_atomic
 from dipaco.net import joins
@@ -295,6 +295,8 @@ def cmd_join(args: argparse.Namespace) -> int:
             "fetched_ahead_tasks": peer.ahead.tasks,
         },
     )
+    if group is not None:  # rank 0 leaves as its followers do (its group closed above)
+        return leave_group_process(0)
     return 0
 
 
