@@ -64,11 +64,12 @@ class Tokenizer:
         log.info("training tokenizer: vocab %d on %d chars", vocab_size, n_chars)
         sample, coverage = _character_coverage(sample, vocab_size)
         model = io.BytesIO()
+        interrupted: list[BaseException] = []
         try:
             # Lines are sentencepiece's sentences; fed from memory (not a temp file) so that no
             # temporary path is recorded in the model and the bytes stay reproducible.
             spm.SentencePieceTrainer.train(
-                sentence_iterator=_lines(sample),
+                sentence_iterator=_lines(sample, interrupted),
                 model_writer=model,
                 model_type="bpe",
                 vocab_size=vocab_size,
@@ -91,6 +92,8 @@ class Tokenizer:
                 minloglevel=2,
             )
         except RuntimeError as exc:
+            if interrupted:  # Ctrl-C while sentencepiece read the lines: a stop, not bad data
+                raise interrupted[0] from None
             if "Vocabulary size too high" in str(exc):
                 raise DataError(
                     f"vocab_size={vocab_size} is too large for {n_chars} chars of training text; "
@@ -148,9 +151,16 @@ def _sample_texts(texts: Iterable[str], sample_chars: int, seed: int) -> list[st
     return [text for _, text in sorted(heap, reverse=True)]
 
 
-def _lines(texts: list[str]) -> Iterator[str]:
-    for text in texts:
-        yield from text.splitlines()
+def _lines(texts: list[str], interrupted: list[BaseException]) -> Iterator[str]:
+    """The training lines. sentencepiece turns an exception raised while it reads them into a
+    RuntimeError of its own ("INTERNAL: KeyboardInterrupt"); a stop signal's is kept in
+    ``interrupted`` so that the caller raises it again as itself."""
+    try:
+        for text in texts:
+            yield from text.splitlines()
+    except (KeyboardInterrupt, SystemExit) as exc:
+        interrupted.append(exc)
+        raise
 
 
 # Pieces every model holds besides characters and merges: unk, bos, eos, "\n" and 256 bytes.

@@ -233,6 +233,34 @@ def test_tokenizer_vocab_too_large_for_tiny_text_is_a_data_error(tmp_path: Path)
     assert not (tmp_path / "t.model").exists()
 
 
+def test_ctrl_c_while_the_tokenizer_reads_its_lines_is_a_stop_not_bad_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sentencepiece turns an exception raised while it reads the training lines into its own
+    RuntimeError ("INTERNAL: KeyboardInterrupt"); Ctrl-C there must stop the command as
+    Ctrl-C (exit 130), not as a "tokenizer training failed" data error."""
+    from dipaco.data import tokenizer as tokenizer_module
+
+    calls = [0]
+    real = str.splitlines
+
+    class Lines(str):
+        def splitlines(self, keepends: bool = False) -> list[str]:
+            calls[0] += 1
+            if calls[0] == 3:  # the signal's handler raises in the middle of the reading
+                raise KeyboardInterrupt
+            return real(self, keepends)
+
+    sample = tokenizer_module._sample_texts
+    monkeypatch.setattr(
+        tokenizer_module, "_sample_texts", lambda *a: [Lines(t) for t in sample(*a)]
+    )
+    texts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(50)]
+    with pytest.raises(KeyboardInterrupt):
+        Tokenizer.train(texts, tmp_path / "t.model", vocab_size=300)
+    assert calls[0] == 3 and not (tmp_path / "t.model").exists()
+
+
 # --- shards ------------------------------------------------------------------------------------
 
 
