@@ -25,15 +25,8 @@ from dipaco.coordinator.leases import Lease
 from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _clock import Clock  # noqa: E402
 from _report import add_report_args, record  # noqa: E402
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Scanning(Scheduler):

@@ -28,15 +28,8 @@ from dipaco.coordinator.validation import NormTracker
 from dipaco.fileio import compact_json_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _clock import Clock  # noqa: E402
 from _report import add_report_args, record  # noqa: E402
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class State:
@@ -45,7 +38,7 @@ class State:
 
     def __init__(self, peers: int, seed: int = 0) -> None:
         self.rng = random.Random(seed)
-        self.clock = Clock()
+        self.clock = Clock(1000.0)
         self.s = Scheduler(lease_seconds=600.0, clock=self.clock)
         side = max(2, math.ceil(math.sqrt(peers)))
         mids = [f"L{level}.M{m}" for level in range(2) for m in range(side)]
