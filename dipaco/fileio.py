@@ -345,10 +345,16 @@ def json_bytes(obj: object) -> bytes:
     return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
 
 
+def compact_json(obj: object) -> str:
+    """Compact JSON, keys sorted: how state files rewritten with most requests
+    (coordinator.json, validation.json) are encoded. An indented file takes the pure-Python
+    encoder, ten times slower."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
 def compact_json_bytes(obj: object) -> bytes:
-    """A state file rewritten with most requests (coordinator.json, validation.json): compact
-    JSON, keys sorted. An indented file takes the pure-Python encoder, ten times slower."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    """:func:`compact_json`, as bytes."""
+    return compact_json(obj).encode()
 
 
 def write_json_atomic(path: str | Path, obj: object, spares: Spares | None = None) -> None:

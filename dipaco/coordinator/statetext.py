@@ -13,14 +13,10 @@ value with the kept one and joins the texts. The bytes are exactly those of
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
-
-def dumps(value: Any) -> str:
-    """Compact JSON, keys sorted: how coordinator.json is encoded."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+from dipaco.fileio import compact_json as dumps  # how coordinator.json is encoded
 
 
 def json_object(texts: dict[str, str]) -> str:
