@@ -129,6 +129,7 @@ class Spares:
         self._names = itertools.count()
         self._token = secrets.token_hex(4)  # this process's names, apart from another's
         self.reused = 0  # files written in a spare rather than created (tests, benchmarks)
+        self._made = False  # whether this object has made (or found) the folder
         earlier = sorted(self.folder.iterdir()) if self.folder.is_dir() else []
         for f in earlier:  # an earlier process's (emptied when reused); the rest left as is
             try:
@@ -146,15 +147,16 @@ class Spares:
     def __len__(self) -> int:
         return len(self._free)
 
-    def take(self, path: Path) -> tuple[int, Path] | None:
-        """An aged spare, renamed to a temporary name next to ``path`` and opened empty for
-        writing: (descriptor, name); None if there is none (the caller creates a file)."""
+    def take(self, path: Path, in_place: bool = False) -> tuple[int, Path] | None:
+        """An aged spare, renamed to a temporary name next to ``path`` (or, ``in_place``, to
+        ``path`` itself) and opened empty for writing: (descriptor, name); None if there is
+        none (the caller creates a file)."""
         with self._lock:
             if not self._free or time.monotonic() - self._free[0][0] < self.age:
                 return None
             _, spare, size = self._free.popleft()
             self._bytes -= size
-        tmp = path.parent / f".{path.name}.{self._token}{next(self._names)}"
+        tmp = path if in_place else path.parent / f".{path.name}.{self._token}{next(self._names)}"
         try:
             os.rename(spare, tmp)
         except OSError:
@@ -190,8 +192,7 @@ class Spares:
                 return
             spare = self.folder / f"{self._token}-{next(self._names)}"
             try:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                os.rename(path, spare)
+                self._rename_in(path, spare)
             except OSError:
                 with self._lock:
                     self._bytes -= size
@@ -205,18 +206,33 @@ class Spares:
         with self._lock:
             self._free.append((time.monotonic(), spare, size))
 
+    def _rename_in(self, path: Path, spare: Path) -> None:
+        """Rename ``path`` to ``spare`` in the folder, made on the first file (or again, should
+        someone have removed it)."""
+        if not self._made:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._made = True
+        try:
+            os.rename(path, spare)
+        except FileNotFoundError:
+            if self.folder.is_dir():
+                raise  # the file itself is gone
+            self.folder.mkdir(parents=True, exist_ok=True)
+            os.rename(path, spare)
+
     def give_folder(self, folder: str | Path) -> None:
         """Give back every file in ``folder`` (not below it), then remove the folder."""
         folder = Path(folder)
         try:
-            files = list(folder.iterdir())
+            with os.scandir(folder) as it:  # the entries' types come with them: no stat each
+                entries = list(it)
         except FileNotFoundError:
             return
-        for f in files:
-            if f.is_dir() and not f.is_symlink():
-                shutil.rmtree(f, ignore_errors=True)
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
             else:
-                self.give(f)
+                self.give(entry.path)
         shutil.rmtree(folder, ignore_errors=True)
 
     def replace(self, tmp: Path, path: Path) -> None:
@@ -227,28 +243,128 @@ class Spares:
             os.replace(tmp, path)
 
 
+def _umask() -> int:
+    """This process's file-creation mask (read once: setting it is the only way to read it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+# Temporary names are this process's token and a counter: no random draw and no getpid per file.
+_TMP = {"token": secrets.token_hex(4), "count": itertools.count()}
+
+
+def _new_token() -> None:
+    _TMP["token"], _TMP["count"] = secrets.token_hex(4), itertools.count()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_token)
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
+_IOV_MAX = 512  # parts per writev (POSIX guarantees at least 16; Linux allows 1024)
+_BUFFER = 1 << 20  # small writes are gathered up to this many bytes
+_SMALL = 64 << 10  # a part below this is copied into the gathered bytes, as a buffered file would
+
+
+def unique_suffix() -> str:
+    """A name part no other call in this process (or another process) returns: this process's
+    random token and a counter (no random draw per name)."""
+    return f"{_TMP['token']}{next(_TMP['count'])}"
+
+
+def _new_file(path: Path) -> tuple[int, Path]:
+    """``path``, created (it must not exist), open for writing, mode 0644 whatever the umask;
+    its folder is made only when it is missing (the first write there)."""
+    try:
+        fd = os.open(path, _CREATE, 0o644)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, _CREATE, 0o644)
+    if _UMASK & 0o644:
+        os.fchmod(fd, 0o644)  # shared artifacts stay readable by other users
+    return fd, path
+
+
+def _temporary(path: Path) -> tuple[int, Path]:
+    """A new file next to ``path``, named ``.<name>.<token><n>``: :func:`_new_file`."""
+    for _ in range(100):
+        try:
+            return _new_file(path.parent / f".{path.name}.{unique_suffix()}")
+        except FileExistsError:  # left by a crashed process that drew the same token
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
+
+
+def _write_all(fd: int, parts: list[bytes | bytearray | memoryview]) -> None:
+    """Write ``parts`` in order with as few system calls as the kernel allows."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        batch = views[:_IOV_MAX]
+        done = os.writev(fd, batch)
+        total = sum(len(v) for v in batch)
+        if done == total:
+            del views[: len(batch)]
+            continue
+        while done >= len(views[0]):  # a short write: go on from where it stopped
+            done -= len(views.pop(0))
+        views[0] = views[0][done:]
+
+
 class AtomicFile:
     """A binary file that appears at ``path`` only on ``commit`` (or a clean ``with`` exit).
-    With ``spares``, it is written in a recycled file, and the file it replaces is kept."""
+    With ``spares``, it is written in a recycled file, and the file it replaces is kept.
 
-    def __init__(self, path: str | Path, spares: Spares | None = None) -> None:
+    Written with plain descriptors: small writes are gathered and go out in one ``writev``
+    with the next large part or at the commit, so a file of a header and a few tensors costs
+    one system call to write. A coordinator's request threads give the interpreter's lock up
+    at every system call, and under load each is a hand-off between them
+    (docs/reliability.md, *Load*)."""
+
+    def __init__(
+        self, path: str | Path, spares: Spares | None = None, in_place: bool = False
+    ) -> None:
+        """``in_place``: ``path`` is a new name that nobody reads until the caller renames the
+        file elsewhere (a staged delta, whose folder is emptied at start): the file is written
+        there directly, with no temporary name and no rename of its own."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        got = spares.take(self.path) if spares is not None else None
+        self.in_place = in_place
+        got = spares.take(self.path, in_place) if spares is not None else None
         if got is None:
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+            fd, tmp = _new_file(self.path) if in_place else _temporary(self.path)
         else:
-            fd, tmp = got
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide shared artifacts from other users
+            fd, tmp = got  # a recycled file: written by this class, so already 0644
+        self._fd: int | None = fd
         self._tmp = Path(tmp)
-        self._file = os.fdopen(fd, "wb")
         self._spares = spares
+        self._small = bytearray()
+        self._parts: list[bytes | bytearray | memoryview] = []
 
     def write(self, *parts: bytes | bytearray | memoryview) -> None:
         """Append ``parts`` in order (several parts spare joining them into one copy)."""
         fault_point("atomic.write")  # a full disk fails here, before anything is visible
+        assert self._fd is not None, "the file is closed"
         for data in parts:
-            self._file.write(data)
+            size = memoryview(data).nbytes
+            if size < _SMALL:
+                self._small += data
+                continue
+            if self._small:
+                self._parts.append(self._small)
+                self._small = bytearray()
+            self._parts.append(data)
+            self._flush()
+        if len(self._small) >= _BUFFER:
+            self._flush()
+
+    def _flush(self) -> None:
+        assert self._fd is not None
+        if self._small:
+            self._parts.append(self._small)
+            self._small = bytearray()
+        parts, self._parts = self._parts, []
+        _write_all(self._fd, parts)
 
     def commit(
         self,
@@ -260,11 +376,15 @@ class AtomicFile:
         file again (a staged delta) and syncs the folder it finally lands in. ``replace`` does
         the rename (a writer that must not let an older snapshot replace a newer one checks
         first, durable.py); by default, :meth:`Spares.replace` with spares, else ``os.replace``."""
-        self._file.flush()
+        assert self._fd is not None, "the file is closed"
+        self._flush()
         if sync:
-            os.fsync(self._file.fileno())
-        self._file.close()
+            os.fsync(self._fd)
+        fd, self._fd = self._fd, None
+        os.close(fd)
         fault_point("atomic.before_rename")  # a crash here leaves only the temporary file
+        if self.in_place:
+            return  # the caller moves it, and syncs the folder it lands in
         if replace is None:
             replace = self._spares.replace if self._spares is not None else os.replace
         replace(self._tmp, self.path)
@@ -274,7 +394,9 @@ class AtomicFile:
         fsync_path(self.path.parent)
 
     def abort(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
         self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> AtomicFile:
@@ -310,10 +432,12 @@ def write_atomic(
     sync_dir: bool = True,
     sync: bool = True,
     spares: Spares | None = None,
+    in_place: bool = False,
 ) -> None:
     """Write ``parts``, concatenated, to ``path`` crash-safe: all of it appears, or nothing.
-    ``sync=False`` skips the fsync (and the folder's): the caller syncs later (sync_files)."""
-    f = AtomicFile(path, spares)
+    ``sync=False`` skips the fsync (and the folder's): the caller syncs later (sync_files).
+    ``in_place``: as for :class:`AtomicFile`."""
+    f = AtomicFile(path, spares, in_place)
     try:
         f.write(*parts)
     except BaseException:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import secrets
 import sys
 import threading
 from collections.abc import Callable
@@ -58,7 +57,7 @@ from dipaco.coordinator.store_open import (
     head_fields,
 )
 from dipaco.faults import fault_point
-from dipaco.fileio import Spares, fsync_path, sync_files, write_json_atomic
+from dipaco.fileio import Spares, fsync_path, sync_files, unique_suffix, write_json_atomic
 from dipaco.protocols.wire import (
     MAP_BYTES,
     Frame,
@@ -269,10 +268,13 @@ class ModuleStore:
 
     def stage_delta(self, mid: str, task_id: str, meta: dict, delta: Tensors) -> Path:
         """Write a delta durably under a private name (``deltas/<mid>/incoming``); it joins no
-        step until :meth:`commit_delta`. Safe outside the coordinator's lock."""
-        name = f"{task_id}-{secrets.token_hex(4)}.dpt"
-        file = self.root / "deltas" / mid / "incoming" / name
-        write_tensor_file(file, Frame("Delta", meta, delta), sync_dir=False, spares=self.spares)
+        step until :meth:`commit_delta`. Safe outside the coordinator's lock. Written in place:
+        nothing reads ``incoming`` (emptied at start), and the commit's rename is the one that
+        makes the delta count."""
+        file = self.root / "deltas" / mid / "incoming" / f"{task_id}-{unique_suffix()}.dpt"
+        write_tensor_file(
+            file, Frame("Delta", meta, delta), sync_dir=False, spares=self.spares, in_place=True
+        )
         return file
 
     def commit_delta(
@@ -298,9 +300,12 @@ class ModuleStore:
         late = table is record.late
         name = f"P{path}-b{base}.dpt" if late else f"P{path}.dpt"
         folder = self.root / "deltas" / mid / f"v{record.version + (table is record.ahead)}"
-        folder.mkdir(parents=True, exist_ok=True)
         file = folder / name
-        os.replace(staged, file)
+        try:
+            os.replace(staged, file)
+        except FileNotFoundError:  # the version's first delta makes its folder
+            folder.mkdir(parents=True, exist_ok=True)
+            os.replace(staged, file)
         delta = PendingDelta(
             path, meta["weight"], meta["task_id"], meta["peer_id"], file, base, rnd,
             meta["voter"], tensors,
