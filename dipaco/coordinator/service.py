@@ -56,9 +56,10 @@ def handle(core: CoordinatorBase, data: bytes) -> bytearray | memoryview:
 def handle_in_slot(core: CoordinatorBase, data: bytes, slot: RequestSlot) -> bytearray | memoryview:
     nonce, key, who = "", None, "unknown"
     try:
-        nonce = auth.peek_nonce(data)
+        header, body = auth.split_request(data)  # parsed once; a refusal answers its nonce
+        nonce = header["nonce"]
         slot.take()  # the signature and hash checks, the decoding: CPU (see SLOTTED)
-        signed = auth.open_request(data)
+        signed = auth.open_split(header, body)
         nonce, key, who = signed.nonce, signed.key, f"key:{auth.fingerprint(signed.key)}"
         with core.lock:  # replays first: a replayed request costs its signer nothing
             core.guard.check(signed)

@@ -259,11 +259,15 @@ def _split(data: bytes, magic: bytes) -> tuple[dict[str, Any], memoryview]:
 
 def _unpack(data: bytes, magic: bytes) -> tuple[dict[str, Any], memoryview]:
     header, body = _split(data, magic)
+    _check_digest(header, body)
+    return header, body
+
+
+def _check_digest(header: dict[str, Any], body: memoryview) -> None:
     if body_digest(body) != header["blake3"]:
         raise RejectedError(
             "the body does not match the envelope's hash", reason=Reason.BAD_SIGNATURE
         )
-    return header, body
 
 
 def seal_request(
@@ -283,7 +287,19 @@ def seal_request(
 
 def open_request(data: bytes) -> Signed:
     """The verified request; a RejectedError (unsigned, bad-envelope, bad-signature) else."""
-    header, body = _unpack(data, REQUEST_MAGIC)
+    return open_split(*split_request(data))
+
+
+def split_request(data: bytes) -> tuple[dict[str, Any], memoryview]:
+    """A request's envelope header (its nonce, say) and body, not yet verified: for a server
+    that answers even a refusal to the request's nonce, and parses the header once
+    (:func:`open_split` verifies). A RejectedError (unsigned, bad-envelope) if it is not one."""
+    return _split(data, REQUEST_MAGIC)
+
+
+def open_split(header: dict[str, Any], body: memoryview) -> Signed:
+    """The request of :func:`split_request`, verified: its body's hash and its signature."""
+    _check_digest(header, body)
     ts = header.get("ts")
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise RejectedError("envelope header lacks a timestamp", reason=Reason.BAD_ENVELOPE)
