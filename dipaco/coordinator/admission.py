@@ -20,7 +20,7 @@ import torch
 from dipaco.coordinator.base import CoordinatorBase, RequestSlot, request_slot
 from dipaco.coordinator.records import Task
 from dipaco.coordinator.store import delta_meta
-from dipaco.coordinator.validation import delta_norm
+from dipaco.coordinator.validation import delta_norm, nonfinite
 from dipaco.errors import WireError
 from dipaco.faults import fault_point
 from dipaco.fileio import fsync_path
@@ -374,9 +374,9 @@ def split_delta(
                 decoded = codecs.decode(req.codec, got, params)
             except WireError as exc:
                 core._reject(req.peer_id, Reason.BAD_ENCODING, f"delta for {mid}: {exc}")
-        for name, tensor in decoded.items():
-            if not torch.isfinite(tensor).all():
-                core._reject(req.peer_id, Reason.NON_FINITE, f"{mid}/{name} contains NaN or inf")
+        bad = nonfinite(decoded)  # the module at once, in NumPy (validation.nonfinite)
+        if bad is not None:
+            core._reject(req.peer_id, Reason.NON_FINITE, f"{mid}/{bad} contains NaN or inf")
         deltas[mid] = decoded
     return deltas
 

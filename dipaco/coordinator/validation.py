@@ -25,18 +25,44 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 
 from dipaco.coordinator.statetext import EntryTexts, dumps
 from dipaco.errors import CorruptFileError
 from dipaco.fileio import write_json_atomic
+from dipaco.protocols.wire import host_array
 
 Tensors = dict[str, torch.Tensor]
 
 
+def _host_flat(tensors: Tensors) -> np.ndarray | None:
+    """Every tensor's values in one flat NumPy array (a copy), or None where one is not a
+    plain CPU array (wire.host_array): the whole module in a few NumPy calls rather than
+    torch operations per tensor, each a hand-off of the interpreter's lock under load."""
+    arrays = [host_array(t) for t in tensors.values()]
+    if not arrays or any(a is None for a in arrays):
+        return None
+    return np.concatenate(arrays)
+
+
 def delta_norm(delta: Tensors) -> float:
     """The L2 norm of a module's whole delta (every tensor together), in float64."""
+    flat = _host_flat(delta)
+    if flat is not None:  # not np.dot: BLAS's threads would spin on the other cores
+        flat = flat.astype(np.float64)
+        np.square(flat, out=flat)
+        return math.sqrt(float(flat.sum()))
     return math.sqrt(sum(float((t.double() ** 2).sum()) for t in delta.values()))
+
+
+def nonfinite(tensors: Tensors) -> str | None:
+    """The name of the first tensor holding a NaN or an infinity; None if every value is
+    finite."""
+    flat = _host_flat(tensors)
+    if flat is not None and (flat.dtype.kind != "f" or bool(np.isfinite(flat).all())):
+        return None
+    return next((n for n, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
 
 
 def _weights(weights: list[float] | None, n: int, dims: int) -> torch.Tensor:

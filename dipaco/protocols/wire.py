@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -49,6 +50,34 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_NUMPY_DTYPES: dict[torch.dtype, Any] = {
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.float64: np.float64,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+}
+
+
+def host_array(t: torch.Tensor) -> np.ndarray | None:
+    """``t``'s values as a flat NumPy array sharing its memory, reached with no torch
+    operation; None where that cannot be (another device, bfloat16, a gradient, not contiguous).
+
+    Every torch operation lets the interpreter's lock go and takes it back. In a process whose
+    other threads run Python, taking it back waits for one of them to let it go (up to the
+    switch interval, 5 ms): a coordinator serving many peers that spent a few torch operations
+    per tensor of every delta spent most of its time waiting there (docs/reliability.md,
+    *Load*). NumPy on these views keeps the lock for small arrays."""
+    if (
+        t.dtype not in _NUMPY_DTYPES
+        or t.requires_grad
+        or t.device.type != "cpu"
+        or not t.is_contiguous()
+    ):
+        return None
+    return t.numpy().reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -98,8 +127,12 @@ def encode_parts(
             raise WireError(
                 f"tensor {name!r} has dtype {tensor.dtype}, not one of {sorted(DTYPES)}"
             )
+        specs.append([name, _DTYPE_NAMES[tensor.dtype], list(tensor.shape)])
+        host = host_array(tensor)
+        if host is not None:  # no torch operation: see host_array
+            arrays.append(memoryview(host.view(np.uint8)))
+            continue
         t = tensor.detach().to("cpu").contiguous()
-        specs.append([name, _DTYPE_NAMES[t.dtype], list(t.shape)])
         arrays.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     # What the decoder would refuse is refused here too: a frame we write is one we can read.
     _check_scalars(frame.fields, f"fields of {frame.type}")
@@ -185,12 +218,16 @@ def decode(
             raw = bytearray(view[offset : offset + nbytes])  # a private, writable copy
         else:
             raw = view[offset : offset + nbytes]
-        flat = (
-            torch.frombuffer(raw, dtype=DTYPES[dtype])
-            if nbytes
-            else torch.empty(0, dtype=DTYPES[dtype])
-        )
-        tensors[name] = flat.reshape(shape)
+        as_numpy = _NUMPY_DTYPES.get(DTYPES[dtype])
+        if as_numpy is not None and nbytes:  # one torch call, not two: see host_array
+            tensors[name] = torch.from_numpy(np.frombuffer(raw, dtype=as_numpy).reshape(shape))
+        else:
+            flat = (
+                torch.frombuffer(raw, dtype=DTYPES[dtype])
+                if nbytes
+                else torch.empty(0, dtype=DTYPES[dtype])
+            )
+            tensors[name] = flat.reshape(shape)
         offset += nbytes
     if offset != len(view):
         raise WireError(f"{len(view) - offset} unexpected trailing bytes after the last tensor")

@@ -13,6 +13,7 @@ from dipaco.coordinator.validation import (
     clip_to_median_norm,
     coordinate_median,
     delta_norm,
+    nonfinite,
     trim_count,
     trimmed_mean,
     weighted_mean,
@@ -206,3 +207,26 @@ def test_auto_takes_the_mean_where_the_heldout_check_scores_every_delta(tmp_path
     assert chosen.outer_settings_of("S.embed").aggregation == "median"
     unscored = build("unscored", {"heldout_check": True}, heldout=False)
     assert unscored.outer_settings_of("S.embed").aggregation == "trimmed_mean"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_a_modules_norm_and_its_nan_or_inf_are_found_whatever_the_dtype(dtype, strided):
+    """Float32/16/64 modules are measured at once in NumPy; bfloat16 and strided tensors the
+    slow way, per tensor in torch: the same answers."""
+    g = torch.Generator().manual_seed(1)
+    delta = {
+        "w": torch.randn(64, 33, generator=g).to(dtype),
+        "b": torch.randn(33, generator=g).to(dtype),
+        "s": torch.tensor(2.5, dtype=dtype),  # a scalar, as a norm's gain can be
+    }
+    if strided:
+        delta["t"] = torch.randn(8, 8, generator=g).to(dtype).t()
+    exact = math.sqrt(sum(float((v.double() ** 2).sum()) for v in delta.values()))
+    assert delta_norm(delta) == pytest.approx(exact, rel=1e-12)
+    assert nonfinite(delta) is None
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        spoiled = {k: v.clone() for k, v in delta.items()}
+        spoiled["b"][7] = bad
+        assert nonfinite(spoiled) == "b"
+        assert not math.isfinite(delta_norm(spoiled))
