@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
         ("path_parallel", []),
         ("scheduler_leases", []),
         ("state_files", []),
+        ("lock_handoffs", []),
     ],
 )
 def test_the_benchmark_runs_prints_its_ratio_and_records_its_row(bench, extra, tmp_path):
