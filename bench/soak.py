@@ -548,6 +548,7 @@ def _summarise(
         (e["module"], task) for e in events if e["event"] == "outer_step" for task in e["tasks"]
     )
     steps_per_module = Counter(e["module"] for e in events if e["event"] == "outer_step")
+    step_seconds = [e["seconds"] for e in events if e["event"] == "outer_step" and "seconds" in e]
     rss = {e["round"]: e for e in events if e["event"] == "rss"}
     final = next((e for e in events if e["event"] == "final"), {})
     peer_acked = Counter(pair for s in stats for pair in s.acked)
@@ -575,6 +576,7 @@ def _summarise(
         "stepped": stepped,
         "peer_acked": peer_acked,
         "steps_per_module": steps_per_module,
+        "step_ms": _percentiles(step_seconds),
         "rss_round1": first.get("rss_bytes"),
         "rss_final": final.get("rss_bytes"),
         "rss_by_round": {r: e["rss_bytes"] for r, e in sorted(rss.items())},
@@ -716,6 +718,12 @@ def _print(result: dict[str, Any], label: str) -> None:
         print(
             f"  {op:20s} p50 {p['p50']:7.1f} ms  p90 {p['p90']:7.1f} ms  p99 {p['p99']:7.1f} ms"
             f"  ({p['n']} requests)"
+        )
+    if result["step_ms"]:  # a module's outer step: reading its deltas and averaging them
+        p = result["step_ms"]
+        print(
+            f"  {'outer step':20s} p50 {p['p50']:7.1f} ms  p90 {p['p90']:7.1f} ms  p99 "
+            f"{p['p99']:7.1f} ms  ({p['n']} steps)"
         )
     rss = ", ".join(f"r{r}: {b / 2**20:.0f}" for r, b in result["rss_by_round"].items())
     print(f"  coordinator RSS MiB by round: {rss}; final {result['rss_final'] / 2**20:.0f}")

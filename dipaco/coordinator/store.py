@@ -38,6 +38,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -389,6 +390,7 @@ class ModuleStore:
         """
         mid, record, included = plan.mid, plan.record, plan.included
         self._synced(mid)  # the step before this one is on disk (or fails again, here)
+        started = time.perf_counter()
         deltas = [(self.delta_tensors(p), p.weight) for p in included]
         how: dict = {}
         out = spare_buffers(self._spare.pop(mid, None), record.params)
@@ -423,6 +425,7 @@ class ModuleStore:
             "weights": [p.weight for p in included],
             "outer_grad_norm": norm,
             "rescale": how.get("rescale", 1.0),
+            "seconds": round(time.perf_counter() - started, 6),  # reading and averaging
         }
         if settings.aggregation != "mean":
             factors = how.get("clip_factors", [1.0] * len(included))
