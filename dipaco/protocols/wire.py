@@ -77,7 +77,10 @@ def host_array(t: torch.Tensor) -> np.ndarray | None:
         or not t.is_contiguous()
     ):
         return None
-    return t.numpy().reshape(-1)
+    try:
+        return t.numpy().reshape(-1)
+    except RuntimeError:  # a view with its negative or conjugate bit set
+        return None
 
 
 @dataclass(frozen=True)
