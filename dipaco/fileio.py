@@ -124,12 +124,13 @@ class Spares:
         self.folder = Path(folder)  # made by the first file given back: a reader writes nothing
         self.max_bytes, self.keep, self.keep_bytes, self.age = max_bytes, keep, keep_bytes, age
         self._lock = threading.Lock()
-        self._free: deque[tuple[float, Path, int]] = deque()  # (given at, file, bytes)
+        self._free: deque[tuple[float, str | Path, int]] = deque()  # (given at, file, bytes)
         self._bytes = 0
         self._names = itertools.count()
         self._token = secrets.token_hex(4)  # this process's names, apart from another's
         self.reused = 0  # files written in a spare rather than created (tests, benchmarks)
         self._made = False  # whether this object has made (or found) the folder
+        self._where = os.fspath(self.folder)
         earlier = sorted(self.folder.iterdir()) if self.folder.is_dir() else []
         for f in earlier:  # an earlier process's (emptied when reused); the rest left as is
             try:
@@ -147,7 +148,7 @@ class Spares:
     def __len__(self) -> int:
         return len(self._free)
 
-    def take(self, path: Path, in_place: bool = False) -> tuple[int, Path] | None:
+    def take(self, path: str, in_place: bool = False) -> tuple[int, str] | None:
         """An aged spare, renamed to a temporary name next to ``path`` (or, ``in_place``, to
         ``path`` itself) and opened empty for writing: (descriptor, name); None if there is
         none (the caller creates a file)."""
@@ -156,16 +157,22 @@ class Spares:
                 return None
             _, spare, size = self._free.popleft()
             self._bytes -= size
-        tmp = path if in_place else path.parent / f".{path.name}.{self._token}{next(self._names)}"
+        if in_place:
+            tmp = path
+        else:
+            folder, name = os.path.split(path)
+            tmp = os.path.join(folder, f".{name}.{self._token}{next(self._names)}")
         try:
             os.rename(spare, tmp)
         except OSError:
-            spare.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.unlink(spare)
             return None
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
         except OSError:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
             return None
         self.reused += 1
         return fd, tmp
@@ -173,7 +180,7 @@ class Spares:
     def give(self, path: str | Path) -> None:
         """Keep the file at ``path`` as a spare (emptied when handed out again), or delete it if
         it cannot be kept."""
-        path = Path(path)
+        path = os.fspath(path)
         try:
             info = os.lstat(path)
             if not stat.S_ISREG(info.st_mode):
@@ -188,9 +195,9 @@ class Spares:
                 if kept:
                     self._bytes += size  # reserved before the rename, released if it fails
             if not kept:
-                path.unlink()
+                os.unlink(path)
                 return
-            spare = self.folder / f"{self._token}-{next(self._names)}"
+            spare = os.path.join(self._where, f"{self._token}-{next(self._names)}")
             try:
                 self._rename_in(path, spare)
             except OSError:
@@ -201,12 +208,12 @@ class Spares:
             return
         except OSError:  # cannot be kept (the rename failed): deleted, as without spares
             with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
+                os.unlink(path)
             return
         with self._lock:
             self._free.append((time.monotonic(), spare, size))
 
-    def _rename_in(self, path: Path, spare: Path) -> None:
+    def _rename_in(self, path: str, spare: str) -> None:
         """Rename ``path`` to ``spare`` in the folder, made on the first file (or again, should
         someone have removed it)."""
         if not self._made:
@@ -235,7 +242,7 @@ class Spares:
                 self.give(entry.path)
         shutil.rmtree(folder, ignore_errors=True)
 
-    def replace(self, tmp: Path, path: Path) -> None:
+    def replace(self, tmp: str | Path, path: str | Path) -> None:
         """Put ``tmp`` in place of ``path`` atomically, keeping the replaced file as a spare."""
         if exchange(tmp, path):
             self.give(tmp)  # now the old file
@@ -274,27 +281,29 @@ def unique_suffix() -> str:
     return f"{_TMP['token']}{next(_TMP['count'])}"
 
 
-def _new_file(path: Path) -> tuple[int, Path]:
+def _new_file(path: str) -> tuple[int, str]:
     """``path``, created (it must not exist), open for writing, mode 0644 whatever the umask;
-    its folder is made only when it is missing (the first write there)."""
+    its folder is made only when it is missing (the first write there). Paths are strings
+    here: this runs for every durable write, and pathlib's objects cost more than the calls."""
     try:
         fd = os.open(path, _CREATE, 0o644)
     except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, _CREATE, 0o644)
     if _UMASK & 0o644:
         os.fchmod(fd, 0o644)  # shared artifacts stay readable by other users
     return fd, path
 
 
-def _temporary(path: Path) -> tuple[int, Path]:
+def _temporary(path: str) -> tuple[int, str]:
     """A new file next to ``path``, named ``.<name>.<token><n>``: :func:`_new_file`."""
+    folder, name = os.path.split(path)
     for _ in range(100):
         try:
-            return _new_file(path.parent / f".{path.name}.{unique_suffix()}")
+            return _new_file(os.path.join(folder, f".{name}.{unique_suffix()}"))
         except FileExistsError:  # left by a crashed process that drew the same token
             continue
-    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
+    raise FileExistsError(errno.EEXIST, "no free temporary name", path)
 
 
 def _write_all(fd: int, parts: list[bytes | bytearray | memoryview]) -> None:
@@ -328,15 +337,17 @@ class AtomicFile:
         """``in_place``: ``path`` is a new name that nobody reads until the caller renames the
         file elsewhere (a staged delta, whose folder is emptied at start): the file is written
         there directly, with no temporary name and no rename of its own."""
-        self.path = Path(path)
+        self.path = path if isinstance(path, Path) else Path(path)
         self.in_place = in_place
-        got = spares.take(self.path, in_place) if spares is not None else None
+        name = os.fspath(path)
+        got = spares.take(name, in_place) if spares is not None else None
         if got is None:
-            fd, tmp = _new_file(self.path) if in_place else _temporary(self.path)
+            fd, tmp = _new_file(name) if in_place else _temporary(name)
         else:
             fd, tmp = got  # a recycled file: written by this class, so already 0644
         self._fd: int | None = fd
-        self._tmp = Path(tmp)
+        self._name = name
+        self._tmp = tmp
         self._spares = spares
         self._small = bytearray()
         self._parts: list[bytes | bytearray | memoryview] = []
@@ -369,7 +380,7 @@ class AtomicFile:
     def commit(
         self,
         sync_dir: bool = True,
-        replace: Callable[[Path, Path], None] | None = None,
+        replace: Callable[[str, str], None] | None = None,
         sync: bool = True,
     ) -> None:
         """Flush, fsync, rename into place; then fsync the folder, unless the caller moves the
@@ -387,17 +398,18 @@ class AtomicFile:
             return  # the caller moves it, and syncs the folder it lands in
         if replace is None:
             replace = self._spares.replace if self._spares is not None else os.replace
-        replace(self._tmp, self.path)
+        replace(self._tmp, self._name)
         if not sync_dir:
             return
         # The rename itself is only durable once the directory entry is on disk.
-        fsync_path(self.path.parent)
+        fsync_path(os.path.dirname(self._name) or ".")
 
     def abort(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
-        self._tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp)
 
     def __enter__(self) -> AtomicFile:
         return self

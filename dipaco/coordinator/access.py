@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -125,6 +126,7 @@ class AccessPolicy:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.root = Path(root)
+        self._access_file = str(self.root / ACCESS_FILE)
         self.settings = settings or SecuritySection()
         self.self_keys = set(self_keys)  # this coordinator (and its scheduler): always admitted
         self.metrics = metrics or (lambda event: None)
@@ -163,9 +165,9 @@ class AccessPolicy:
 
     def reload(self) -> None:
         """Re-read access.json if it changed; a broken file keeps the last good one in force."""
-        file = self.root / ACCESS_FILE
+        file = self._access_file  # a string: stat'ed at every request (pathlib is slow)
         try:
-            mtime = file.stat().st_mtime_ns
+            mtime = os.stat(file).st_mtime_ns
         except FileNotFoundError:
             mtime = None
         if mtime == self._mtime:

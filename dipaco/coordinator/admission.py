@@ -9,9 +9,11 @@ Functions of the coordinator (bound as its methods in core.py).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -260,7 +262,8 @@ def write(
         core._reject(req.peer_id, Reason.DISK_FULL if full else Reason.IO_ERROR, str(exc))
     finally:
         for file, _ in staged.values():  # not committed: never acknowledged, never applied
-            file.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(file)
     for folder in folders:
         fsync_path(folder)
     if folders:

@@ -15,6 +15,7 @@ snapshot has replaced it already, so the file never goes back in time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -104,7 +105,7 @@ class GroupWriter:
             return number, covered, self.snapshot()
 
     def _write(self, number: int, covered: int, data: bytes) -> None:
-        def replace(tmp: Path, path: Path) -> None:
+        def replace(tmp: str, path: str) -> None:
             with self._rename:
                 if number > self._placed:
                     if self.spares is not None:
@@ -113,7 +114,8 @@ class GroupWriter:
                         os.replace(tmp, path)
                     self._placed = number
                     return
-            tmp.unlink(missing_ok=True)  # a later snapshot is already in place
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # a later snapshot is already in place
 
         f = AtomicFile(self.path, self.spares)
         try:

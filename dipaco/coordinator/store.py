@@ -267,20 +267,20 @@ class ModuleStore:
         staged = self.stage_delta(mid, task_id, meta, delta)
         fsync_path(self.commit_delta(mid, staged, meta, delta))
 
-    def stage_delta(self, mid: str, task_id: str, meta: dict, delta: Tensors) -> Path:
+    def stage_delta(self, mid: str, task_id: str, meta: dict, delta: Tensors) -> str:
         """Write a delta durably under a private name (``deltas/<mid>/incoming``); it joins no
         step until :meth:`commit_delta`. Safe outside the coordinator's lock. Written in place:
         nothing reads ``incoming`` (emptied at start), and the commit's rename is the one that
         makes the delta count."""
-        file = self.root / "deltas" / mid / "incoming" / f"{task_id}-{unique_suffix()}.dpt"
+        file = f"{self.root}/deltas/{mid}/incoming/{task_id}-{unique_suffix()}.dpt"  # no pathlib
         write_tensor_file(
             file, Frame("Delta", meta, delta), sync_dir=False, spares=self.spares, in_place=True
         )
         return file
 
     def commit_delta(
-        self, mid: str, staged: Path, meta: dict, tensors: Tensors | None = None
-    ) -> Path:
+        self, mid: str, staged: str | Path, meta: dict, tensors: Tensors | None = None
+    ) -> str:
         """Move a staged delta under its name for the module's current version and count it
         pending. Returns the folder whose entry must reach the disk (``fileio.fsync_path``) before
         the delta is acknowledged. Under the coordinator's lock: the version must not move.
@@ -300,15 +300,15 @@ class ModuleStore:
         )
         late = table is record.late
         name = f"P{path}-b{base}.dpt" if late else f"P{path}.dpt"
-        folder = self.root / "deltas" / mid / f"v{record.version + (table is record.ahead)}"
-        file = folder / name
+        folder = f"{self.root}/deltas/{mid}/v{record.version + (table is record.ahead)}"
+        file = f"{folder}/{name}"
         try:
             os.replace(staged, file)
         except FileNotFoundError:  # the version's first delta makes its folder
-            folder.mkdir(parents=True, exist_ok=True)
+            os.makedirs(folder, exist_ok=True)
             os.replace(staged, file)
         delta = PendingDelta(
-            path, meta["weight"], meta["task_id"], meta["peer_id"], file, base, rnd,
+            path, meta["weight"], meta["task_id"], meta["peer_id"], Path(file), base, rnd,
             meta["voter"], tensors,
         )  # fmt: skip
         if self.held + delta.held_bytes > self.held_budget:
