@@ -126,8 +126,6 @@ class Spares:
         self._lock = threading.Lock()
         self._free: deque[tuple[float, str | Path, int]] = deque()  # (given at, file, bytes)
         self._bytes = 0
-        self._names = itertools.count()
-        self._token = secrets.token_hex(4)  # this process's names, apart from another's
         self.reused = 0  # files written in a spare rather than created (tests, benchmarks)
         self._made = False  # whether this object has made (or found) the folder
         self._where = os.fspath(self.folder)
@@ -161,7 +159,7 @@ class Spares:
             tmp = path
         else:
             folder, name = os.path.split(path)
-            tmp = os.path.join(folder, f".{name}.{self._token}{next(self._names)}")
+            tmp = os.path.join(folder, f".{name}.{unique_suffix()}")
         try:
             os.rename(spare, tmp)
         except OSError:
@@ -197,7 +195,7 @@ class Spares:
             if not kept:
                 os.unlink(path)
                 return
-            spare = os.path.join(self._where, f"{self._token}-{next(self._names)}")
+            spare = os.path.join(self._where, f"s{unique_suffix()}")
             try:
                 self._rename_in(path, spare)
             except OSError:
