@@ -48,11 +48,14 @@ def test_the_benchmark_runs_prints_its_ratio_and_records_its_row(bench, extra, t
 def test_the_scale_bench_with_a_slow_peer_and_overlap_trains_ahead_and_applies_once(tmp_path):
     """Real processes: a coordinator and 2 peers, the second at a quarter speed; with overlap
     the fast peer trains rounds ahead instead of waiting, and every acknowledged delta is
-    applied in exactly one outer step, in both runs."""
+    applied in exactly one outer step, in both runs. ``--full-steps``: the slow peer is offered
+    all H steps, so its tasks outlast the fast peer's and the fast one always runs out of open
+    paths before a round closes (with fewer steps offered, both peers' tasks end together and
+    training ahead was left to chance: CI once saw none)."""
     doc = tmp_path / "b.md"
     done = subprocess.run(
         [sys.executable, REPO / "bench" / "scale.py", "--peers", "2", "--slow-peer",
-         "--overlap", "--rounds", "3", "--inner-steps", "16", "--doc", doc,
+         "--full-steps", "--overlap", "--rounds", "3", "--inner-steps", "16", "--doc", doc,
          "--out", tmp_path / "scale.json", "--plot", ""],
         capture_output=True, text=True, timeout=400, cwd=tmp_path,
     )  # fmt: skip
