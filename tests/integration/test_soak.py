@@ -75,3 +75,23 @@ def test_the_load_section_of_the_reliability_doc_is_ours_alone(tmp_path):
     doc.write_text("# R\n\n## Load\n\n| a |\n|---|\n| old |\n\n## Other\n\nx\n")
     soak.append_row(doc, "| new |\n")
     assert doc.read_text() == "# R\n\n## Load\n\n| a |\n|---|\n| old |\n| new |\n\n## Other\n\nx\n"
+
+
+@pytest.mark.timeout(150)
+def test_peers_push_each_modules_delta_to_its_owner_process_and_none_is_lost(tmp_path):
+    """``--owners 2``: a scheduler and two module owner processes, which take their shares of
+    the modules over (HandOver, ConfirmOwnership) and report back; the peers ask where the
+    owners are, fetch from and push to each owner, and tell the scheduler TaskDone. Every
+    acknowledged delta, wherever it was acknowledged, is applied in exactly one outer step."""
+    soak = _soak()
+    rounds = 2
+    result = soak.run_load(tmp_path / "load", peers=9, rounds=rounds, dim=16, timeout=90, owners=2)
+    assert soak.problems(result) == []
+    assert result["owners"] == 2 and result["submits"] == result["paths"] * rounds
+    assert result["stepped"] == result["acked"] == result["peer_acked"]
+    # Each owner process acknowledged deltas and stepped modules of its own share.
+    for k in range(2):
+        events = (tmp_path / "load" / f"events-owner{k}.jsonl").read_text()
+        assert '"delta_acked"' in events and '"outer_step"' in events
+    latencies = result["latency_ms"]
+    assert latencies["GetOwners"]["n"] == 9 and latencies["TaskDone"]["n"] >= result["submits"]
