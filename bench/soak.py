@@ -311,6 +311,7 @@ def peer_loop(
 
     from dipaco.errors import DipacoError, RejectedError
     from dipaco.peer.links import CLAIM_WAIT
+    from dipaco.peer.push import REPORT_WAIT
     from dipaco.protocols import auth
     from dipaco.protocols import messages as m
     from dipaco.protocols.reasons import Reason
@@ -401,6 +402,7 @@ def peer_loop(
                             64,
                             [3.0],
                             list(offer.module_versions),
+                            wait=REPORT_WAIT,  # as dipaco-peer's: a long poll for reports
                         ),
                     )
                     done = True

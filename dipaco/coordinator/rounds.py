@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import replace
 
 from dipaco.coordinator.base import CoordinatorBase
@@ -16,6 +17,10 @@ from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.records import PeerInfo, Task
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
+
+# The longest a TaskDone waits for another owner's report of the task's deltas (TaskDone.wait):
+# as long as a claim's long poll (tasks.LONG_POLL_SECONDS), within every transport's timeout.
+REPORT_WAIT_SECONDS = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -263,20 +268,48 @@ def task_done(core: CoordinatorBase, req: m.TaskDone) -> m.Ok:
     core._need_scheduler(req.peer_id)
     core._seen(req.peer_id)
     task = core._task(req.peer_id, req.task_id, req.ticket)
-    if (task.path, task.round) not in core.done:
-        missing = unacked(core, task)
-        if missing:
-            # A task is done when its deltas are, not when its peer says so: a TaskDone
-            # without them would take the path out of the round and stall its modules.
-            # The lease stays: it expires, or the round's deadline re-issues it.
-            core._reject(
-                req.peer_id,
-                Reason.NOT_ACKED,
-                f"task {req.task_id}: no acknowledged delta for {', '.join(missing)} yet",
-            )
-        record_done(core, task, req.peer_id, req.tokens, req.losses)
-        after_change(core)
+    if (task.path, task.round) in core.done:
+        return m.Ok()
+    missing = unacked(core, task)
+    if missing and req.wait > 0 and not any(core.owns(mid) for mid in missing):
+        task, missing = await_reports(core, req)
+        if (task.path, task.round) in core.done:
+            return m.Ok()
+    if missing:
+        # A task is done when its deltas are, not when its peer says so: a TaskDone
+        # without them would take the path out of the round and stall its modules.
+        # The lease stays: it expires, or the round's deadline re-issues it.
+        core._reject(
+            req.peer_id,
+            Reason.NOT_ACKED,
+            f"task {req.task_id}: no acknowledged delta for {', '.join(missing)} yet",
+        )
+    record_done(core, task, req.peer_id, req.tokens, req.losses)
+    after_change(core)
     return m.Ok()
+
+
+def await_reports(core: CoordinatorBase, req: m.TaskDone) -> tuple[Task, list[str]]:
+    """A long poll for a TaskDone whose missing acknowledgements are other owners': the peer
+    and the owner both tell the scheduler, and the owner's report (sent as it acknowledges)
+    often comes second. Waits, without the lock, for reports (every change wakes
+    ``step_cond``) up to ``req.wait`` seconds (at most REPORT_WAIT_SECONDS), while a long-poll
+    slot is free (claims share them: a hivemind server's handler threads are few); then the
+    task, looked up again (its lease may have ended meanwhile), and what is still missing."""
+    task = core._task(req.peer_id, req.task_id, req.ticket)
+    if core.waiting_claims >= core.long_poll_slots:
+        return task, unacked(core, task)
+    core.waiting_claims += 1
+    try:
+        end = time.monotonic() + min(req.wait, REPORT_WAIT_SECONDS)
+        while not core.finished and (left := end - time.monotonic()) > 0:
+            core.step_cond.wait(left)
+            task = core._task(req.peer_id, req.task_id, req.ticket)
+            if (task.path, task.round) in core.done or not unacked(core, task):
+                break
+        return task, unacked(core, task)
+    finally:
+        core.waiting_claims -= 1
 
 
 def unacked(core: CoordinatorBase, task: Task) -> list[str]:

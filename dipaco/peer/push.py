@@ -27,6 +27,8 @@ from dipaco.protocols.reasons import Reason
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, dict[str, torch.Tensor]]  # module id -> parameter name -> tensor
+# Seconds a TaskDone may wait at the scheduler for the owners' reports (TaskDone.wait).
+REPORT_WAIT = 2.0
 
 
 def module_deltas(base: Tensors, trained: Tensors) -> Tensors:
@@ -184,8 +186,10 @@ class Pusher:
                     tokens=tokens,
                     losses=losses,
                     modules=modules,
+                    wait=REPORT_WAIT,
                 )
             ),
-            # The scheduler learns another owner's acknowledgement from its next report.
+            # The scheduler learns another owner's acknowledgement from its next report, and
+            # waits for it a while (TaskDone.wait); a refusal after that is retried.
             reasons=(Reason.NOT_ACKED,),
         )

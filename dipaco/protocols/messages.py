@@ -100,6 +100,10 @@ class TaskDone:
     tokens: int
     losses: list[float]
     modules: list[str]
+    # Seconds the peer would rather wait for another owner's report of its acknowledgement
+    # than get a ``not-acked`` refusal now (a long poll, as ClaimTask.wait); the scheduler
+    # waits at most REPORT_WAIT_SECONDS (rounds.py), and only while it has a slot free.
+    wait: float = 0.0
 
 
 @message

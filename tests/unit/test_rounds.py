@@ -6,6 +6,8 @@ would drive the coordinator.
 
 import math
 import statistics
+import threading
+import time
 
 import pytest
 import torch
@@ -516,7 +518,7 @@ def test_a_path_one_owner_holds_is_trained_again_for_the_other_and_its_round_clo
     assert primary.rejections["duplicate"] == 0
 
 
-def task_done(task, peer):
+def task_done(task, peer, wait=0.0):
     return m.TaskDone(
         peer_id=peer,
         task_id=task.task_id,
@@ -524,7 +526,49 @@ def task_done(task, peer):
         tokens=100,
         losses=[1.0],
         modules=list(task.module_versions),
+        wait=wait,
     )
+
+
+def test_a_task_done_waits_for_the_other_owners_report_rather_than_being_refused(tmp_path):
+    """The peer and the owner both tell the scheduler, and the owner's report often comes
+    second. A TaskDone with ``wait`` is held until the report arrives: no `not-acked` refusal,
+    no retry seconds later. Without ``wait``, with the scheduler's own module's delta missing,
+    or with no report coming, it is refused as before."""
+    primary = make(tmp_path / "a")
+    second = make_owner(tmp_path / "b")
+    take_over(second, LocalTransport(primary.handle), ["L1.M0"])
+    sched = LocalTransport(primary.handle).authenticate(KEY)
+    owner = LocalTransport(second.handle).authenticate(KEY)
+    path, other = TOPO.paths_through("L1.M0")[:2]
+    mine = [mid for mid in TOPO.path_modules(path) if mid != "L1.M0"]
+    task = claim(sched, "p0", prefer=path)
+    assert task.path == path
+    # The scheduler's own modules lack the delta: refused at once, whatever the wait.
+    began = time.monotonic()
+    assert rejected(lambda: sched.request(task_done(task, "p0", wait=2.0))) == "not-acked"
+    assert time.monotonic() - began < 1.0
+    sched.request(delta_for(task, "p0", mids=mine))
+    assert owner.request(delta_for(task, "p0", mids=["L1.M0"])).accepted == ["L1.M0"]
+    assert rejected(lambda: sched.request(task_done(task, "p0"))) == "not-acked"  # no wait
+    refused = primary.rejections["not-acked"]
+    reporter = LocalTransport(primary.handle).authenticate(KEY)
+    timer = threading.Timer(0.3, lambda: reporter.request(second.report()))
+    timer.start()
+    began = time.monotonic()
+    assert isinstance(sched.request(task_done(task, "p0", wait=2.0)), m.Ok)
+    timer.join()
+    assert 0.25 < time.monotonic() - began < 1.9  # held until the report, not for the wait
+    assert primary.rejections["not-acked"] == refused and path not in primary.open_paths()
+    assert primary.waiting_claims == 0
+    # No report comes for the other path's task: refused once the wait is over.
+    late = claim(sched, "p1", prefer=other)
+    sched.request(
+        delta_for(late, "p1", mids=[mid for mid in TOPO.path_modules(other) if mid != "L1.M0"])
+    )
+    began = time.monotonic()
+    assert rejected(lambda: sched.request(task_done(late, "p1", wait=0.5))) == "not-acked"
+    assert 0.45 < time.monotonic() - began < 1.9
 
 
 # ---- 5. a restarted peer ----------------------------------------------------------------------
