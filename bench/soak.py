@@ -365,7 +365,7 @@ def peer_loop(
                     mid, _, pname = key.partition("/")
                     cache.setdefault(mid, {})[pname] = t
                 have.update(mods.versions)
-            done, closed, accepted = False, False, []
+            done, accepted = False, []
             for owner, mids in groups.items():
                 delta = {
                     f"{mid}/{pname}": torch.randn(t.shape, generator=gen) * 1e-3
@@ -389,7 +389,7 @@ def peer_loop(
                 # The submits that close a module's round wait for its outer step: apart, too.
                 closing = "SubmitDelta, closing" if ack.closed else "SubmitDelta, other"
                 stats.latencies[closing].append(stats.latencies["SubmitDelta"][-1])
-                done, closed = done or ack.task_done, closed or bool(ack.closed)
+                done = done or ack.task_done
                 accepted += ack.accepted
             while not done:  # the scheduler hears of the other owners' acks from their reports
                 try:
