@@ -23,6 +23,7 @@ peers rather than how fast this machine is.
     python bench/soak.py --peers 64 --peer-processes 4  # the peers in 4 processes
     python bench/soak.py --peers 64 --bound --no-doc    # a diagnosis: see serve()
     python bench/soak.py --peers 64 --owners 1          # a scheduler and a module owner process
+    python bench/soak.py --peers 64 --repeat 3          # 3 pairs, alternating; the median ratio
 
 With ``--owners K`` the coordinator is K + 1 processes, as a run with module owners is
 (docs/operations.md, "Add a module owner"): the scheduler and K owners, the modules dealt in
@@ -905,6 +906,13 @@ def main() -> None:
         "durable writes (an upper bound for batching; not crash-safe); no row is appended",
     )
     ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the concurrent and the sequential run this many times, alternating, and "
+        "print every pair's ratio and their median (the row: the median pair's)",
+    )
+    ap.add_argument(
         "--owners",
         type=int,
         default=0,
@@ -924,35 +932,49 @@ def main() -> None:
     if args.cmd == "peers":
         peers_worker(args.root, args.out, args.names, args.timeout)
         return
-    with tempfile.TemporaryDirectory(prefix="dipaco-soak-") as tmp:
-        result = run_load(
-            Path(tmp) / "load",
-            args.peers,
-            args.rounds,
-            dim=args.dim,
-            timeout=args.timeout,
-            processes=args.peer_processes,
-            bound=args.bound,
-            owners=args.owners,
-        )
-        _print(result, "concurrent")
-        baseline = None
-        if not args.no_baseline:
-            baseline = run_load(
-                Path(tmp) / "baseline",
-                1,
+    pairs = []  # (concurrent, sequential or None), alternating: this machine's noise is slow
+    for k in range(args.repeat):
+        with tempfile.TemporaryDirectory(prefix="dipaco-soak-") as tmp:
+            result = run_load(
+                Path(tmp) / "load",
+                args.peers,
                 args.rounds,
-                side=side_for(args.peers),
                 dim=args.dim,
                 timeout=args.timeout,
+                processes=args.peer_processes,
+                bound=args.bound,
                 owners=args.owners,
             )
-            _print(baseline, "1 peer, sequential")
-            print(
-                f"ratio (concurrent / sequential deltas per second): "
-                f"{result['deltas_per_s'] / baseline['deltas_per_s']:.2f}"
-            )
-    broken = problems(result) + (problems(baseline) if baseline else [])
+            _print(result, "concurrent" + (f" ({k + 1} of {args.repeat})" if k else ""))
+            baseline = None
+            if not args.no_baseline:
+                baseline = run_load(
+                    Path(tmp) / "baseline",
+                    1,
+                    args.rounds,
+                    side=side_for(args.peers),
+                    dim=args.dim,
+                    timeout=args.timeout,
+                    owners=args.owners,
+                )
+                _print(baseline, "1 peer, sequential")
+                print(
+                    f"ratio (concurrent / sequential deltas per second): "
+                    f"{result['deltas_per_s'] / baseline['deltas_per_s']:.2f}"
+                )
+        pairs.append((result, baseline))
+    if args.repeat > 1 and not args.no_baseline:
+        ratios = sorted(r["deltas_per_s"] / b["deltas_per_s"] for r, b in pairs if b)
+        print(
+            f"ratios of {len(ratios)} pairs: {', '.join(f'{x:.2f}' for x in ratios)}; "
+            f"median {statistics.median(ratios):.2f}"
+        )
+        # The row: the pair whose ratio is the median (the lower middle of an even count).
+        middle = ratios[(len(ratios) - 1) // 2]
+        result, baseline = next(
+            (r, b) for r, b in pairs if b and r["deltas_per_s"] / b["deltas_per_s"] == middle
+        )
+    broken = [p for r, b in pairs for p in problems(r) + (problems(b) if b else [])]
     for p in broken:
         print("PROBLEM:", p)
     if not args.no_doc and not args.bound and not args.owners:
