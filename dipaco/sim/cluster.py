@@ -186,6 +186,7 @@ class Cluster:
             take_over(co, LocalTransport(self.scheduler.handle), mids)
             self.owners.append(node)
         self.by_name = {n.name: n for n in self.owners}
+        self.report_waiters: list[Callable[[], None]] = []  # parked TaskDones (on_report)
         for node in self.owners:
             node.after = self.changed
         for node in [self.scheduler, *self.owners]:
@@ -240,7 +241,7 @@ class Cluster:
 
         def send(msg: m.OwnerReport) -> None:
             self.scheduler.request(
-                node.core.identity, msg, lambda r: 0.0, lambda r: self.loop.after(lat, back, r)
+                node.core.identity, msg, lambda r: 0.0, lambda r: self._landed(lat, back, r)
             )
 
         def back(ack: Any) -> None:
@@ -268,6 +269,19 @@ class Cluster:
                 self.loop.after(self.settings.report_seconds, self._report, node, node.report_gen)
 
         node.cpu.submit(build)
+
+    def on_report(self, call: Callable[[], None]) -> None:
+        """Call ``call`` once the next owner's report has been applied at the scheduler (a
+        TaskDone's long poll: peers.py ``park``)."""
+        self.report_waiters.append(call)
+
+    def _landed(self, lat: float, back: Callable[[Any], None], reply: Any) -> None:
+        """An owner's report was served at the scheduler: the TaskDones it parked look again,
+        and its reply travels back to the owner."""
+        waiters, self.report_waiters = self.report_waiters, []
+        for call in waiters:
+            call()
+        self.loop.after(lat, back, reply)
 
     # ---- what the run did ----------------------------------------------------------------------
     def events(self, kind: str) -> list[dict]:

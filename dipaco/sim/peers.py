@@ -4,7 +4,8 @@ state machine on the virtual clock.
 A peer says Hello, claims a task (preferring its last path), fetches the path's modules from
 their owners (only those whose version it lacks), trains for the offer's steps at its own step
 time, heartbeats its lease meanwhile, pushes each owner its modules' int8 delta, and sends
-TaskDone to the scheduler once every owner acknowledged; then it claims again. Refused or idle
+TaskDone to the scheduler once every owner acknowledged (held there, as the real scheduler
+holds it, until an owner's report brings a missing acknowledgement); then it claims again. Refused or idle
 (``NoTask``), it retries after the reply's ``retry_after`` (or ``Settings.poll_seconds``).
 With probability ``churn`` it leaves during a task, silently (its lease expires and the task is
 re-issued), and a new peer arrives after an exponential delay.
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dipaco.peer.push import REPORT_WAIT
 from dipaco.protocols import auth, codecs
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
@@ -35,6 +37,8 @@ class PeerStats:
     tasks: int = 0  # offers taken
     finished: int = 0  # tasks whose every delta was acknowledged
     polls: int = 0  # NoTask replies
+    parked: int = 0  # TaskDones held for an owner's report (Peer.park)
+    unparked_by_report: int = 0  # ... looked at again as a report landed (not at the wait's end)
     refused: Counter[str] = field(default_factory=Counter)
     busy: float = 0.0  # peer-seconds holding a task
     compute: float = 0.0  # peer-seconds training
@@ -82,6 +86,7 @@ class Peer:
         self.last_path: int | None = None
         self.since = 0.0
         self.task_start: float | None = None
+        self.parked: object | None = None  # the TaskDone waiting for a report (park)
 
     # ---- plumbing ------------------------------------------------------------------------------
     def send(
@@ -238,11 +243,16 @@ class Peer:
             when = transfer(self.loop, sizes.int8(mids), [self.up, node.ingress], 0.0)
             self.loop.at(when, lambda d=deliver: self._live(token) and d())
 
-    def task_done(self, msg: m.TaskDone, wait: float = 1.0) -> None:
-        self.send(self.scheduler, msg, lambda r: self.done(r, msg, wait))
+    def task_done(self, msg: m.TaskDone, wait: float = 1.0, until: float | None = None) -> None:
+        """``until``: when the TaskDone's long poll ends (``TaskDone.wait`` after it was sent)."""
+        until = self.loop.now + REPORT_WAIT if until is None else until
+        self.send(self.scheduler, msg, lambda r: self.done(r, msg, wait, until))
 
-    def done(self, reply: Any, msg: m.TaskDone, wait: float = 1.0) -> None:
+    def done(self, reply: Any, msg: m.TaskDone, wait: float = 1.0, until: float = 0.0) -> None:
         if getattr(reply, "reason", None) == Reason.NOT_ACKED:
+            if self.loop.now < until:
+                self.park(msg, wait, until)
+                return
             # the scheduler learns an owner's ack from its next report: retry, backing off
             again = min(2 * wait, 30.0)
             self.loop.after(
@@ -255,6 +265,25 @@ class Peer:
         self.swarm.stats.finished += 1
         self.end_task()
         self.claim()
+
+    def park(self, msg: m.TaskDone, wait: float, until: float) -> None:
+        """The long poll of a TaskDone refused for an owner's report not yet in (as the real
+        scheduler holds it: ``rounds.await_reports``): it is looked at again as soon as a report
+        lands at the scheduler, or when its wait ends (then a refusal is retried, backing off).
+        The message itself asks for no wait: the simulation's one thread must never block."""
+        ticket = object()
+        self.parked = ticket
+        token = self.token
+        self.swarm.stats.parked += 1
+
+        def again(by_report: bool) -> None:
+            if self.parked is ticket and self._live(token):
+                self.parked = None
+                self.swarm.stats.unparked_by_report += by_report
+                self.task_done(msg, wait, until)
+
+        self.swarm.cluster.on_report(lambda: again(True))
+        self.loop.at(until, lambda: again(False))
 
     def beat(self, token: int) -> None:
         if not self._live(token):

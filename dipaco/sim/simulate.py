@@ -165,6 +165,8 @@ def _result(
             "tasks": st.tasks,
             "finished": st.finished,
             "polls": st.polls,
+            "task_done_parked": st.parked,
+            "task_done_unparked_by_report": st.unparked_by_report,
             "refused": dict(st.refused),
             "kinds": dict(st.kinds),
             "side": side,
@@ -179,5 +181,23 @@ def _result(
                 for k, v in sorted(cluster.scheduler.by_kind.items(), key=lambda kv: -kv[1])
             },
             "lease_expired": len(cluster.events("lease_expired")),
+            "done_after_ack_s": _done_after_ack(cluster),
         },
     )
+
+
+def _done_after_ack(cluster: Cluster) -> dict[str, float]:
+    """How long after a task's last acknowledged delta (at its owners) the scheduler took it
+    as done (its ``delta`` event): the report's way and the TaskDone's, p50 and max over the
+    tasks done."""
+    last: dict[str, float] = {}
+    for e in cluster.events("delta_acked"):
+        last[e["task"]] = max(last.get(e["task"], 0.0), e["t"])
+    gaps = sorted(
+        e["t"] - last[e["task"]]
+        for e in cluster.scheduler.events
+        if e["event"] == "delta" and e["task"] in last
+    )
+    if not gaps:
+        return {}
+    return {"p50": round(statistics.median(gaps), 3), "max": round(gaps[-1], 3)}
