@@ -272,7 +272,7 @@ def task_done(core: CoordinatorBase, req: m.TaskDone) -> m.Ok:
         return m.Ok()
     missing = unacked(core, task)
     if missing and req.wait > 0 and not any(core.owns(mid) for mid in missing):
-        task, missing = await_reports(core, req)
+        task, missing = await_reports(core, req, task, missing)
         if (task.path, task.round) in core.done:
             return m.Ok()
     if missing:
@@ -289,25 +289,28 @@ def task_done(core: CoordinatorBase, req: m.TaskDone) -> m.Ok:
     return m.Ok()
 
 
-def await_reports(core: CoordinatorBase, req: m.TaskDone) -> tuple[Task, list[str]]:
+def await_reports(
+    core: CoordinatorBase, req: m.TaskDone, task: Task, missing: list[str]
+) -> tuple[Task, list[str]]:
     """A long poll for a TaskDone whose missing acknowledgements are other owners': the peer
     and the owner both tell the scheduler, and the owner's report (sent as it acknowledges)
     often comes second. Waits, without the lock, for reports (every change wakes
     ``step_cond``) up to ``req.wait`` seconds (at most REPORT_WAIT_SECONDS), while a long-poll
     slot is free (claims share them: a hivemind server's handler threads are few); then the
-    task, looked up again (its lease may have ended meanwhile), and what is still missing."""
-    task = core._task(req.peer_id, req.task_id, req.ticket)
+    task, looked up again after each wake (its lease may have ended meanwhile), and what is
+    still missing (``missing`` as the caller found it, if it never waited)."""
     if core.waiting_claims >= core.long_poll_slots:
-        return task, unacked(core, task)
+        return task, missing
     core.waiting_claims += 1
     try:
         end = time.monotonic() + min(req.wait, REPORT_WAIT_SECONDS)
-        while not core.finished and (left := end - time.monotonic()) > 0:
+        while missing and not core.finished and (left := end - time.monotonic()) > 0:
             core.step_cond.wait(left)
             task = core._task(req.peer_id, req.task_id, req.ticket)
-            if (task.path, task.round) in core.done or not unacked(core, task):
+            if (task.path, task.round) in core.done:
                 break
-        return task, unacked(core, task)
+            missing = unacked(core, task)
+        return task, missing
     finally:
         core.waiting_claims -= 1
 

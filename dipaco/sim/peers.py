@@ -5,8 +5,8 @@ A peer says Hello, claims a task (preferring its last path), fetches the path's 
 their owners (only those whose version it lacks), trains for the offer's steps at its own step
 time, heartbeats its lease meanwhile, pushes each owner its modules' int8 delta, and sends
 TaskDone to the scheduler once every owner acknowledged (held there, as the real scheduler
-holds it, until an owner's report brings a missing acknowledgement); then it claims again. Refused or idle
-(``NoTask``), it retries after the reply's ``retry_after`` (or ``Settings.poll_seconds``).
+holds it, until an owner's report brings a missing acknowledgement); then it claims again.
+Refused or idle (``NoTask``), it retries after the reply's ``retry_after`` (or ``Settings.poll_seconds``).
 With probability ``churn`` it leaves during a task, silently (its lease expires and the task is
 re-issued), and a new peer arrives after an exponential delay.
 """
