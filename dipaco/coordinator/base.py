@@ -231,10 +231,11 @@ class CoordinatorBase:
         self.eval_note: str | None = None  # why there is no per-round validation, if there is none
         self.owner_seen: dict[str, float] = {}  # other owners: when they last reported
         self.standbys: dict[str, float] = {}  # standby schedulers: when they last synced
-        # Long polls (ClaimTask.wait): how many claims wait for a path now, how many may (a
-        # transport with few handler threads lowers it), and a count of the changes that may
-        # open a path (outer steps, reports, ended leases), which wakes them.
-        self.waiting_claims = 0
+        # Long polls (ClaimTask.wait, TaskDone.wait): how many wait now, and how many may (a
+        # transport with few handler threads lowers it). Claims take all but one: the last is
+        # kept for a TaskDone waiting for an owner's report, so that idle peers' claims never
+        # turn a finished task's TaskDone into a refusal and a retry seconds later.
+        self.long_polls = 0
         self.long_poll_slots = 256
         # Who claimed in vain lately (a key, or a peer id without one) -> when: NoTask's
         # retry_after grows with their number, so idle polls stay within POLLS_PER_SECOND.

@@ -296,12 +296,13 @@ def await_reports(
     and the owner both tell the scheduler, and the owner's report (sent as it acknowledges)
     often comes second. Waits, without the lock, for reports (every change wakes
     ``step_cond``) up to ``req.wait`` seconds (at most REPORT_WAIT_SECONDS), while a long-poll
-    slot is free (claims share them: a hivemind server's handler threads are few); then the
-    task, looked up again after each wake (its lease may have ended meanwhile), and what is
-    still missing (``missing`` as the caller found it, if it never waited)."""
-    if core.waiting_claims >= core.long_poll_slots:
+    slot is free (claims share them but leave it the last one: a hivemind server's handler
+    threads are few, and idle peers' claims would otherwise take them all); then the task,
+    looked up again after each wake (its lease may have ended meanwhile), and what is still
+    missing (``missing`` as the caller found it, if it never waited)."""
+    if core.long_polls >= core.long_poll_slots:
         return task, missing
-    core.waiting_claims += 1
+    core.long_polls += 1
     try:
         end = time.monotonic() + min(req.wait, REPORT_WAIT_SECONDS)
         while missing and not core.finished and (left := end - time.monotonic()) > 0:
@@ -312,7 +313,7 @@ def await_reports(
             missing = unacked(core, task)
         return task, missing
     finally:
-        core.waiting_claims -= 1
+        core.long_polls -= 1
 
 
 def unacked(core: CoordinatorBase, task: Task) -> list[str]:

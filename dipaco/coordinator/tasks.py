@@ -329,16 +329,17 @@ def retry_after(core: CoordinatorBase, who: str) -> float:
 def wait_for_work(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
     """A long poll: wait, without the lock, for a path to open (an outer step, a report, a
     lease ended: every change notifies ``work_cond``), up to ``req.wait`` seconds (at most
-    LONG_POLL_SECONDS), and lease it. Only ``core.long_poll_slots`` claims wait at once (a
-    hivemind server's handler threads are few); the others get their NoTask at once.
+    LONG_POLL_SECONDS), and lease it. Only ``core.long_poll_slots`` - 1 claims wait at once
+    (a hivemind server's handler threads are few; the last slot is kept for TaskDone's long
+    poll, rounds.await_reports); the others get their NoTask at once.
 
     A change wakes one waiting claim; one that leases a path wakes the next (a round's close
     opens many paths, an admitted delta most often none). Every waiting claim also looks
     again every LOOK_AGAIN_SECONDS, so a claim woken for a path it may not take (another
     peer's preference) delays the others by at most that."""
-    if core.waiting_claims >= core.long_poll_slots:
+    if core.long_polls >= core.long_poll_slots - 1:
         return None
-    core.waiting_claims += 1
+    core.long_polls += 1
     try:
         end = time.monotonic() + min(req.wait, LONG_POLL_SECONDS)
         seen = core.work_generation
@@ -353,7 +354,7 @@ def wait_for_work(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
                 return lease
         return None
     finally:
-        core.waiting_claims -= 1
+        core.long_polls -= 1
 
 
 def need_scheduler(core: CoordinatorBase, who: str) -> None:

@@ -52,7 +52,7 @@ def test_a_waiting_claim_gets_the_next_rounds_path_as_soon_as_it_opens(tmp_path)
     assert isinstance(now, m.NoTask) and now.retry_after > 0 and not now.finished
     thread, out = claim_in_background(co, "late", wait=10.0)
     time.sleep(0.3)
-    assert out == [] and co.waiting_claims == 1  # waiting, not polling
+    assert out == [] and co.long_polls == 1  # waiting, not polling
     for p, task in enumerate(tasks):
         peer(co, f"p{p}").request(delta_message(task, f"p{p}", constant_delta(co, task)))
     thread.join(5)
@@ -60,13 +60,13 @@ def test_a_waiting_claim_gets_the_next_rounds_path_as_soon_as_it_opens(tmp_path)
     assert isinstance(reply, m.TaskOffer) and reply.module_versions == {
         mid: 1 for mid in reply.module_versions
     }
-    assert seconds < 2.0 and co.waiting_claims == 0
+    assert seconds < 2.0 and co.long_polls == 0
 
 
 def test_a_wait_is_bounded_and_only_so_many_claims_wait(tmp_path):
     co = tiny_coordinator(tmp_path)
     lease_every_path(co)
-    co.long_poll_slots = 1
+    co.long_poll_slots = 2  # one for claims; the last is kept for a TaskDone's wait
     first, first_out = claim_in_background(co, "a", wait=0.6)
     time.sleep(0.2)
     second, second_out = claim_in_background(co, "b", wait=0.6)
@@ -109,9 +109,9 @@ def test_a_closing_round_wakes_every_waiting_claim_and_a_delta_that_opens_nothin
     leased = lease_every_path(co)
     waiting = [claim_in_background(co, f"late{i}", wait=30.0) for i in range(4)]
     deadline = time.monotonic() + 5
-    while co.waiting_claims < 4 and time.monotonic() < deadline:
+    while co.long_polls < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert co.waiting_claims == 4
+    assert co.long_polls == 4
     changes = co.work_generation
     looks.clear()  # the claims' first looks, before they waited
     for p, task in enumerate(leased):

@@ -532,9 +532,10 @@ def task_done(task, peer, wait=0.0):
 
 def test_a_task_done_waits_for_the_other_owners_report_rather_than_being_refused(tmp_path):
     """The peer and the owner both tell the scheduler, and the owner's report often comes
-    second. A TaskDone with ``wait`` is held until the report arrives: no `not-acked` refusal,
-    no retry seconds later. Without ``wait``, with the scheduler's own module's delta missing,
-    or with no report coming, it is refused as before."""
+    second. A TaskDone with ``wait`` is held until the report arrives, even while claims wait
+    in every slot they may: no `not-acked` refusal, no retry seconds later. Without ``wait``,
+    with the scheduler's own module's delta missing, or with no report coming, it is refused
+    as before."""
     primary = make(tmp_path / "a")
     second = make_owner(tmp_path / "b")
     take_over(second, LocalTransport(primary.handle), ["L1.M0"])
@@ -552,6 +553,8 @@ def test_a_task_done_waits_for_the_other_owners_report_rather_than_being_refused
     assert owner.request(delta_for(task, "p0", mids=["L1.M0"])).accepted == ["L1.M0"]
     assert rejected(lambda: sched.request(task_done(task, "p0"))) == "not-acked"  # no wait
     refused = primary.rejections["not-acked"]
+    # Idle peers' claims hold every long-poll slot they may: the last is the TaskDone's.
+    primary.long_polls = primary.long_poll_slots - 1
     reporter = LocalTransport(primary.handle).authenticate(KEY)
     timer = threading.Timer(0.3, lambda: reporter.request(second.report()))
     timer.start()
@@ -560,7 +563,8 @@ def test_a_task_done_waits_for_the_other_owners_report_rather_than_being_refused
     timer.join()
     assert 0.25 < time.monotonic() - began < 1.9  # held until the report, not for the wait
     assert primary.rejections["not-acked"] == refused and path not in primary.open_paths()
-    assert primary.waiting_claims == 0
+    assert primary.long_polls == primary.long_poll_slots - 1
+    primary.long_polls = 0
     # No report comes for the other path's task: refused once the wait is over.
     late = claim(sched, "p1", prefer=other)
     sched.request(
