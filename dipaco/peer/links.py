@@ -41,6 +41,9 @@ class RunOver(Exception):
     """The run finished while this peer could not reach its coordinators: stop retrying."""
 
 
+RETRY_SECONDS = 2.0  # a peer's default wait before it asks again (Patience.retry_seconds)
+
+
 @dataclass
 class Patience:
     """How long the peer retries a request, and the events that end its retries early."""

@@ -36,6 +36,7 @@ from dipaco.peer.ahead import Ahead
 from dipaco.peer.behind import Behind
 from dipaco.peer.checks import hello_with_clock
 from dipaco.peer.links import (
+    RETRY_SECONDS,
     Connect,
     Lease,
     OwnerLinks,
@@ -86,7 +87,7 @@ class Peer:
         stop: threading.Event | None = None,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
         give_up_seconds: float = 300.0,
-        retry_seconds: float = 2.0,
+        retry_seconds: float = RETRY_SECONDS,
         connect: Connect | None = None,
         shard_source: Callable[[str, dict[str, Any]], TokenShard] | None = None,
         memory_bytes: int | None = None,

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dipaco.peer.links import RETRY_SECONDS
 from dipaco.peer.push import REPORT_WAIT
 from dipaco.protocols import auth, codecs
 from dipaco.protocols import messages as m
@@ -96,15 +97,17 @@ class Peer:
         then: Callable[[Any], None],
         extra: Callable[[Any], float] = lambda r: 0.0,
         times: float = 1.0,
+        held: bool = False,
     ) -> None:
         """``msg`` to ``node`` over this peer's latency; ``then(reply)`` when the reply is back,
-        unless the task it was sent for is over by then."""
+        unless the task it was sent for is over by then. ``held``: the request is at the node
+        already (a long poll it held, looked at again), so only the reply travels."""
         token, lat = self.token, self.profile.latency
 
         def reply(r: Any) -> None:
             self.loop.after(lat, lambda: self._live(token) and then(r))
 
-        self.loop.after(lat, node.request, self.identity, msg, extra, reply, times)
+        self.loop.after(0.0 if held else lat, node.request, self.identity, msg, extra, reply, times)
 
     def _live(self, token: int) -> bool:
         return not self.gone and token == self.token
@@ -243,20 +246,23 @@ class Peer:
             when = transfer(self.loop, sizes.int8(mids), [self.up, node.ingress], 0.0)
             self.loop.at(when, lambda d=deliver: self._live(token) and d())
 
-    def task_done(self, msg: m.TaskDone, wait: float = 1.0, until: float | None = None) -> None:
-        """``until``: when the TaskDone's long poll ends (``TaskDone.wait`` after it was sent)."""
-        until = self.loop.now + REPORT_WAIT if until is None else until
-        self.send(self.scheduler, msg, lambda r: self.done(r, msg, wait, until))
+    def task_done(self, msg: m.TaskDone, until: float | None = None, held: bool = False) -> None:
+        """``until``: when the TaskDone's long poll ends (``TaskDone.wait`` after it reached the
+        scheduler); ``held``: the scheduler looks again at one it holds (``park``)."""
+        if until is None:
+            until = self.loop.now + self.profile.latency + REPORT_WAIT
+        self.send(self.scheduler, msg, lambda r: self.done(r, msg, until), held=held)
 
-    def done(self, reply: Any, msg: m.TaskDone, wait: float = 1.0, until: float = 0.0) -> None:
+    def done(self, reply: Any, msg: m.TaskDone, until: float = 0.0) -> None:
         if getattr(reply, "reason", None) == Reason.NOT_ACKED:
             if self.loop.now < until:
-                self.park(msg, wait, until)
+                self.park(msg, until)
                 return
-            # the scheduler learns an owner's ack from its next report: retry, backing off
-            again = min(2 * wait, 30.0)
+            # the scheduler learns an owner's ack from its next report: the real peer asks
+            # again after its retry_seconds, with a new wait (links.Patience)
             self.loop.after(
-                wait, lambda token=self.token: self._live(token) and self.task_done(msg, again)
+                RETRY_SECONDS,
+                lambda token=self.token: self._live(token) and self.task_done(msg),
             )
             return
         if not isinstance(reply, m.Ok):
@@ -266,11 +272,12 @@ class Peer:
         self.end_task()
         self.claim()
 
-    def park(self, msg: m.TaskDone, wait: float, until: float) -> None:
+    def park(self, msg: m.TaskDone, until: float) -> None:
         """The long poll of a TaskDone refused for an owner's report not yet in (as the real
-        scheduler holds it: ``rounds.await_reports``): it is looked at again as soon as a report
-        lands at the scheduler, or when its wait ends (then a refusal is retried, backing off).
-        The message itself asks for no wait: the simulation's one thread must never block."""
+        scheduler holds it: ``rounds.await_reports``): the scheduler looks at it again as soon
+        as a report lands, or when its wait ends (then a refusal is retried after the peer's
+        retry seconds). The message itself asks for no wait: the simulation's one thread must
+        never block."""
         ticket = object()
         self.parked = ticket
         token = self.token
@@ -280,7 +287,7 @@ class Peer:
             if self.parked is ticket and self._live(token):
                 self.parked = None
                 self.swarm.stats.unparked_by_report += by_report
-                self.task_done(msg, wait, until)
+                self.task_done(msg, until, held=True)
 
         self.swarm.cluster.on_report(lambda: again(True))
         self.loop.at(until, lambda: again(False))
