@@ -65,6 +65,8 @@ def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
             if asked_clock
             else {}
         ),
+        # told only to a peer that says its own: an older peer's decoder lacks the field
+        protocol=m.PROTOCOL if "protocol" in req.capabilities else 0,
     )
 
 

@@ -348,11 +348,14 @@ def run_checks(
 def hello_with_clock(
     transport: Transport, hello: m.Hello
 ) -> tuple[m.Welcome, tuple[float, float] | None]:
-    """Send ``hello`` asking for the coordinator's clock; its Welcome, and this clock (as it
-    stamps requests) minus the coordinator's at the middle of the exchange with the window the
-    coordinator allows (None from a coordinator that does not tell its clock)."""
+    """Send ``hello`` asking for the coordinator's clock, and saying this peer's protocol
+    number; its Welcome, and this clock (as it stamps requests) minus the coordinator's at the
+    middle of the exchange with the window the coordinator allows (None from a coordinator that
+    does not tell its clock)."""
     sent = faults.now()
-    asking = dataclasses.replace(hello, capabilities={**hello.capabilities, "clock": 1})
+    asking = dataclasses.replace(
+        hello, capabilities={**hello.capabilities, "clock": 1, "protocol": m.PROTOCOL}
+    )
     welcome = transport.request(asking)
     now, window = welcome.clock.get("now"), welcome.clock.get("window")
     if not isinstance(now, int | float) or not isinstance(window, int | float):

@@ -106,12 +106,20 @@ class OwnerLinks:
         self.patience = patience
         self.connect = connect
         self.scheduler_id = ""
+        # The scheduler's protocol number (messages.PROTOCOL; 1 if its Welcome told none): what
+        # this peer may send it.
+        self.scheduler_protocol = m.PROTOCOL
         self.owners: dict[str, str] = {}  # module id -> owner id
         self.addresses: dict[str, list[str]] = {}
         self.keys: dict[str, str] = {}  # owner id -> the key the scheduler vouches for
         self._links: dict[str, Transport] = {}
         # A push behind (behind.py) asks owners from its own thread while the peer fetches.
         self._lock = threading.RLock()
+
+    def welcomed(self, welcome: m.Welcome) -> None:
+        """What the scheduler's Welcome tells of it: its owner id, and its protocol number."""
+        self.scheduler_id = welcome.config.get("owner_id", "")
+        self.scheduler_protocol = welcome.protocol or 1
 
     def link(self, owner: str) -> Transport:
         """The transport to a module owner; the scheduler's own modules use the main one."""

@@ -168,7 +168,7 @@ class Peer:
         self.check_manifest(welcome)
         self.config = welcome.config
         self.feedback.decay, self.feedback.density = codec_settings(self.config)
-        self.links.scheduler_id = self.config.get("owner_id", "")
+        self.links.welcomed(welcome)
         self.trainer = trainer = make_trainer(self)
         self.model_cfg, self.topology = trainer.model_cfg, trainer.topology
         self.train_cfg, self.micro_batch = trainer.train_cfg, trainer.micro_batch

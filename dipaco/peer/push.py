@@ -186,7 +186,8 @@ class Pusher:
                     tokens=tokens,
                     losses=losses,
                     modules=modules,
-                    wait=REPORT_WAIT,
+                    # a scheduler of protocol 1 knows no wait: it decodes a TaskDone without
+                    wait=REPORT_WAIT if self.links.scheduler_protocol >= 2 else 0.0,
                 )
             ),
             # The scheduler learns another owner's acknowledgement from its next report, and

@@ -23,6 +23,13 @@ from dipaco.protocols.wire import DEFAULT_LIMITS, Frame, Limits, decode, encode
 
 REGISTRY: dict[str, type] = {}
 
+# The protocol's number, for parties of different releases in one run (docs/protocol.md §2).
+# A peer says it in Hello (capabilities["protocol"]); a coordinator that knows the number
+# answers with its own (Welcome.protocol), one that does not says nothing: protocol 1.
+#   1: before the number (ClaimTask.wait, but no TaskDone.wait)
+#   2: TaskDone.wait
+PROTOCOL = 2
+
 
 def message(cls: type) -> type:
     cls = dataclass(cls)
@@ -102,8 +109,9 @@ class TaskDone:
     modules: list[str]
     # Seconds the peer would rather wait for another owner's report of its acknowledgement
     # than get a ``not-acked`` refusal now (a long poll, as ClaimTask.wait); the scheduler
-    # waits at most REPORT_WAIT_SECONDS (rounds.py), and only while it has a slot free.
-    wait: float = 0.0
+    # waits at most REPORT_WAIT_SECONDS (rounds.py), and only while it has a slot free. Left
+    # out when 0, so that a coordinator of protocol 1 (which lacks it) decodes the TaskDone.
+    wait: float = field(default=0.0, metadata={"omit_empty": True})
 
 
 @message
@@ -204,6 +212,9 @@ class Welcome:
     # clock-skew seconds it allows}), for a peer whose Hello asked (capabilities["clock"]); left
     # out of the frame otherwise, so that a peer from before the field decodes the Welcome.
     clock: dict[str, float] = field(default_factory=dict, metadata={"omit_empty": True})
+    # The coordinator's PROTOCOL, for a peer whose Hello said its own (capabilities["protocol"]);
+    # left out otherwise, as ``clock``.
+    protocol: int = field(default=0, metadata={"omit_empty": True})
 
 
 @message

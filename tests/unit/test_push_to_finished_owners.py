@@ -46,6 +46,7 @@ class Links:
     def __init__(self, answers):
         self.answers, self.asked = answers, []
         self.transport, self.patience = Transport(), Patience()
+        self.scheduler_protocol = m.PROTOCOL
         self.owners = {"S.embed": "a", "S.head": "a", "L0.M1": "b", "L1.M1": "b"}
 
     def by_owner(self, mids):
