@@ -122,7 +122,7 @@ def test_a_two_worker_machine_trains_a_run_and_survives_a_killed_worker(run_copy
         assert snapshot["machines"]["lab"]["workers"] == ["lab-w0", "lab-w1"]
         assert snapshot["machines"]["lab"]["devices"] == ["cpu", "cpu"]
         assert snapshot["peers"]["lab-w1"]["capabilities"] == {
-            "machine": "lab", "worker": 1, "workers": 2,
+            "machine": "lab", "worker": 1, "workers": 2, "protocol": m.PROTOCOL,
         }  # fmt: skip
         # ...and its table, as `dipaco status URL` prints that snapshot
         out_text = Console(width=200, record=True, file=io.StringIO())
