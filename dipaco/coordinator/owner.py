@@ -4,7 +4,9 @@
 ``HandOver`` returns their state and pending deltas (the old owner holds new deltas for them
 meanwhile), the new owner writes them durably, then ``ConfirmOwnership`` moves them for good. A
 crash in between leaves the old owner in charge. A restarted owner finds its modules on disk
-and skips the hand-over.
+and skips the hand-over. A request whose reply is lost on the way (a hivemind stream that ends
+early, a timeout) is sent again: a HandOver repeats harmlessly, and a ConfirmOwnership the
+scheduler had already carried out is recognised by asking it who owns the modules.
 
 ``Reporter`` sends the owner's state to the scheduler after every change and every
 ``interval`` seconds; the scheduler answers with the overdue tasks, which let this owner close
@@ -17,18 +19,29 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 from dipaco.coordinator import rotation, tickets
 from dipaco.coordinator.core import Coordinator
-from dipaco.errors import ConfigError, DipacoError, RejectedError, WireError
+from dipaco.errors import ConfigError, DipacoError, RejectedError, TransportError, WireError
 from dipaco.protocols import messages as m
+from dipaco.protocols.reasons import Reason
 from dipaco.protocols.transport import Transport
 
 log = logging.getLogger(__name__)
 
+HAND_OVER_PATIENCE = 60.0  # seconds take_over keeps sending a request whose reply was lost
 
-def take_over(coordinator: Coordinator, scheduler: Transport, modules: list[str]) -> list[str]:
-    """Own ``modules`` (those not already on disk); returns the ones handed over now."""
+
+def take_over(
+    coordinator: Coordinator,
+    scheduler: Transport,
+    modules: list[str],
+    patience: float = HAND_OVER_PATIENCE,
+) -> list[str]:
+    """Own ``modules`` (those not already on disk); returns the ones handed over now. A request
+    that fails on the way is sent again for up to ``patience`` seconds."""
     unknown = sorted(set(modules) - set(coordinator.topology.module_ids()))
     if unknown:
         raise ConfigError(
@@ -40,21 +53,37 @@ def take_over(coordinator: Coordinator, scheduler: Transport, modules: list[str]
         return []
     speak_as_owner(coordinator, scheduler)
     owner, identity = coordinator.owner_id, coordinator.identity
-    state = scheduler.request(
-        m.HandOver(
-            owner_id=owner,
-            proof=tickets.prove(identity, "handover", owner, wanted),
-            modules=wanted,
-        )
+    hand_over = m.HandOver(
+        owner_id=owner, proof=tickets.prove(identity, "handover", owner, wanted), modules=wanted
     )
+    state = resending(lambda: scheduler.request(hand_over), patience)
     hashes = coordinator.adopt(state)
-    scheduler.request(
-        m.ConfirmOwnership(
-            owner_id=owner, proof=tickets.prove(identity, "confirm", owner, hashes), hashes=hashes
-        )
+    confirm = m.ConfirmOwnership(
+        owner_id=owner, proof=tickets.prove(identity, "confirm", owner, hashes), hashes=hashes
     )
+    try:
+        resending(lambda: scheduler.request(confirm), patience)
+    except RejectedError as exc:
+        # Sent again after a lost reply: the first one may have moved the modules already.
+        owners = resending(lambda: scheduler.request(m.GetOwners()), patience).owners
+        if exc.reason != Reason.NOT_OWNER or any(owners.get(mid) != owner for mid in wanted):
+            raise
     log.info("took over %s", ", ".join(wanted))
     return wanted
+
+
+def resending(call: Callable[[], m.Message], patience: float) -> m.Message:
+    """``call``, made again after a transport error (a reply lost or cut short on the way) for
+    up to ``patience`` seconds; a refusal is raised at once."""
+    began = time.monotonic()
+    while True:
+        try:
+            return call()
+        except TransportError as exc:
+            if time.monotonic() - began > patience:
+                raise
+            log.warning("the scheduler's reply was lost (%s); sending the request again", exc)
+            time.sleep(1.0)
 
 
 def speak_as_owner(coordinator: Coordinator, scheduler: Transport) -> None:

@@ -20,7 +20,7 @@ from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.owner import take_over
 from dipaco.coordinator.scheduler import robust_deadline
-from dipaco.errors import RejectedError
+from dipaco.errors import RejectedError, TransportError
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig, new_dense_model
 from dipaco.protocols import messages as m
@@ -683,6 +683,49 @@ def test_hand_over_moves_a_module_with_its_pending_delta(tmp_path):
     assert again.owned_modules() == ["L1.M0"]
     assert again.store.version("L1.M0") == 1
     assert again.store.modules["L1.M0"].hash == second.store.modules["L1.M0"].hash
+
+
+class LosesFirstReplies:
+    """A link to the scheduler that loses its first reply to each message type in ``kinds`` on
+    the way back (a hivemind stream cut short), after the scheduler carried the request out."""
+
+    def __init__(self, transport, kinds):
+        self.transport, self.kinds, self.lost = transport, set(kinds), []
+
+    def request(self, msg):
+        reply = self.transport.request(msg)
+        if type(msg).__name__ in self.kinds:
+            self.kinds.discard(type(msg).__name__)
+            self.lost.append(type(msg).__name__)
+            raise TransportError("reply truncated: got 0 of 174647 bytes", reason="truncated")
+        return reply
+
+    def __getattr__(self, name):
+        return getattr(self.transport, name)
+
+
+def test_a_hand_over_whose_replies_are_lost_is_sent_again_and_moves_the_module_once(tmp_path):
+    """A fresh-clone run under load once lost the HandOver's reply over hivemind, and the
+    joining owner exited. Each step is sent again: the HandOver repeats harmlessly, and a
+    ConfirmOwnership already carried out is recognised from the scheduler's owners."""
+    events = []
+    primary = make(tmp_path / "a", events=events)
+    sched = LocalTransport(primary.handle)
+    task0 = claim(sched, "p0", prefer=0)
+    sched.request(delta_for(task0, "p0"))
+    second = make_owner(tmp_path / "b")
+    link = LosesFirstReplies(LocalTransport(primary.handle), ["HandOver", "ConfirmOwnership"])
+    assert take_over(second, link, ["L1.M0"]) == ["L1.M0"]
+    assert link.lost == ["HandOver", "ConfirmOwnership"]
+    assert primary.owners["L1.M0"] == "b" and "L1.M0" not in primary.store.modules
+    assert second.owned_modules() == ["L1.M0"]
+    assert list(second.store.modules["L1.M0"].pending) == [0]  # the pending delta moved with it
+    assert [e["owner"] for e in events if e["event"] == "owner_changed"] == ["b"]
+    # A refusal is not a lost reply: raised at once.
+    third = make_owner(tmp_path / "c", owner_id="c")
+    with pytest.raises(RejectedError) as err:
+        take_over(third, LocalTransport(primary.handle), ["L1.M0"])
+    assert err.value.reason == "not-owner"
 
 
 def test_a_restarted_new_owner_keeps_the_handed_over_pending_delta(tmp_path):
