@@ -221,6 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="inner (AdamW) learning rate of every run; the dense group sweeps 0.5x, 1x, 2x it",
     )
+    ap.add_argument(
+        "--path-parallel",
+        nargs="?",
+        const="stacked",
+        choices=["stacked", "streams"],
+        help="train every path of a round at once (bench/paper_table.py's option)",
+    )
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     args = ap.parse_args(argv)
     out = Path(args.out or f"runs/outer_sweep-{args.preset}")
     out.mkdir(parents=True, exist_ok=True)
@@ -246,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             args.device,
             curves=True,
             base_batch=base.train.batch_size,
+            path_parallel=args.path_parallel,
+            compile=args.compile,
         )
         base_root = base_root or out / v.key
         results.append({**rows[0], "group": group})

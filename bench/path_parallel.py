@@ -1,22 +1,25 @@
 """All paths at once on one device: a path-parallel local peer against a sequential one.
 
-One prepared run is copied twice and trained to the end by one local peer each:
+One prepared run is copied three times and trained to the end by one local peer each:
 
   sequential  ``Peer(parallel=1)``: one task (path) at a time, as ``run_local_peers`` does
-  parallel    ``Peer(parallel=P)``: every task of a round claimed at once and trained together,
-              step i of every path before step i + 1 of any, each path on its own CUDA stream
-              on a GPU (plain turns on a CPU); then each task's deltas pushed as usual
+  streams     ``Peer(parallel=P, batching="streams")``: every task of a round claimed at once
+              and trained together, step i of every path before step i + 1 of any, each path on
+              its own CUDA stream on a GPU (plain turns on a CPU)
+  stacked     ``Peer(parallel=P, batching="stacked")``: the same tasks as one stacked model, one
+              batched step for all of them (dipaco/model/stacked.py)
 
-Both do the same work (P paths x rounds x H steps, the same pushes and outer steps), so the
-ratio printed is parallel wall / sequential wall for the training (below 1: the parallel mode
-is faster). On a CPU expect about 1 (the paths' steps do not overlap; the win is at most in
-fewer claim round-trips); on a GPU small paths leave the device idle between kernels, and the
-streams of other paths can fill it. Also printed: tokens per second of each, where each
-peer's time went, and whether the modules after both runs are identical (on a CPU they must
-be, bit for bit; tests/unit/test_path_parallel.py checks it).
+All do the same work (P paths x rounds x H steps, the same pushes and outer steps), so the
+ratios printed are wall times against the sequential peer's (below 1: faster). Streams on a CPU
+are about 1 (the paths' steps do not overlap); stacking pays the per-operation cost once for all
+paths. Also printed: tokens per second of each, where each peer's time went, and how far the
+modules after each run are from the sequential run's (streams: identical, bit for bit, on a
+CPU; stacked: float rounding, tests/unit/test_stacked.py).
 
     python bench/path_parallel.py                        # CPU, 4x4 topology, a tiny model
     python bench/path_parallel.py --device cuda --dim 256 --layers 8 --steps 20 --rounds 3
+    python bench/path_parallel.py --dim 16 --layers 4 --heads 1 --vocab 256 --no-byte-fallback \
+        --batch 8 --steps 50 --rounds 3 --compile on      # the regime ladder's paths
     python bench/path_parallel.py --quick                # CI's short form
 """
 
@@ -44,7 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import add_report_args, record  # noqa: E402
 
 
-def train(root: Path, config, parallel: int, device: str) -> tuple[dict, dict]:
+def train(
+    root: Path, config, parallel: int, device: str, batching: str, compile: str = "auto"
+) -> tuple[dict, dict]:
     """Train the prepared run in ``root`` to the end with one local peer: its figures, and the
     modules' parameters at the end."""
     # The parallel peer holds a whole round's leases on its one key (run_local_peers does the
@@ -62,6 +67,8 @@ def train(root: Path, config, parallel: int, device: str) -> tuple[dict, dict]:
         root / "peer",
         device=device,
         parallel=parallel,
+        batching=batching,
+        compile=compile,
     )
     began = time.perf_counter()
     done = peer.run()
@@ -84,6 +91,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--heads", type=int, help="attention heads (default 2, or width / 64)")
+    ap.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the stacked peer's torch.compile (auto: on a GPU; on speeds it on a CPU too); the "
+        "sequential and interleaving peers keep a local run's default",
+    )
+    ap.add_argument(
+        "--byte-fallback",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the tokenizer's byte fallback (off for a vocabulary of a few hundred pieces)",
+    )
     ap.add_argument("--work", help="a folder for the runs (default: a temporary one)")
     ap.add_argument("--quick", action="store_true", help="CI's short form: 2x2, 1 round of 2 steps")
     add_report_args(ap)
@@ -96,7 +117,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace, work: Path) -> None:
     device = resolve_device(args.device)
-    heads = 2 if args.dim < 128 else args.dim // 64
+    heads = args.heads or (2 if args.dim < 128 else args.dim // 64)
     config = preset_config("tiny").replace(
         model={
             "vocab_size": args.vocab,
@@ -105,7 +126,11 @@ def run(args: argparse.Namespace, work: Path) -> None:
             "n_heads": heads,
             "max_seq_len": args.seq,
         },
-        data={"max_docs": 400, "tokenizer_sample_chars": 200_000},
+        data={
+            "max_docs": 400,
+            "tokenizer_sample_chars": 200_000,
+            "byte_fallback": args.byte_fallback,
+        },
         topology={"levels": args.topology},
         train={
             "batch_size": args.batch,
@@ -128,10 +153,17 @@ def run(args: argparse.Namespace, work: Path) -> None:
         flush=True,
     )
     results, params = {}, {}
-    for name, parallel in (("sequential", 1), ("parallel", paths)):
+    # The sequential and interleaving peers as a local run trains by default (torch.compile on a
+    # GPU only); the stacked one with --compile.
+    runs = (
+        ("sequential", 1, "streams", "auto"),
+        ("streams", paths, "streams", "auto"),
+        ("stacked", paths, "stacked", args.compile),
+    )
+    for name, parallel, batching, compile in runs:
         root = work / name
         shutil.copytree(work / "prepared", root)
-        results[name], params[name] = train(root, config, parallel, device)
+        results[name], params[name] = train(root, config, parallel, device, batching, compile)
         r = results[name]
         t = r["timings"]
         print(
@@ -141,28 +173,32 @@ def run(args: argparse.Namespace, work: Path) -> None:
             f"{t['claim']:.2f} s",
             flush=True,
         )
-    seq, par = results["sequential"], results["parallel"]
-    identical = all(
-        torch.equal(params["parallel"][mid][name], tensor)
-        for mid, tensors in params["sequential"].items()
-        for name, tensor in tensors.items()
-    )
-    ratio = par["wall"] / seq["wall"]
-    train_ratio = par["timings"]["train"] / seq["timings"]["train"]
-    print(f"modules identical after both runs: {'yes' if identical else 'NO'}")
-    print(
-        f"ratio parallel/sequential wall: {ratio:.3f} (training phase alone {train_ratio:.3f}); "
-        f"tokens/s sequential {seq['tokens'] / seq['wall']:,.0f}, "
-        f"parallel {par['tokens'] / par['wall']:,.0f}"
-    )
+    seq = results["sequential"]
+    parts = []
+    for name in ("streams", "stacked"):
+        par = results[name]
+        diff = max(
+            float((params[name][mid][n] - t).abs().max())
+            for mid, tensors in params["sequential"].items()
+            for n, t in tensors.items()
+        )
+        ratio = par["wall"] / seq["wall"]
+        train_ratio = par["timings"]["train"] / seq["timings"]["train"]
+        print(
+            f"ratio {name}/sequential wall: {ratio:.3f} (training phase alone {train_ratio:.3f}); "
+            f"tokens/s {par['tokens'] / par['wall']:,.0f} against {seq['tokens'] / seq['wall']:,.0f}"
+            f"; largest module difference from the sequential run {diff:.2e}"
+        )
+        parts.append(
+            f"{name}/sequential wall {ratio:.3f} (training {train_ratio:.3f}, "
+            f"{par['tokens'] / par['wall']:,.0f} tok/s, max diff {diff:.1e})"
+        )
     record(
         args,
         "path_parallel",
         f"{paths} paths ({args.topology}), width {args.dim}, {args.layers} blocks, "
-        f"H={args.steps} x {args.rounds} rounds, {device}: parallel/sequential wall "
-        f"{ratio:.3f} (training {train_ratio:.3f}); {seq['tokens'] / seq['wall']:,.0f} vs "
-        f"{par['tokens'] / par['wall']:,.0f} tok/s; modules identical: "
-        f"{'yes' if identical else 'no'}",
+        f"H={args.steps} x {args.rounds} rounds, {device}: sequential "
+        f"{seq['tokens'] / seq['wall']:,.0f} tok/s; " + "; ".join(parts),
     )
 
 

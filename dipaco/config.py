@@ -50,6 +50,9 @@ class DataSection(_Section):
     heldout_fraction: float = Field(0.05, ge=0, lt=0.5)
     tokenizer_sample_chars: int = Field(3_000_000, gt=10_000)
     min_doc_tokens: int = Field(64, ge=33)
+    # Characters without a piece spelled in bytes (256 of the vocabulary's pieces); off, they are
+    # the unknown token, for vocabularies of a few hundred pieces (bench/regime.py's tiny paths).
+    byte_fallback: bool = True
 
 
 class RoutingSection(_Section):
@@ -74,6 +77,10 @@ class RoutingSection(_Section):
     router_fraction: float = Field(0.05, ge=0, lt=0.5)
     # Score only each router document's top-c generative candidates (None: every path).
     candidates: int | None = Field(None, ge=1)
+    # Route a document by its first block of prefix_tokens tokens that is not an opening shared
+    # by at least this fraction of the training documents (licence headers, include blocks;
+    # 0: off, the paper's first tokens). The openings are kept in openings.json.
+    skip_openings: float = Field(0.0, ge=0, lt=1)
 
 
 class TrainSection(_Section):
@@ -107,6 +114,19 @@ class OuterSection(_Section):
     weight_by_tokens: bool = True
     # Outer-lr warm-up: a module's k-th outer step uses lr * min(1, k / warmup_rounds).
     warmup_rounds: int = Field(0, ge=0)
+    # An outer lr per module by its sharing count: {4: 0.7, 16: 1.0} steps the modules that 4
+    # paths go through at 0.7 and those 16 share at 1.0 (an average of more deltas is less
+    # noisy and stands a larger step: docs/results.md, the regime ladder); others use lr.
+    lr_by_sharing: dict[int, float] = {}
+
+    @model_validator(mode="after")
+    def _sharing_lrs(self) -> OuterSection:
+        for n, lr in self.lr_by_sharing.items():
+            if n < 1 or not lr > 0:
+                raise ValueError(
+                    f"outer.lr_by_sharing maps sharing counts >= 1 to positive rates, got {n}: {lr}"
+                )
+        return self
 
     @model_validator(mode="before")
     @classmethod

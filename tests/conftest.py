@@ -61,3 +61,24 @@ def prepared_short(tmp_path_factory, prepared_tiny, short_config):
 def short_copy(prepared_short, tmp_path):
     """A private copy of the short-task prepared run, with no training state yet."""
     return copier(prepared_short, tmp_path)
+
+
+@pytest.fixture(scope="session")
+def prepared_batch(tmp_path_factory):
+    """A tiny 2x2 run for path-parallel peers (vocab 512, width 32, 2 layers, seq 64, batch 4;
+    3 rounds of 3 steps), prepared once a session: ``(folder, config)``."""
+    config = preset_config("tiny").replace(
+        data={"max_docs": 200, "tokenizer_sample_chars": 100_000},
+        train={
+            "batch_size": 4,
+            "inner_steps": 3,
+            "rounds": 3,
+            "pretrain_steps": 4,
+            "warmup_steps": 2,
+        },
+        topology={"levels": "2x2"},
+        eval={"max_docs": 8},
+    )
+    root = tmp_path_factory.mktemp("path-parallel") / "prepared"
+    prepare(root, config)
+    return root, config

@@ -69,9 +69,17 @@ class OuterSettings:
     trim_fraction: float = 0.2
     min_paths_for_robust: int = 3
     norm_ratio: float = 3.0  # the clip, in median norms, when too few paths for a robust combiner
+    # (paths through a module, its lr): that lr for such modules (``for_sharing``), else ``lr``
+    lr_by_sharing: tuple[tuple[int, float], ...] = ()
 
 
 RESCALES = ("none", "sqrt", "linear", "norm")
+
+
+def for_sharing(s: OuterSettings, paths: int) -> OuterSettings:
+    """The settings of a module that ``paths`` paths go through (``lr_by_sharing``)."""
+    lr = dict(s.lr_by_sharing).get(paths)
+    return s if lr is None or lr == s.lr else replace(s, lr=lr)
 
 
 def at_step(s: OuterSettings, version: int) -> OuterSettings:

@@ -331,9 +331,13 @@ def _full_mixed(budget_chars: int) -> tuple[Document, ...]:
     return tuple(build_mixed_corpus(budget_chars))
 
 
-def mixed_corpus(max_docs: int | None = None) -> list[Document]:
-    """The mixed corpus in its fixed order; ``max_docs`` takes an even spread over all of it."""
-    docs = _full_mixed(KIND_BUDGET_CHARS)
+def mixed_corpus(
+    max_docs: int | None = None, budget_chars: int = KIND_BUDGET_CHARS
+) -> list[Document]:
+    """The mixed corpus in its fixed order; ``max_docs`` takes an even spread over all of it.
+    ``budget_chars``: characters of each kind (``builtin:mixed:N`` asks for N million: larger
+    paths need a larger corpus; a kind the machine has less of gives what it has)."""
+    docs = _full_mixed(budget_chars)
     if max_docs is None or max_docs >= len(docs):
         return list(docs)
     return [docs[i * len(docs) // max_docs] for i in range(max_docs)]

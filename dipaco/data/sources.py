@@ -15,7 +15,7 @@ from typing import Any
 
 from dipaco.data.corpus import builtin_corpus
 from dipaco.data.document import Document
-from dipaco.data.mixed import mixed_corpus
+from dipaco.data.mixed import KIND_BUDGET_CHARS, mixed_corpus
 from dipaco.errors import DataError
 
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".rst", ".py"})
@@ -147,9 +147,22 @@ def open_source(spec: str, field: str = "text") -> Iterator[Document]:
         return iter(builtin_corpus())
     if spec == "builtin:mixed":
         return iter(mixed_corpus())
+    if spec.startswith("builtin:mixed:"):  # builtin:mixed:48: 48 M characters of each kind
+        millions = spec.rsplit(":", 1)[1]
+        try:
+            budget = int(float(millions) * 1e6)
+        except ValueError:
+            budget = 0
+        if budget <= 0:
+            raise DataError(
+                f"{spec!r}: builtin:mixed:N takes N, the millions of characters of each kind "
+                f"(builtin:mixed is {KIND_BUDGET_CHARS // 1_000_000})"
+            )
+        return iter(mixed_corpus(budget_chars=budget))
     if spec.startswith("builtin:"):
         raise DataError(
-            f"unknown built-in corpus {spec!r}; available: builtin:stdlib, builtin:mixed"
+            f"unknown built-in corpus {spec!r}; available: builtin:stdlib, builtin:mixed, "
+            f"builtin:mixed:N (N million characters of each kind)"
         )
     path = _existing(spec)
     if path.suffix == ".jsonl":

@@ -51,10 +51,14 @@ class Tokenizer:
         vocab_size: int,
         sample_chars: int = 3_000_000,
         seed: int = 0,
+        byte_fallback: bool = True,
     ) -> Tokenizer:
         """Train a BPE model on a sample of ``texts`` and write it atomically to ``path``.
 
         The same texts, in any order, with the same settings give a byte-identical model.
+        ``byte_fallback`` spells characters without a piece of their own in bytes, which takes
+        256 pieces of the vocabulary; without it they become the unknown token, and a vocabulary
+        of a few hundred pieces is all characters and merges (tiny models: the regime ladder).
         """
         path = Path(path)
         sample = _sample_texts(texts, sample_chars, seed)
@@ -62,7 +66,7 @@ class Tokenizer:
         if not n_chars:
             raise DataError("no text to train the tokenizer on")
         log.info("training tokenizer: vocab %d on %d chars", vocab_size, n_chars)
-        sample, coverage = _character_coverage(sample, vocab_size)
+        sample, coverage = _character_coverage(sample, vocab_size, byte_fallback)
         model = io.BytesIO()
         interrupted: list[BaseException] = []
         try:
@@ -74,7 +78,7 @@ class Tokenizer:
                 model_type="bpe",
                 vocab_size=vocab_size,
                 character_coverage=coverage,
-                byte_fallback=True,
+                byte_fallback=byte_fallback,
                 split_digits=True,
                 normalization_rule_name="identity",
                 remove_extra_whitespaces=False,
@@ -164,24 +168,27 @@ def _lines(texts: list[str], interrupted: list[BaseException]) -> Iterator[str]:
 
 
 # Pieces every model holds besides characters and merges: unk, bos, eos, "\n" and 256 bytes.
-_FIXED_PIECES = 4 + 256
+_FIXED_PIECES = 4  # unknown, begin, end, newline; and 256 byte pieces with byte fallback
 _MIN_COVERAGE = 0.98  # sentencepiece refuses a lower character_coverage
 
 
-def _character_coverage(sample: list[str], vocab_size: int) -> tuple[list[str], float]:
+def _character_coverage(
+    sample: list[str], vocab_size: int, byte_fallback: bool = True
+) -> tuple[list[str], float]:
     """The tokenizer's training sample and character coverage: every character gets a piece
     (coverage 1.0) when the vocabulary has room for them all.
 
     Text in many scripts can hold more distinct characters than a small vocabulary has pieces
     (2,300 in ``builtin:mixed`` against 1,024). Then the most frequent characters get half of the
-    room left after the fixed pieces and the rarer ones are spelled in bytes (byte fallback):
+    room left after the fixed pieces and the rarer ones are spelled in bytes (byte fallback; or
+    become the unknown token without it):
     by a coverage below 1 when the kept characters cover at least 98% of the text, else (the
     least sentencepiece accepts) by leaving the rare characters out of the training sample.
     """
     counts: Counter[str] = Counter()
     for text in sample:
         counts.update(text)
-    room = vocab_size - _FIXED_PIECES
+    room = vocab_size - _FIXED_PIECES - (256 if byte_fallback else 0)
     if len(counts) <= room:
         return sample, 1.0
     ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
@@ -190,8 +197,8 @@ def _character_coverage(sample: list[str], vocab_size: int) -> tuple[list[str], 
     covered = sum(n for _, n in ranked[:keep]) / total
     log.info(
         "tokenizer: %d distinct characters for %d free pieces; the %d most frequent (%.4f of the "
-        "text) get pieces, the rest byte fallback",
-        *(len(counts), room, keep, covered),
+        "text) get pieces, the rest %s",
+        *(len(counts), room, keep, covered, "byte fallback" if byte_fallback else "unknown"),
     )
     if covered >= _MIN_COVERAGE:
         return sample, covered * (1 - 1e-6)

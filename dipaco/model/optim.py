@@ -208,10 +208,12 @@ def load_optimizer_state_tensors(
     optimizer: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor]
 ) -> None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    by_name: dict[str, dict[str, torch.Tensor]] = {}  # one pass: a state file holds every name
+    for key, t in tensors.items():
+        kind, name = key.split("/", 1)
+        by_name.setdefault(name, {})[kind] = t
     for name, p in zip(names, params, strict=True):
-        state = {
-            key.split("/", 1)[0]: t for key, t in tensors.items() if key.split("/", 1)[1] == name
-        }
+        state = by_name.get(name, {})
         if state:
             # Moments live with the parameter. The step counter: on the CPU for the foreach
             # kernels, on the parameter's device in float32 for the fused (and capturable) ones.

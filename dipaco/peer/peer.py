@@ -2,8 +2,9 @@
 
 DiPaCo Algorithm 1, lines 5-10, seen from one worker. The peer never holds more than one path
 (promise 5), except in the path-parallel mode (``parallel`` > 1, for a local run on one device:
-``Peer.run_batch``), where it claims up to ``parallel`` tasks and trains them together,
-step-interleaved, each on its own CUDA stream on a GPU; and with ``push_behind``, where the task
+``Peer.run_batch``), where it claims up to ``parallel`` tasks and trains them together, as
+one stacked model (``batching="stacked"``, :mod:`~dipaco.peer.stacking`) or step-interleaved,
+each on its own CUDA stream on a GPU (``batching="streams"``); and with ``push_behind``, where the task
 whose deltas are being sent stays leased while the next one trains (:mod:`~dipaco.peer.behind`).
 Its inner AdamW state stays on the peer,
 per path, so a path it trains again continues its own optimizer; the scheduler keeps peers on
@@ -55,6 +56,7 @@ from dipaco.peer.modules import (
 )
 from dipaco.peer.push import Pusher, Tensors, codec_settings
 from dipaco.peer.seeds import SeedFetcher
+from dipaco.peer.stacking import BATCHINGS
 from dipaco.peer.state import InnerState, TaskCheckpoint
 from dipaco.peer.training import PathTrainer, TaskRun, timed
 from dipaco.protocols import auth
@@ -99,6 +101,7 @@ class Peer:
         precision: str = "auto",
         compile: str = "auto",
         parallel: int = 1,
+        batching: str = "stacked",
         capabilities: dict[str, Any] | None = None,
         inner_dir: str | Path | None = None,
         shard_group: ddp.Group | None = None,
@@ -111,6 +114,9 @@ class Peer:
         if (push_behind or fetch_ahead) and (parallel > 1 or shard_group is not None):
             raise ConfigError("push behind and fetch ahead train one path at a time on one device")
         self.parallel = parallel  # tasks trained at once (path-parallel, see run_batch)
+        if batching not in BATCHINGS:
+            raise ConfigError(f"batching must be one of {', '.join(BATCHINGS)}, not {batching!r}")
+        self.batching = batching  # how: one stacked model, or interleaved (CUDA streams)
         self.manifest_sha256 = manifest_sha256
         # The peer's key signs every request, to the scheduler and to every module owner alike.
         # Kept in the state folder, so that a restarted peer is the same party (its peer id and
@@ -220,7 +226,8 @@ class Peer:
             if isinstance(reply, RejectedError) and reply.reason not in PASSING:
                 raise reply  # revoked, banned, not on the allow-list...: the user must act
             if offers:
-                one = len(offers) == 1
+                # A path-parallel peer trains even a lone task as a batch (of one, stacked).
+                one = len(offers) == 1 and self.parallel == 1
                 try:
                     fetched = ahead[1] if ahead is not None else None
                     self.run_task(offers[0], fetched) if one else self.run_batch(offers)
@@ -373,16 +380,18 @@ class Peer:
         self.pusher.push(task, delta, tokens, losses, before_send)
 
     def run_batch(self, tasks: list[m.TaskOffer]) -> None:
-        """Train several tasks (paths) at once, step-interleaved (:func:`train_batch`)."""
+        """Train several tasks (paths) at once (:func:`train_batch`)."""
         train_batch(self, tasks)
 
 
 def train_batch(peer: Peer, tasks: list[m.TaskOffer]) -> None:
-    """Train several tasks (paths) at once, step-interleaved; push each as ``run_task`` does.
+    """Train several tasks (paths) at once; push each as ``run_task`` does.
 
     Every task is set up (fetch, model, optimizer, inner state, data), then trained with the
-    others (``PathTrainer.interleave``: each on its own CUDA stream on a GPU, in plain turns on a
-    CPU); each task's operations, so its deltas, are exactly those of ``run_task``. Then each
+    others (``PathTrainer.together``): as one stacked model (``peer.batching`` "stacked": every
+    step of every task one batched step, its deltas equal to ``run_task``'s up to float rounding)
+    or step-interleaved ("streams": each on its own CUDA stream on a GPU, in plain turns on a
+    CPU; each task's operations, so its deltas, exactly those of ``run_task``). Then each
     task's deltas are pushed and its inner state saved, in order. One heartbeat thread keeps
     every lease alive.
 
@@ -402,7 +411,12 @@ def train_batch(peer: Peer, tasks: list[m.TaskOffer]) -> None:
 
 
 def _train_batch(peer: Peer, leases: list[Lease]) -> None:
-    cuda = str(peer.device).startswith("cuda") and torch.cuda.is_available()
+    # Streams only for interleaving: a stacked batch is one model on the current stream.
+    cuda = (
+        peer.batching == "streams"
+        and str(peer.device).startswith("cuda")
+        and torch.cuda.is_available()
+    )
     runs: list[TaskRun] = []
     for lease in leases:
         if peer.stop.is_set():
@@ -412,7 +426,9 @@ def _train_batch(peer: Peer, leases: list[Lease]) -> None:
             runs.append(peer._setup_task(*lease, resume=False, stream=stream))
         except (TaskAborted, TransportError, RejectedError) as exc:
             peer._task_failed(lease[0], exc, pause=False)
-    peer.trainer.interleave(runs, lambda run, exc: peer._task_failed(run.task, exc, False))
+    peer.trainer.together(
+        runs, lambda run, exc: peer._task_failed(run.task, exc, False), peer.batching
+    )
     for run in runs:
         try:
             peer._finish_task(run)

@@ -10,6 +10,7 @@ pushes them.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,8 +35,11 @@ from dipaco.model.transformer import ModelConfig
 from dipaco.peer.device import fit_micro_batch
 from dipaco.peer.modules import Cache, TaskAborted
 from dipaco.peer.push import Tensors, module_deltas
+from dipaco.peer.stacking import BATCHINGS, Stack, stackable
 from dipaco.peer.state import InnerState, TaskCheckpoint
 from dipaco.protocols import messages as m
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -294,6 +298,58 @@ class PathTrainer:
         if str(self.device).startswith("cuda") and torch.cuda.is_available():
             with timed(self.timings, "train"):
                 torch.cuda.synchronize(self.device)
+
+    def together(
+        self,
+        runs: list[TaskRun],
+        dropped: Callable[[TaskRun, TaskAborted], None],
+        batching: str = "stacked",
+    ) -> None:
+        """Train ``runs`` at once: as one stacked model (``batching`` "stacked", see
+        :meth:`stacked`) where they can be, else step-interleaved (:meth:`interleave`)."""
+        if batching not in BATCHINGS:
+            raise ValueError(f"batching must be one of {BATCHINGS}, not {batching!r}")
+        why = (
+            stackable(runs, self.micro_batch, self.train_cfg["batch_size"])
+            if runs and batching == "stacked"
+            else "streams"
+        )
+        if why is None:
+            self.stacked(runs, dropped)
+        else:
+            if batching == "stacked" and runs:
+                log.info("training %d paths interleaved, not stacked: %s", len(runs), why)
+            self.interleave(runs, dropped)
+
+    def stacked(self, runs: list[TaskRun], dropped: Callable[[TaskRun, TaskAborted], None]) -> None:
+        """:meth:`interleave`'s contract, trained as one stacked model (``peer/stacking.py``):
+        a task whose lease is lost leaves ``runs`` and goes to ``dropped`` (the others are stacked
+        again without it), a task that has done its steps leaves the stack; a stopping peer's
+        ``TaskAborted`` is raised. Each task's model and optimizer hold its own parameters and
+        moments when this returns or raises."""
+        began = time.monotonic()
+        for run in runs:
+            run.began = began
+        active = [run for run in runs if not run.finished]
+        while active:
+            with timed(self.timings, "train"):
+                stack = Stack(self.model_cfg, self.device, self.features, active)
+            try:
+                while all(run in runs and not run.finished for run in active):
+                    with timed(self.timings, "train"):
+                        losses = stack.step()
+                    for i, run in enumerate(active):
+                        try:
+                            self.stepped(run, losses[i])
+                        except TaskAborted as exc:
+                            if self.stop.is_set():
+                                raise
+                            runs.remove(run)  # its lease was lost: the others train on
+                            dropped(run, exc)
+            finally:
+                with timed(self.timings, "train"):
+                    stack.write_back()
+            active = [run for run in active if run in runs and not run.finished]
 
     def finish(self, run: TaskRun, push: Callable[..., None]) -> int:
         """Push the task's deltas (``push``, as ``Peer.push``), its inner state saved just before

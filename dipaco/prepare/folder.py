@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,10 @@ from dipaco.config import RunConfig
 from dipaco.data.shards import TokenShard, shard_name
 from dipaco.data.tokenizer import Tokenizer
 from dipaco.errors import ConfigError, CorruptFileError
-from dipaco.fileio import write_atomic
+from dipaco.fileio import write_atomic, write_json_atomic
 from dipaco.model.transformer import PathModel
 from dipaco.protocols.wire import read_tensor_file
-from dipaco.routing.features import prefix_features
+from dipaco.routing.features import Openings, prefix_features, shared_openings, skip_opening
 from dipaco.routing.routers import Router, load_router
 
 
@@ -64,6 +65,11 @@ class PreparedRun:
     @property
     def val_paths(self) -> np.ndarray:
         return self.routing.val_paths
+
+    @property
+    def openings(self) -> Openings | None:
+        """The shared openings a route skips (``routing.skip_openings``), or None."""
+        return openings_of(self.root, self.config)
 
     def refresh(self) -> PreparedRun:
         """Pick up routing phases written since this object was made."""
@@ -167,9 +173,46 @@ def cached_features(root: Path, config: RunConfig, part: str, device: str = "cpu
     model.to(device)
     shard = TokenShard(root / "data" / part)
     feats = prefix_features(
-        model, shard.docs(), config.routing.prefix_tokens, kind=config.routing.features
+        model,
+        shard.docs(),
+        config.routing.prefix_tokens,
+        kind=config.routing.features,
+        openings=openings_of(root, config),
     )
     buffer = io.BytesIO()
     np.save(buffer, feats, allow_pickle=False)
     write_atomic(path, buffer.getvalue())
     return feats
+
+
+def openings_of(root: Path, config: RunConfig) -> Openings | None:
+    """The shared openings a run's routes skip (``routing.skip_openings``): found in the training
+    documents on first use and kept in ``openings.json``; None when the setting is off."""
+    share = config.routing.skip_openings
+    if share <= 0:
+        return None
+    path = root / "openings.json"
+    if path.exists():
+        try:
+            saved = json.loads(path.read_text())
+            return [set(level) for level in saved["blocks"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptFileError(f"{path}: unreadable openings: {exc}") from None
+    train = TokenShard(root / "data" / "train")
+    docs = train.docs()
+    min_docs = max(2, math.ceil(share * len(docs)))
+    levels = shared_openings(docs, config.routing.prefix_tokens, min_docs)
+    skipped = sum(
+        1 for d in docs if len(skip_opening(d, config.routing.prefix_tokens, levels)) < len(d)
+    )
+    write_json_atomic(
+        path,
+        {
+            "prefix_tokens": config.routing.prefix_tokens,
+            "min_docs": min_docs,
+            "documents_skipping": skipped,
+            "documents": len(docs),
+            "blocks": [sorted(level) for level in levels],
+        },
+    )
+    return levels

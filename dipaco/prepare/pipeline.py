@@ -118,6 +118,7 @@ def prepare(
                 config.model.vocab_size,
                 sample_chars=config.data.tokenizer_sample_chars,
                 seed=seed,
+                byte_fallback=config.data.byte_fallback,
             )
         tokenizer = Tokenizer.load(tok_path)
         # The router documents (section 7.2.1's "router data") are held out of training.
@@ -196,7 +197,13 @@ def prepare(
                 seed=seed,
             )
             router.save(root / router_file(0))
-            train_choice = choose_paths(router, feats, n)
+            # The balanced assignment the router was fitted with: it spreads documents that
+            # share their features (a common opening) where the router alone cannot.
+            train_choice = (
+                router.fit_choice
+                if n == 1 and router.fit_choice is not None
+                else choose_paths(router, feats, n)
+            )
             val_paths = router.assign(cached_features(root, config, "val", device))
         stage(f"writing shards for {topology.num_paths} paths")
         write_phase(root, config, 0, train, train_choice, val, val_paths, {})
@@ -242,8 +249,17 @@ def _pretrain_key(c: RunConfig) -> dict[str, Any]:
     }
 
 
+def _routing_key(c: RunConfig) -> dict[str, Any]:
+    return {
+        **_pretrain_key(c),
+        "topology": c.topology.model_dump(),
+        "routing": c.routing.model_dump(),
+    }
+
+
 def _reuse(base: Path, root: Path, config: RunConfig) -> None:
-    """Link another prepared run's tokenizer, token files, pretrained model and features."""
+    """Link another prepared run's tokenizer, token files, pretrained model, features, and
+    its first routing phase (router and shards) when it routes alike."""
     if base.resolve() == root.resolve() or not (base / "config.json").exists():
         return
     other = load_config_dict(json.loads((base / "config.json").read_text()), str(base))
@@ -257,8 +273,24 @@ def _reuse(base: Path, root: Path, config: RunConfig) -> None:
         ]
     if _pretrain_key(other) == _pretrain_key(config):
         names += ["initial.dpt"]
-        if other.routing.features == config.routing.features:
+        if (other.routing.features, other.routing.skip_openings) == (
+            config.routing.features,
+            config.routing.skip_openings,
+        ):
             names += [f"features/{part}.npy" for part in ("train", "val", "router")]
+            names += ["openings.json"]
+        # The same topology and routing too (runs that differ in their outer step alone): the
+        # router and the shards, the routing file last (it marks the phase ready).
+        if _routing_key(other) == _routing_key(config) and (base / routing_file(0)).exists():
+            topology = config.build_topology()
+            names += [router_file(0), "shards/stats.json"]
+            names += [
+                f"shards/P{p}/{part}{suffix}"
+                for p in range(topology.num_paths)
+                for part in ("train", "heldout")
+                for suffix in (".tokens", ".index.npy", ".json")
+            ]
+            names += [routing_file(0)]
     for name in names:
         src, dest = base / name, root / name
         if src.exists() and not dest.exists():

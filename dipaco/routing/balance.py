@@ -1,8 +1,8 @@
 """Balanced offsets: the per-cluster additive offsets that keep every cluster's share in a band.
 
 A router sends a document with per-cluster scores s (lower is better) to argmin_k (s_k + o_k).
-:func:`balance_offsets` chooses the offsets o so that every cluster receives between
-``balance / K`` and ``(2 - balance) / K`` of the training documents. They are the dual variables
+:func:`balanced_assignment` chooses the offsets o, and an assignment of the training documents,
+so that every cluster receives between ``balance / K`` and ``(2 - balance) / K`` of them. They are the dual variables
 of the capacity-constrained assignment, and play the role of the bias the paper trains to "match
 the target document-to-path distribution" (DiPaCo §7.2.1). The k-means router
 (:mod:`dipaco.routing.kmeans`) uses them on squared distances, the discriminative router
@@ -20,7 +20,15 @@ logger = logging.getLogger(__name__)
 
 
 def balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarray:
-    """Offsets o (K,) so that argmin_k (scores + o) puts every cluster's count in [lo, hi].
+    """Offsets o (K,) so that argmin_k (scores + o) puts every cluster's count in [lo, hi]
+    (:func:`balanced_assignment`'s offsets)."""
+    return balanced_assignment(scores, balance, what)[0]
+
+
+def balanced_assignment(
+    scores: np.ndarray, balance: float, what: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets o (K,) and an assignment of the N documents, every cluster's count in [lo, hi].
 
     This is the dual of the capacity-constrained assignment (min total distance subject to
     lo <= count_k <= hi), solved in three deterministic stages:
@@ -33,39 +41,55 @@ def balance_offsets(scores: np.ndarray, balance: float, what: str) -> np.ndarray
        assignment optimal for its counts; and
     3. offsets that reproduce that assignment with a strict margin are read off the same
        cluster graph (difference constraints, margin half its minimum mean cycle).
+
+    The assignment is argmin_k (scores + o) whenever the offsets reproduce it. Documents with
+    identical scores (the same features: a licence header or an include block opening many
+    documents) cannot be told apart by any offsets; stage 2 still spreads them over clusters,
+    the lowest-numbered documents first, so the assignment meets the band however many there
+    are, and a new document with those features goes to one of the clusters that got some.
     """
     n, k = scores.shape
     if balance == 0.0 or k == 1:
-        return np.zeros(k)
+        return np.zeros(k), np.argmin(scores, axis=1)
     lo, hi = _count_band(n, k, balance)
 
-    def violation(offsets: np.ndarray) -> int:
-        counts = np.bincount(np.argmin(scores + offsets, axis=1), minlength=k)
+    def misses(counts: np.ndarray) -> int:
         return int(np.maximum(counts - hi, 0).sum() + np.maximum(lo - counts, 0).sum())
+
+    def violation(offsets: np.ndarray) -> int:
+        return misses(np.bincount(np.argmin(scores + offsets, axis=1), minlength=k))
 
     greedy = _greedy_offsets(scores, lo, hi)
     if violation(greedy) == 0:
-        return greedy
+        return greedy, np.argmin(scores + greedy, axis=1)
     choice, potentials = _shortest_path_moves(scores, greedy, lo, hi)
     # Documents with identical features cannot be separated, so stage 3 can fall short;
     # then keep whichever offsets came closest.
     candidates = [_separating_offsets(scores, choice), potentials, greedy]
-    misses = [violation(o) for o in candidates]
-    best = candidates[int(np.argmin(misses))]
-    if min(misses) > 0:
-        final = np.bincount(np.argmin(scores + best, axis=1), minlength=k)
-        logger.warning(
-            "k-means balance for %s not met: cluster sizes %d..%d, wanted %d..%d of %d "
-            "documents (documents with identical features cannot be split); keeping the "
-            "closest offsets found",
-            what,
-            final.min(),
-            final.max(),
-            lo,
-            hi,
-            n,
-        )
-    return best
+    by_offsets = [violation(o) for o in candidates]
+    best = candidates[int(np.argmin(by_offsets))]
+    counts = np.bincount(choice, minlength=k)
+    if misses(counts) == 0:
+        if min(by_offsets) > 0:
+            logger.info(
+                "k-means balance for %s met by spreading documents with identical features "
+                "over clusters (the offsets alone reach %d..%d, wanted %d..%d of %d)",
+                *(what, *_extremes(scores + best), lo, hi, n),
+            )
+        return best, choice
+    final = np.argmin(scores + best, axis=1)
+    logger.warning(
+        "k-means balance for %s not met: cluster sizes %d..%d, wanted %d..%d of %d documents; "
+        "keeping the closest offsets found",
+        *(what, *_extremes(scores + best), lo, hi, n),
+    )
+    return best, final
+
+
+def _extremes(cost: np.ndarray) -> tuple[int, int]:
+    """The smallest and largest cluster under argmin of ``cost`` (N, K)."""
+    counts = np.bincount(np.argmin(cost, axis=1), minlength=cost.shape[1])
+    return int(counts.min()), int(counts.max())
 
 
 def _count_band(n: int, k: int, balance: float) -> tuple[int, int]:

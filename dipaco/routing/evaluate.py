@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from dipaco.model.transformer import PathModel
 from dipaco.routing.features import (
     FeatureKind,
+    Openings,
     feature_dim,
     finish_features,
     position_features,
@@ -175,6 +176,7 @@ def chunk_routes(
     batch_size: int = 32,
     assign_later: Callable[[np.ndarray], np.ndarray] | None = None,
     kind: FeatureKind = "hidden",
+    openings: Openings | None = None,
 ) -> np.ndarray:
     """(N, ceil(seq_len / window)) int64: the path of every chunk of every document.
 
@@ -188,6 +190,7 @@ def chunk_routes(
     ``assign_later``, when given, routes chunks i >= 1 instead of ``assign`` (a chunk router
     trained on such windows, see ``window_features``). ``kind`` is the routing features' kind
     (``dipaco.routing.features``): for ``tokens`` the spans' token bags stand for hidden states.
+    ``openings``: the run's shared openings, skipped by chunk 0's prefix route as in prepare.
     """
     _check_eval_args(seq_len, prefix_tokens, batch_size)
     if prefix_tokens < 1:
@@ -197,7 +200,7 @@ def chunk_routes(
     if not docs:
         return routes
     routes[:, 0] = np.asarray(
-        assign(prefix_features(initial_model, docs, prefix_tokens, batch_size, kind)),
+        assign(prefix_features(initial_model, docs, prefix_tokens, batch_size, kind, openings)),
         dtype=np.int64,
     )
     if n_chunks == 1:

@@ -13,10 +13,21 @@ Every reader of a span of tokens (the prefix route, re-routing every few tokens,
 chunk router, generation) computes its features through :func:`position_features` (one vector
 per position), a mean over the span's positions, and :func:`finish_features`, so that a kind
 means the same thing everywhere.
+
+Boilerplate openings (``routing.skip_openings``): real corpora open many documents with the same
+lines (a licence header, an include block), so their prefixes are identical and say nothing of
+what follows. :func:`shared_openings` finds the blocks of ``prefix_tokens`` tokens that open at
+least a given number of training documents (block 0; then, among those, block 1; up to
+``MAX_SKIPPED_BLOCKS``), and :func:`skip_opening` routes a document by the first block after
+its shared ones. The openings are saved with the run, so validation documents and prompts skip
+the same ones.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -28,6 +39,44 @@ from dipaco.model.transformer import PathModel
 FeatureKind = Literal["hidden", "tokens"]
 FEATURE_KINDS: tuple[str, ...] = ("hidden", "tokens")
 TOKEN_FEATURE_DIM = 1024  # buckets of a token bag: token ids are folded (id % dim) beyond it
+MAX_SKIPPED_BLOCKS = 8  # opening blocks a document's route may skip
+Openings = list[set[str]]  # per block index: the digests of the shared blocks there
+
+
+def _digest(block: np.ndarray) -> str:
+    return hashlib.sha256(np.asarray(block, dtype=np.int64).tobytes()).hexdigest()[:32]
+
+
+def shared_openings(docs: Sequence[np.ndarray], prefix_tokens: int, min_docs: int) -> Openings:
+    """The opening blocks shared by at least ``min_docs`` documents: block k (tokens
+    ``[k * prefix_tokens, (k + 1) * prefix_tokens)``) counts among the documents whose blocks
+    before it are all shared ones. Empty when no opening is that common."""
+    levels: Openings = []
+    alive = range(len(docs))
+    for k in range(MAX_SKIPPED_BLOCKS):
+        keys: dict[int, str] = {}
+        for i in alive:
+            block = docs[i][k * prefix_tokens : (k + 1) * prefix_tokens]
+            if len(block) == prefix_tokens:
+                keys[i] = _digest(block)
+        counts = Counter(keys.values())
+        shared = {key for key, n in counts.items() if n >= max(2, min_docs)}
+        if not shared:
+            break
+        levels.append(shared)
+        alive = [i for i, key in keys.items() if key in shared]
+    return levels
+
+
+def skip_opening(doc: np.ndarray, prefix_tokens: int, openings: Openings) -> np.ndarray:
+    """``doc`` from its first block that is not a shared opening (never past its last token)."""
+    k = 0
+    while k < len(openings) and len(doc) > (k + 1) * prefix_tokens:
+        block = doc[k * prefix_tokens : (k + 1) * prefix_tokens]
+        if _digest(block) not in openings[k]:
+            break
+        k += 1
+    return doc[k * prefix_tokens :]
 
 
 def feature_dim(model: PathModel, kind: FeatureKind = "hidden") -> int:
@@ -68,8 +117,12 @@ def prefix_features(
     prefix_tokens: int = 32,
     batch_size: int = 64,
     kind: FeatureKind = "hidden",
+    openings: Openings | None = None,
 ) -> np.ndarray:
-    """(N, D) float32: ``kind``'s features of each document's first ``prefix_tokens``."""
+    """(N, D) float32: ``kind``'s features of each document's first ``prefix_tokens`` (after
+    its shared ``openings``, when given: :func:`skip_opening`)."""
+    if openings:
+        docs = [skip_opening(np.asarray(d), prefix_tokens, openings) for d in docs]
     model.eval()
     device = next(model.parameters()).device
     out = np.zeros((len(docs), feature_dim(model, kind)), dtype=np.float32)

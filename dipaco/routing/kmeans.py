@@ -20,14 +20,14 @@ k-means. Saving and loading go through :class:`dipaco.routing.saved.SavedRouter`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from dipaco.errors import ConfigError, DataError
-from dipaco.routing.balance import balance_offsets
+from dipaco.routing.balance import balanced_assignment
 from dipaco.routing.saved import (
     ASSIGN_CHUNK,
     SavedRouter,
@@ -63,6 +63,10 @@ class KMeansRouter(SavedRouter):
     slices: list[tuple[int, int]]  # per group: [start, stop) into the feature vector
     balance: float = 0.0
     seed: int = 0
+    # The path of each document the router was fitted on, from the balanced assignment, where
+    # it differs from ``assign`` (not saved): it meets the balance band even where documents
+    # share their features, which the offsets alone cannot split (routing.balance).
+    fit_choice: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         problem = _router_problem(self)
@@ -239,7 +243,7 @@ def fit_router(
     # Imported here: scikit-learn takes ~0.8 s to import, and only fitting needs it.
     from sklearn.cluster import KMeans
 
-    centroids, offsets = [], []
+    centroids, offsets, choices, split = [], [], [], False
     for g, (k, (start, stop)) in enumerate(zip(groups, slices, strict=True)):
         zg = np.ascontiguousarray(z[:, start:stop])
         # One thread: sklearn's Lloyd step adds per-thread partial sums under a lock, in
@@ -248,9 +252,28 @@ def fit_router(
             km = KMeans(n_clusters=k, n_init=N_INIT, random_state=seed).fit(zg)
         cents = np.asarray(km.cluster_centers_, dtype=np.float64)
         what = f"level {g} ({k} modules)" if method == "product" else f"{k} paths"
-        offs = balance_offsets(_scores(zg, cents), balance, what=what)
+        scores = _scores(zg, cents)
+        # Each level of product k-means spreads documents that share their features in its own
+        # order (a permutation seeded by the level): in one order, the same documents would
+        # land together on every level, and so on one path.
+        order = (
+            np.random.default_rng([seed, g]).permutation(n) if method == "product" else np.arange(n)
+        )
+        offs, permuted = balanced_assignment(scores[order], balance, what=what)
+        choice = np.empty(n, dtype=np.int64)
+        choice[order] = permuted
         centroids.append(cents)
         offsets.append(offs)
+        choices.append(choice)
+        split |= bool((choice != np.argmin(scores + offs, axis=1)).any())
+    # Kept only where it differs from what the offsets give (identical features split).
+    fit_choice = None
+    if split:
+        fit_choice = (
+            np.ravel_multi_index(tuple(choices), tuple(levels))
+            if method == "product"
+            else choices[0]
+        ).astype(np.int64)
     return KMeansRouter(
         levels=levels,
         method=method,
@@ -261,6 +284,7 @@ def fit_router(
         slices=slices,
         balance=float(balance),
         seed=int(seed),
+        fit_choice=fit_choice,
     )
 
 

@@ -103,6 +103,7 @@ def evaluate_modules(
         prefix_tokens=prefix,
         assign_later=chunk_router.assign if learned and chunk_router is not None else None,
         kind=prep.config.routing.features,
+        openings=prep.openings,
     )
     return rerouted_perplexity(
         load, docs, routes, window=window, seq_len=seq_len, prefix_tokens=prefix

@@ -61,7 +61,12 @@ def outer_settings(c: RunConfig) -> OuterSettings:
     v = c.validation
     lr, momentum = outer_lr_momentum(c)
     return OuterSettings(
-        **{**c.outer.model_dump(), "lr": lr, "momentum": momentum},
+        **{
+            **c.outer.model_dump(),
+            "lr": lr,
+            "momentum": momentum,
+            "lr_by_sharing": tuple(sorted(c.outer.lr_by_sharing.items())),
+        },
         aggregation=aggregation(c),
         trim_fraction=v.trim_fraction,
         min_paths_for_robust=v.min_paths_for_robust,

@@ -44,6 +44,7 @@ def route_tokens(run: UsableRun, ids: list[int], initial: PathModel | None = Non
         [np.asarray(ids, dtype=np.int64)],
         run.config.routing.prefix_tokens,
         kind=run.config.routing.features,
+        openings=run.prep.openings,
     )
     return int(np.asarray(run.prep.router.assign(feats))[0])
 

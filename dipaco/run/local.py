@@ -38,6 +38,8 @@ def run_local_peers(
     on_progress: Callable[[dict], None] | None = None,
     device: str = "cpu",
     parallel: int = 1,
+    batching: str = "stacked",
+    compile: str = "auto",
 ) -> list[threading.Thread]:
     """Start ``n_peers`` peers in threads over the local transport; they stop when the run ends.
 
@@ -45,10 +47,13 @@ def run_local_peers(
     whichever local peer trains it: results then do not depend on thread timing.
 
     ``parallel`` > 1 makes each peer path-parallel (``Peer.run_batch``): it claims up to that
-    many tasks of a round and trains them together on its device, step-interleaved (each path on
-    its own CUDA stream on a GPU). Meant for ``n_peers=1``: one peer that trains every path of a
-    round at once, with module parameters equal, bit for bit on a CPU, to one sequential peer's.
-    The coordinator's task quota per key is raised to ``parallel`` if it is lower.
+    many tasks of a round and trains them together on its device, as one stacked model
+    (``batching`` "stacked": module parameters equal to one sequential peer's up to float
+    rounding, several times faster for small paths) or step-interleaved ("streams": each path on
+    its own CUDA stream on a GPU; bit for bit a sequential peer's on a CPU). Meant for
+    ``n_peers=1``: one peer that trains every path of a round at once. The coordinator's task
+    quota per key is raised to ``parallel`` if it is lower. ``compile``: the peers'
+    ``torch.compile`` setting ("auto": on a GPU).
     """
     if parallel > coordinator.security.max_tasks_per_key:
         # The local peer holds a whole batch of leases on its one key: let it.
@@ -69,6 +74,8 @@ def run_local_peers(
             on_progress=on_progress,
             device=device,
             parallel=parallel,
+            batching=batching,
+            compile=compile,
         )
         t = threading.Thread(target=peer.run, name=f"peer-{i}", daemon=True)
         t.start()
@@ -106,9 +113,11 @@ class LocalRun:
         on_progress: Callable[[dict], None] | None = None,
         device: str = "cpu",
         parallel: int = 1,
+        batching: str = "stacked",
     ) -> None:
         self.coordinator, self.prep, self.n_peers = coordinator, prep, n_peers
         self.on_progress, self.device, self.parallel = on_progress, device, parallel
+        self.batching = batching
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
 
@@ -122,6 +131,7 @@ class LocalRun:
                 on_progress=self.on_progress,
                 device=self.device,
                 parallel=self.parallel,
+                batching=self.batching,
             )
         return self
 

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
         ("codecs", []),
         ("scale", ["--out", "{tmp}/scale.json", "--plot", "{tmp}/scale.html"]),
         ("path_parallel", []),
+        ("stacked_trainer", []),
         ("scheduler_leases", []),
         ("state_files", []),
         ("lock_handoffs", []),

@@ -359,3 +359,28 @@ def test_sample_windows_are_contiguous_slices_of_the_token_stream(tmp_path: Path
     )
     with pytest.raises(DataError, match="fewer than a window"):
         sample_windows(shard, np.random.default_rng(0), batch=1, length=101)
+
+
+def test_without_byte_fallback_a_vocabulary_of_256_is_characters_and_merges(tmp_path: Path) -> None:
+    """With byte fallback 256 pieces are bytes, so 256 is too small for any text; without it
+    (``data.byte_fallback = false``, the regime ladder's tiny paths) the pieces are characters
+    and merges, and a character without a piece becomes the unknown token."""
+    rng = random.Random(0)
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5)) for _ in range(300)
+    ]
+    texts = [
+        f"def {rng.choice(words)}(x):\n    return {rng.choice(words)}(x) * {i}  # "
+        + " ".join(rng.choice(words) for _ in range(12))
+        + "\n"
+        for i in range(400)
+    ]
+    with pytest.raises(DataError):
+        Tokenizer.train(texts, tmp_path / "bytes.model", vocab_size=256)
+    tok = Tokenizer.train(texts, tmp_path / "chars.model", vocab_size=256, byte_fallback=False)
+    assert tok.vocab_size == 256
+    ids = tok.encode_batch(texts[:3])
+    assert [tok.decode(i) for i in ids] == texts[:3]
+    assert len(ids[0]) < len(texts[0]) / 1.5  # merges, not one piece a character
+    unknown = tok.encode_batch(["x = '\u4e00'\n"])[0]
+    assert 0 in unknown  # the unknown piece (id 0) for a character never seen

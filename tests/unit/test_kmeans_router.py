@@ -118,14 +118,22 @@ def test_balancing_is_fast_and_silent_at_production_size(caplog):
     assert elapsed < 10.0  # k-means itself included; balancing alone takes milliseconds
 
 
-def test_unreachable_balance_warns_and_still_returns_a_router(caplog):
+def test_identical_documents_are_split_by_the_fits_assignment(caplog):
+    """80 identical documents cannot be split by offsets; the fit's balanced assignment splits
+    them 50/30 between the two clusters (the lowest-numbered first), and a new document with
+    those features still routes to one of them."""
     rng = np.random.default_rng(0)
-    # 80 identical documents cannot be split between two clusters.
     x = np.concatenate([np.zeros((80, 3)), rng.normal(size=(20, 3)) + 10])
     with caplog.at_level(logging.WARNING, logger="dipaco.routing.balance"):
         router = fit_router(x, [2], balance=1.0)
-    assert any("balance" in r.getMessage() for r in caplog.records)
-    assert router.assign(x).shape == (100,)
+    assert not caplog.records  # met, not warned about
+    assert np.bincount(router.fit_choice, minlength=2).tolist() == [50, 50]
+    assert len(set(router.fit_choice[:80].tolist())) == 2
+    assert router.fit_choice.tolist() == fit_router(x, [2], balance=1.0).fit_choice.tolist()
+    assert router.assign(np.zeros((1, 3)))[0] in (0, 1)
+    # Where the offsets alone reach the band, the fit keeps no assignment of its own.
+    blobs_x, _ = blobs([0.5, 0.5], 200, dim=4)
+    assert fit_router(blobs_x, [2], balance=0.5).fit_choice is None
 
 
 def test_product_kmeans_recovers_independent_halves():

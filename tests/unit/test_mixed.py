@@ -156,3 +156,18 @@ def test_shard_purity_counts_dominant_sources():
     assert "| P0 | 3 | 2 | 1 | 0 | a | 0.67 |" in table
     with pytest.raises(ValueError):
         shard_composition(ids, np.array([0]), 1)
+
+
+def test_builtin_mixed_n_asks_for_n_million_characters_of_each_kind(machine):
+    """``builtin:mixed:N``: the corpus with N million characters of each kind (larger paths need
+    more tokens); a kind with less on the machine gives what it has; a bad N is a clear error."""
+    mixed._full_mixed.cache_clear()
+    small = list(open_source("builtin:mixed:0.002"))  # 2,000 characters of each kind
+    large = list(open_source("builtin:mixed:1"))
+    assert 0 < len(small) < len(large)
+    per_kind = mixed.mixed_composition(small)
+    assert all(v["characters"] <= 2_000 + 4_000 for v in per_kind.values())  # one piece over
+    for bad in ("builtin:mixed:lots", "builtin:mixed:0", "builtin:mixed:-3"):
+        with pytest.raises(DataError, match="millions of characters"):
+            open_source(bad)
+    mixed._full_mixed.cache_clear()

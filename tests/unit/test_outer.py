@@ -274,3 +274,42 @@ def test_with_too_few_keys_to_trim_the_grouping_does_not_change_the_step(aggrega
     assert torch.equal(steps[0], steps[1]) and torch.equal(steps[0], steps[2])
     mean = outer_gradient(deltas, replace(s, aggregation="mean"))["w"]
     assert torch.allclose(steps[0], mean, atol=1e-6)
+
+
+def test_each_module_steps_at_the_lr_of_its_sharing_count(prepared_tiny, tiny_config, tmp_path):
+    """outer.lr_by_sharing: in a 2x2, the embedding and head (4 paths) step at one lr and the
+    level modules (2 paths each) at another. With the shared modules' lr a millionth of the
+    level modules', after a round they have barely moved while the level modules moved."""
+    import threading
+
+    from dipaco.prepare.pipeline import prepare
+    from dipaco.run.factory import build_coordinator
+    from dipaco.run.local import run_local_peers
+    from dipaco.run.metrics_log import MetricsLog
+
+    config = tiny_config.replace(
+        train={"inner_steps": 4, "rounds": 1},
+        outer={"momentum": 0.0, "lr_by_sharing": {"4": 1e-6, "2": 1.0}},
+    )
+    root = tmp_path / "run"
+    prep = prepare(root, config, reuse=prepared_tiny)
+    co = build_coordinator(prep, MetricsLog(root / "m.jsonl"), evaluate=False)
+    before = {
+        mid: {k: v.clone() for k, v in co.store.params(mid).items()} for mid in co.store.modules
+    }
+    assert co.outer_settings_of("S.embed").lr == 1e-6
+    assert co.outer_settings_of("L0.M1").lr == 1.0
+    threads = run_local_peers(co, prep, 1, stop=threading.Event())
+    for t in threads:
+        t.join(120)
+    assert co.finished and co.failure is None
+
+    def moved(mid: str) -> float:
+        after = co.store.params(mid)
+        change = sum(float((after[k] - before[mid][k]).norm() ** 2) for k in after) ** 0.5
+        return change / sum(float(v.norm() ** 2) for v in before[mid].values()) ** 0.5
+
+    for mid in ("S.embed", "S.head"):
+        assert moved(mid) < 1e-6, mid
+    for mid in ("L0.M0", "L0.M1", "L1.M0", "L1.M1"):
+        assert moved(mid) > 1e-4, mid

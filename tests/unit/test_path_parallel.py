@@ -1,7 +1,9 @@
-"""Path-parallel local training: one peer trains every path of a round at once, step-interleaved.
+"""Path-parallel local training: one peer trains every path of a round at once.
 
-Interleaving changes no path's operations and the outer step averages deltas in path order, so
-the modules after the run equal those of one sequential peer, bit for bit (on a CPU).
+Step-interleaved (``batching="streams"``), no path's operations change and the outer step
+averages deltas in path order, so the modules after the run equal those of one sequential peer,
+bit for bit (on a CPU). Stacked (the default) they agree up to float rounding:
+tests/unit/test_stacked.py.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import time
 import pytest
 import torch
 
-from dipaco.config import preset_config
 from dipaco.coordinator.scheduler import Scheduler
 from dipaco.peer.peer import Peer
 from dipaco.prepare.pipeline import prepare
@@ -26,33 +27,20 @@ from dipaco.run.metrics_log import MetricsLog
 ROUNDS = 3
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """A tiny 2x2 run (vocab 512, width 32, 2 layers, seq 64, batch 4; 3 rounds of 3 steps)."""
-    config = preset_config("tiny").replace(
-        data={"max_docs": 200, "tokenizer_sample_chars": 100_000},
-        train={
-            "batch_size": 4,
-            "inner_steps": 3,
-            "rounds": ROUNDS,
-            "pretrain_steps": 4,
-            "warmup_steps": 2,
-        },
-        topology={"levels": "2x2"},
-        eval={"max_docs": 8},
-    )
-    root = tmp_path_factory.mktemp("path-parallel") / "prepared"
-    prepare(root, config)
-    return root, config
+@pytest.fixture
+def prepared(prepared_batch):
+    return prepared_batch
 
 
-def train(root, config, *, parallel, n_peers=1, **scheduler):
+def train(root, config, *, parallel, n_peers=1, batching="stacked", **scheduler):
     if scheduler:
         config = config.replace(scheduler=scheduler)
     prep = prepare(root, config)
     metrics = MetricsLog(root / "metrics.jsonl")
     co = build_coordinator(prep, metrics, evaluate=False)
-    threads = run_local_peers(co, prep, n_peers, stop=threading.Event(), parallel=parallel)
+    threads = run_local_peers(
+        co, prep, n_peers, stop=threading.Event(), parallel=parallel, batching=batching
+    )
     for t in threads:
         t.join(120)
     assert not any(t.is_alive() for t in threads)
@@ -66,12 +54,12 @@ def copy(prepared, tmp_path, name):
     return dest, config
 
 
-def test_a_path_parallel_peer_matches_a_sequential_one_bit_for_bit(prepared, tmp_path):
+def test_an_interleaving_peer_matches_a_sequential_one_bit_for_bit(prepared, tmp_path):
     began = time.monotonic()
     seq_root, config = copy(prepared, tmp_path, "sequential")
     sequential, _ = train(seq_root, config, parallel=1)
     par_root, _ = copy(prepared, tmp_path, "parallel")
-    parallel, events = train(par_root, config, parallel=4)
+    parallel, events = train(par_root, config, parallel=4, batching="streams")
     for co in (sequential, parallel):
         assert co.finished and co.failure is None
         assert co.round == ROUNDS

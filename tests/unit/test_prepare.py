@@ -116,3 +116,24 @@ def test_evaluation_spreads_its_documents_over_the_whole_validation_set(prepared
     assert len(index) == 4 and index[0] == 0 and index[-1] >= len(val) * 3 // 4
     assert [d.tolist() for d in prep.val_docs()] == [val[int(i)].tolist() for i in index]
     assert list(prep.val_routes()) == [int(prep.val_paths[int(i)]) for i in index]
+
+
+def test_a_run_that_differs_in_its_outer_step_alone_links_the_router_and_shards(
+    prepared_tiny, tiny_config, tmp_path
+):
+    """Benchmarks prepare many runs that differ only in the outer step (an outer-lr sweep):
+    those link the first run's router and shards rather than fitting and writing them again;
+    a run routed otherwise (another topology) writes its own."""
+    same = prepare(tmp_path / "same", tiny_config.replace(outer={"lr": 1.3}), reuse=prepared_tiny)
+    for name in ("router.json", "routing.json", "shards/P3/train.tokens", "shards/stats.json"):
+        assert (same.root / name).stat().st_ino == (prepared_tiny / name).stat().st_ino, name
+    assert np.array_equal(same.val_paths, prepare(prepared_tiny, tiny_config).val_paths)
+    other = prepare(
+        tmp_path / "other", tiny_config.replace(topology={"levels": "4"}), reuse=prepared_tiny
+    )
+    assert (other.root / "shards/P0/train.tokens").stat().st_ino != (
+        prepared_tiny / "shards/P0/train.tokens"
+    ).stat().st_ino
+    assert (other.root / "initial.dpt").stat().st_ino == (
+        prepared_tiny / "initial.dpt"
+    ).stat().st_ino

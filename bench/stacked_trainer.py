@@ -1,0 +1,170 @@
+"""Many small paths at once: the stacked trainer against the sequential one, in the same run.
+
+P paths of one shape (by default 16 paths of the regime ladder's size: vocabulary 256, width 16,
+4 blocks, one head, windows of 64 tokens, batch 8; 24.7 k parameters each), each with its own
+batches and AdamW, trained for the same steps by:
+
+  sequential            each path in turn, ``optim.train_step`` on its ``PathModel`` with
+                        ``optim.make_optimizer`` (what a peer does for one task; the baseline)
+  sequential, compiled  the same with ``torch.compile`` on each path's model
+  stacked               ``dipaco.model.stacked``: one forward, backward and AdamW step for all
+  stacked, compiled     the same through ``torch.compile`` (what bench/regime.py uses on a CPU)
+
+Each prints tokens per second, the ratio to the sequential trainer, and (the stacked ones) the
+largest difference of any parameter from the sequential run's after the same steps (float
+rounding: tests/unit/test_stacked.py states the tolerance). Compiling is timed apart from the
+steps (its first steps are warm-up, not measured).
+
+    python bench/stacked_trainer.py                       # 16 ladder-sized paths (~2 min)
+    python bench/stacked_trainer.py --dim 64 --vocab 1024 --seq 128 --heads 4   # capacity size
+    python bench/stacked_trainer.py --device cuda --dim 256 --layers 8 --vocab 8192 --seq 256
+    python bench/stacked_trainer.py --quick               # CI's short form
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dipaco.model.optim import InnerSettings, make_optimizer, train_step
+from dipaco.model.stacked import StackedAdamW, StackedPaths, stacked_step
+from dipaco.model.transformer import ModelConfig, new_dense_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import add_report_args, record  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--paths", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30, help="measured steps per path")
+    ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (compiles)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the two compiled trainers")
+    ap.add_argument("--quick", action="store_true", help="CI's short form: 4 paths, 3 steps")
+    add_report_args(ap)
+    args = ap.parse_args()
+    if args.quick:
+        args.paths, args.steps, args.warmup, args.no_compile = 4, 3, 1, True
+    cfg = ModelConfig(
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        max_seq_len=args.seq,
+    )
+    settings = InnerSettings(lr=3e-3, warmup_steps=2, total_steps=10_000)
+    g = torch.Generator().manual_seed(0)
+    total = args.warmup + args.steps
+    batches = torch.randint(
+        0, args.vocab, (total, args.paths, args.batch, args.seq + 1), generator=g
+    ).to(args.device)
+    tokens = args.steps * args.paths * args.batch * args.seq
+    per_path = sum(p.numel() for p in new_dense_model(cfg, 0).parameters())
+    print(
+        f"{args.paths} paths of {per_path:,} parameters (vocab {args.vocab}, width {args.dim}, "
+        f"{args.layers} blocks, {args.heads} heads), batch {args.batch} x {args.seq}; "
+        f"{args.warmup} warm-up + {args.steps} measured steps per path on {args.device}, "
+        f"torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
+    results: dict[str, tuple[float, float | None]] = {}
+    reference: list[dict[str, torch.Tensor]] | None = None
+    trainers = [("sequential", False), ("sequential, compiled", True)]
+    trainers += [("stacked", False), ("stacked, compiled", True)]
+    for name, compiled in trainers:
+        if compiled and args.no_compile:
+            continue
+        began = time.perf_counter()
+        if name.startswith("sequential"):
+            seconds, warm, states = _sequential(cfg, settings, batches, args, compiled)
+        else:
+            seconds, warm, states = _stacked(cfg, settings, batches, args, compiled)
+        diff = None
+        if reference is None:
+            reference = states
+        else:
+            diff = max(
+                float((s[k] - r[k]).abs().max())
+                for s, r in zip(states, reference, strict=True)
+                for k in r
+            )
+        results[name] = (tokens / seconds, diff)
+        base = results["sequential"][0]
+        print(
+            f"{name:>21}: {tokens / seconds:>10,.0f} tok/s  ({tokens / seconds / base:5.2f}x the "
+            f"sequential trainer)"
+            + (f"; warm-up and compile {warm:.1f} s" if compiled else "")
+            + ("" if diff is None else f"; largest parameter difference {diff:.2e}")
+            + f"  [{time.perf_counter() - began:.0f} s]",
+            flush=True,
+        )
+    base = results["sequential"][0]
+    best = max((r for r in results if r.startswith("stacked")), key=lambda r: results[r][0])
+    print(
+        f"ratio {best}/sequential tokens per second: {results[best][0] / base:.2f} "
+        f"(sequential {base:,.0f}, {best} {results[best][0]:,.0f} tok/s)"
+    )
+    summary = ", ".join(f"{n} {v[0] / base:.2f}x" for n, v in results.items() if n != "sequential")
+    record(
+        args,
+        "stacked_trainer",
+        f"{args.paths} paths of {per_path / 1000:.1f} k params (width {args.dim}, {args.layers} "
+        f"blocks, vocab {args.vocab}, batch {args.batch} x {args.seq}), {args.device}: sequential "
+        f"{base:,.0f} tok/s; {summary}; best {best} {results[best][0] / base:.2f}x",
+    )
+
+
+def _sequential(cfg, settings, batches, args, compiled):
+    models = [new_dense_model(cfg, seed).to(args.device) for seed in range(args.paths)]
+    optimizers = [make_optimizer(m, settings) for m in models]
+    forwards = [torch.compile(m) if compiled else None for m in models]
+    for m in models:
+        m.train()
+    began = time.perf_counter()
+    for k in range(args.warmup):
+        for i, m in enumerate(models):
+            train_step(m, optimizers[i], batches[k, i], settings, step=k, forward=forwards[i])
+    _sync(args.device)
+    warm = time.perf_counter() - began
+    began = time.perf_counter()
+    for k in range(args.warmup, args.warmup + args.steps):
+        for i, m in enumerate(models):
+            train_step(m, optimizers[i], batches[k, i], settings, step=k, forward=forwards[i])
+    _sync(args.device)
+    return time.perf_counter() - began, warm, [m.state_dict() for m in models]
+
+
+def _stacked(cfg, settings, batches, args, compiled):
+    models = [new_dense_model(cfg, seed) for seed in range(args.paths)]
+    paths = StackedPaths(cfg, [m.state_dict() for m in models], args.device, compile=compiled)
+    optimizer = StackedAdamW(paths, settings)
+    began = time.perf_counter()
+    for k in range(args.warmup):
+        stacked_step(paths, optimizer, batches[k], [settings.lr_at(k)] * args.paths)
+    _sync(args.device)
+    warm = time.perf_counter() - began
+    began = time.perf_counter()
+    for k in range(args.warmup, args.warmup + args.steps):
+        stacked_step(paths, optimizer, batches[k], [settings.lr_at(k)] * args.paths)
+    _sync(args.device)
+    return time.perf_counter() - began, warm, [paths.state(i) for i in range(args.paths)]
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
