@@ -522,6 +522,13 @@ def run_variant(
             learned=options.get("learned", False),
             device=device,
         )
+        if label == v.label and not result["loss"] < math.log(c.model.vocab_size):
+            # A run that ends no better than a uniform guess over the vocabulary (or at an
+            # infinite loss) diverged, whether or not a training loss was ever NaN.
+            raise DipacoError(
+                f"{v.key}: diverged (validation loss {result['loss']:.4g}, no better than "
+                f"uniform over {c.model.vocab_size} tokens: {math.log(c.model.vocab_size):.4g})"
+            )
         rows.append(
             {
                 **base_row,

@@ -62,6 +62,7 @@ FIELDS: dict[str, str] = {
     "data.val_fraction": "fraction of documents kept for validation",
     "data.heldout_fraction": "fraction of documents held out for the held-out validation check",
     "data.tokenizer_sample_chars": "characters of text the tokenizer is trained on",
+    "data.byte_fallback": "the tokenizer spells unknown characters as bytes (256 of its pieces)",
     "data.min_doc_tokens": "documents shorter than this many tokens are dropped",
     "routing.method": "'kmeans'/'product': generative routing on prefix features; 'iid': hashed",
     "routing.balance": "how strongly shard sizes are balanced (0: not at all, 1: fully)",
@@ -75,6 +76,8 @@ FIELDS: dict[str, str] = {
     "routing.discriminative_phases": "at most this many phases decided by discriminative_plateau",
     "routing.router_fraction": "training documents reserved to fit the router, never trained on",
     "routing.candidates": "score only each router document's top-c paths (unset: every path)",
+    "routing.skip_openings": "route by the first block past openings shared by this share of the "
+    "training documents (0: the first tokens)",
     "train.seed": "random seed of the whole run",
     "train.batch_size": "windows per inner step (split into micro-batches to fit a device)",
     "train.seq_len": "tokens per window; at most model.max_seq_len",
@@ -92,6 +95,8 @@ FIELDS: dict[str, str] = {
     "outer.rescale": "scale a module's averaged delta by its n paths: none, sqrt, linear, norm",
     "outer.warmup_rounds": "outer-lr warm-up: a module's k-th step uses lr * min(1, k / this)",
     "outer.weight_by_tokens": "weight each path's delta by the tokens it trained on",
+    "outer.lr_by_sharing": "an outer lr per module by how many paths share it, e.g. {4 = 0.7, 16 = 1.0}"
+    " (a module not listed takes lr)",
     "validation.norm_check": "a delta whose norm is an outlier is 'reject'ed, 'clip'ped, or 'off'",
     "validation.norm_mads": "outlier bound: median + norm_mads * MAD of recent accepted norms",
     "validation.norm_ratio": "and at least norm_ratio * median of recent accepted norms",
@@ -191,6 +196,12 @@ def _toml_value(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table; its keys as strings (TOML's keys are)
+        return (
+            "{"
+            + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items())
+            + "}"
+        )
     raise TypeError(f"cannot write {value!r} as TOML")
 
 

@@ -2,7 +2,7 @@
 
 DiPaCo Algorithm 1, lines 5-10, seen from one worker. The peer never holds more than one path
 (promise 5), except in the path-parallel mode (``parallel`` > 1, for a local run on one device:
-``Peer.run_batch``), where it claims up to ``parallel`` tasks and trains them together, as
+``train_batch``), where it claims up to ``parallel`` tasks and trains them together, as
 one stacked model (``batching="stacked"``, :mod:`~dipaco.peer.stacking`) or step-interleaved,
 each on its own CUDA stream on a GPU (``batching="streams"``); and with ``push_behind``, where the task
 whose deltas are being sent stays leased while the next one trains (:mod:`~dipaco.peer.behind`).
@@ -56,9 +56,9 @@ from dipaco.peer.modules import (
 )
 from dipaco.peer.push import Pusher, Tensors, codec_settings
 from dipaco.peer.seeds import SeedFetcher
-from dipaco.peer.stacking import BATCHINGS
+from dipaco.peer.stacking import batching_of
 from dipaco.peer.state import InnerState, TaskCheckpoint
-from dipaco.peer.training import PathTrainer, TaskRun, timed
+from dipaco.peer.training import PathTrainer, TaskRun, timed, train_together
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.feedback import ErrorFeedback
@@ -113,10 +113,8 @@ class Peer:
             raise ConfigError(f"parallel must be at least 1, got {parallel}")
         if (push_behind or fetch_ahead) and (parallel > 1 or shard_group is not None):
             raise ConfigError("push behind and fetch ahead train one path at a time on one device")
-        self.parallel = parallel  # tasks trained at once (path-parallel, see run_batch)
-        if batching not in BATCHINGS:
-            raise ConfigError(f"batching must be one of {', '.join(BATCHINGS)}, not {batching!r}")
-        self.batching = batching  # how: one stacked model, or interleaved (CUDA streams)
+        self.parallel = parallel  # tasks trained at once (path-parallel, see train_batch)
+        self.batching = batching_of(batching)  # one stacked model, or interleaved (CUDA streams)
         self.manifest_sha256 = manifest_sha256
         # The peer's key signs every request, to the scheduler and to every module owner alike.
         # Kept in the state folder, so that a restarted peer is the same party (its peer id and
@@ -226,18 +224,17 @@ class Peer:
             if isinstance(reply, RejectedError) and reply.reason not in PASSING:
                 raise reply  # revoked, banned, not on the allow-list...: the user must act
             if offers:
-                # A path-parallel peer trains even a lone task as a batch (of one, stacked).
-                one = len(offers) == 1 and self.parallel == 1
+                one = len(offers) == 1 and self.parallel == 1  # else a batch, even of one
                 try:
                     fetched = ahead[1] if ahead is not None else None
-                    self.run_task(offers[0], fetched) if one else self.run_batch(offers)
+                    self.run_task(offers[0], fetched) if one else train_batch(self, offers)
                 except RunOver:
                     what = f"task {offers[0].task_id}" if one else "a batch of tasks"
                     log.info("peer %s: the run finished during %s", self.peer_id, what)
                     self.run_finished = True
                     break
                 except (TaskAborted, TransportError, RejectedError) as exc:
-                    if not one:  # run_batch handles each task's failures
+                    if not one:  # train_batch handles each task's failures
                         raise
                     self._task_failed(offers[0], exc)
                 continue
@@ -379,16 +376,12 @@ class Peer:
         """Each module's delta to its owner, then TaskDone (see ``Pusher.push``)."""
         self.pusher.push(task, delta, tokens, losses, before_send)
 
-    def run_batch(self, tasks: list[m.TaskOffer]) -> None:
-        """Train several tasks (paths) at once (:func:`train_batch`)."""
-        train_batch(self, tasks)
-
 
 def train_batch(peer: Peer, tasks: list[m.TaskOffer]) -> None:
     """Train several tasks (paths) at once; push each as ``run_task`` does.
 
     Every task is set up (fetch, model, optimizer, inner state, data), then trained with the
-    others (``PathTrainer.together``): as one stacked model (``peer.batching`` "stacked": every
+    others (``training.train_together``): as one stacked model (``peer.batching`` "stacked": every
     step of every task one batched step, its deltas equal to ``run_task``'s up to float rounding)
     or step-interleaved ("streams": each on its own CUDA stream on a GPU, in plain turns on a
     CPU; each task's operations, so its deltas, exactly those of ``run_task``). Then each
@@ -426,8 +419,8 @@ def _train_batch(peer: Peer, leases: list[Lease]) -> None:
             runs.append(peer._setup_task(*lease, resume=False, stream=stream))
         except (TaskAborted, TransportError, RejectedError) as exc:
             peer._task_failed(lease[0], exc, pause=False)
-    peer.trainer.together(
-        runs, lambda run, exc: peer._task_failed(run.task, exc, False), peer.batching
+    train_together(
+        peer.trainer, runs, lambda run, exc: peer._task_failed(run.task, exc, False), peer.batching
     )
     for run in runs:
         try:

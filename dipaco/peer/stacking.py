@@ -1,13 +1,13 @@
 """A path-parallel batch trained as one stacked model (``dipaco.model.stacked``).
 
-``PathTrainer.together`` hands a batch of set-up tasks here when the peer batches by stacking
+``training.train_together`` hands a batch of set-up tasks here when the peer batches by stacking
 (``Peer(batching="stacked")``, the default): their models' parameters and their optimizers'
 moments are copied into one ``StackedPaths`` / ``StackedAdamW``, every inner step of every task
 is one forward, backward and AdamW step, each task drawing its windows from its own data slice
 at its own point of the learning-rate schedule; at the end (or when a task leaves the batch)
 the parameters and moments are copied back into each task's model and optimizer, so that
 ``PathTrainer.finish`` takes the deltas and saves the inner state exactly as after
-``PathTrainer.interleave``. The loop is ``PathTrainer.stacked``. Same parameters as the sequential trainer up to float rounding
+``training.train_interleaved``. The loop is ``training.train_stacked``. Same parameters as the sequential trainer up to float rounding
 (``dipaco.model.stacked`` says why; ``tests/unit/test_stacked.py`` measures it).
 
 Stacking needs every task's whole batch in one step (no micro-batches) and the same optimizer
@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from dipaco.errors import ConfigError
 from dipaco.model.optim import (
     InnerSettings,
     load_optimizer_state_tensors,
@@ -30,6 +31,13 @@ from dipaco.model.stacked import StackedAdamW, StackedPaths, stacked_step
 from dipaco.model.transformer import ModelConfig
 
 BATCHINGS = ("stacked", "streams")
+
+
+def batching_of(value: str) -> str:
+    """``value`` if it names a way to train a path-parallel batch, else a ``ConfigError``."""
+    if value not in BATCHINGS:
+        raise ConfigError(f"batching must be one of {', '.join(BATCHINGS)}, not {value!r}")
+    return value
 
 
 class Stackable(Protocol):

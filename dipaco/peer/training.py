@@ -270,87 +270,6 @@ class PathTrainer:
             if after_step is not None:
                 after_step(run)
 
-    def interleave(
-        self, runs: list[TaskRun], dropped: Callable[[TaskRun, TaskAborted], None]
-    ) -> None:
-        """Train ``runs`` together: step i of each before step i + 1 of any (on a GPU, each on
-        its stream, so that their kernels overlap; all synchronised at the end). A run whose
-        lease is lost leaves ``runs`` and goes to ``dropped``; the others train on. A stopping
-        peer's ``TaskAborted`` is raised."""
-        began = time.monotonic()
-        for run in runs:
-            run.began = began
-            if run.stream is not None:  # models, moments and windows were made on this stream
-                run.stream.wait_stream(torch.cuda.current_stream(self.device))
-        active = list(runs)
-        while active:
-            # Step i of every task is issued before any is read: on a GPU they run at once.
-            losses = [self.step(run) for run in active]
-            for run, loss in zip(active, losses, strict=True):
-                try:
-                    self.stepped(run, loss)
-                except TaskAborted as exc:
-                    if self.stop.is_set():
-                        raise
-                    runs.remove(run)  # its lease was lost: drop it, the others train on
-                    dropped(run, exc)
-            active = [run for run in active if run in runs and not run.finished]
-        if str(self.device).startswith("cuda") and torch.cuda.is_available():
-            with timed(self.timings, "train"):
-                torch.cuda.synchronize(self.device)
-
-    def together(
-        self,
-        runs: list[TaskRun],
-        dropped: Callable[[TaskRun, TaskAborted], None],
-        batching: str = "stacked",
-    ) -> None:
-        """Train ``runs`` at once: as one stacked model (``batching`` "stacked", see
-        :meth:`stacked`) where they can be, else step-interleaved (:meth:`interleave`)."""
-        if batching not in BATCHINGS:
-            raise ValueError(f"batching must be one of {BATCHINGS}, not {batching!r}")
-        why = (
-            stackable(runs, self.micro_batch, self.train_cfg["batch_size"])
-            if runs and batching == "stacked"
-            else "streams"
-        )
-        if why is None:
-            self.stacked(runs, dropped)
-        else:
-            if batching == "stacked" and runs:
-                log.info("training %d paths interleaved, not stacked: %s", len(runs), why)
-            self.interleave(runs, dropped)
-
-    def stacked(self, runs: list[TaskRun], dropped: Callable[[TaskRun, TaskAborted], None]) -> None:
-        """:meth:`interleave`'s contract, trained as one stacked model (``peer/stacking.py``):
-        a task whose lease is lost leaves ``runs`` and goes to ``dropped`` (the others are stacked
-        again without it), a task that has done its steps leaves the stack; a stopping peer's
-        ``TaskAborted`` is raised. Each task's model and optimizer hold its own parameters and
-        moments when this returns or raises."""
-        began = time.monotonic()
-        for run in runs:
-            run.began = began
-        active = [run for run in runs if not run.finished]
-        while active:
-            with timed(self.timings, "train"):
-                stack = Stack(self.model_cfg, self.device, self.features, active)
-            try:
-                while all(run in runs and not run.finished for run in active):
-                    with timed(self.timings, "train"):
-                        losses = stack.step()
-                    for i, run in enumerate(active):
-                        try:
-                            self.stepped(run, losses[i])
-                        except TaskAborted as exc:
-                            if self.stop.is_set():
-                                raise
-                            runs.remove(run)  # its lease was lost: the others train on
-                            dropped(run, exc)
-            finally:
-                with timed(self.timings, "train"):
-                    stack.write_back()
-            active = [run for run in active if run in runs and not run.finished]
-
     def finish(self, run: TaskRun, push: Callable[..., None]) -> int:
         """Push the task's deltas (``push``, as ``Peer.push``), its inner state saved just before
         they are sent, then drop its checkpoint; the tokens it trained."""
@@ -407,3 +326,89 @@ class PathTrainer:
             )
             run.delta = module_deltas(run.modules, trained)
             return run.delta
+
+
+def train_interleaved(
+    trainer: PathTrainer, runs: list[TaskRun], dropped: Callable[[TaskRun, TaskAborted], None]
+) -> None:
+    """Train ``runs`` together: step i of each before step i + 1 of any (on a GPU, each on
+    its stream, so that their kernels overlap; all synchronised at the end). A run whose
+    lease is lost leaves ``runs`` and goes to ``dropped``; the others train on. A stopping
+    peer's ``TaskAborted`` is raised."""
+    began = time.monotonic()
+    for run in runs:
+        run.began = began
+        if run.stream is not None:  # models, moments and windows were made on this stream
+            run.stream.wait_stream(torch.cuda.current_stream(trainer.device))
+    active = list(runs)
+    while active:
+        # Step i of every task is issued before any is read: on a GPU they run at once.
+        losses = [trainer.step(run) for run in active]
+        for run, loss in zip(active, losses, strict=True):
+            try:
+                trainer.stepped(run, loss)
+            except TaskAborted as exc:
+                if trainer.stop.is_set():
+                    raise
+                runs.remove(run)  # its lease was lost: drop it, the others train on
+                dropped(run, exc)
+        active = [run for run in active if run in runs and not run.finished]
+    if str(trainer.device).startswith("cuda") and torch.cuda.is_available():
+        with timed(trainer.timings, "train"):
+            torch.cuda.synchronize(trainer.device)
+
+
+def train_together(
+    trainer: PathTrainer,
+    runs: list[TaskRun],
+    dropped: Callable[[TaskRun, TaskAborted], None],
+    batching: str = "stacked",
+) -> None:
+    """Train ``runs`` at once: as one stacked model (``batching`` "stacked", see
+    :func:`train_stacked`) where they can be, else step-interleaved (:func:`train_interleaved`)."""
+    if batching not in BATCHINGS:
+        raise ValueError(f"batching must be one of {BATCHINGS}, not {batching!r}")
+    why = (
+        stackable(runs, trainer.micro_batch, trainer.train_cfg["batch_size"])
+        if runs and batching == "stacked"
+        else "streams"
+    )
+    if why is None:
+        train_stacked(trainer, runs, dropped)
+    else:
+        if batching == "stacked" and runs:
+            log.info("training %d paths interleaved, not stacked: %s", len(runs), why)
+        train_interleaved(trainer, runs, dropped)
+
+
+def train_stacked(
+    trainer: PathTrainer, runs: list[TaskRun], dropped: Callable[[TaskRun, TaskAborted], None]
+) -> None:
+    """:func:`train_interleaved`'s contract, trained as one stacked model (``peer/stacking.py``):
+    a task whose lease is lost leaves ``runs`` and goes to ``dropped`` (the others are stacked
+    again without it), a task that has done its steps leaves the stack; a stopping peer's
+    ``TaskAborted`` is raised. Each task's model and optimizer hold its own parameters and
+    moments when this returns or raises."""
+    began = time.monotonic()
+    for run in runs:
+        run.began = began
+    active = [run for run in runs if not run.finished]
+    while active:
+        with timed(trainer.timings, "train"):
+            stack = Stack(trainer.model_cfg, trainer.device, trainer.features, active)
+        try:
+            while all(run in runs and not run.finished for run in active):
+                with timed(trainer.timings, "train"):
+                    losses = stack.step()
+                for i, run in enumerate(active):
+                    try:
+                        trainer.stepped(run, losses[i])
+                    except TaskAborted as exc:
+                        if trainer.stop.is_set():
+                            raise
+                        runs.remove(run)  # its lease was lost: the others train on
+                        dropped(run, exc)
+        finally:
+            with timed(trainer.timings, "train"):
+                stack.write_back()
+        active = [run for run in active if run in runs and not run.finished]

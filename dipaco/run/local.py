@@ -46,7 +46,7 @@ def run_local_peers(
     Local peers share one state folder, so a path's inner optimizer state follows the path,
     whichever local peer trains it: results then do not depend on thread timing.
 
-    ``parallel`` > 1 makes each peer path-parallel (``Peer.run_batch``): it claims up to that
+    ``parallel`` > 1 makes each peer path-parallel (``peer.train_batch``): it claims up to that
     many tasks of a round and trains them together on its device, as one stacked model
     (``batching`` "stacked": module parameters equal to one sequential peer's up to float
     rounding, several times faster for small paths) or step-interleaved ("streams": each path on

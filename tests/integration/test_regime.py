@@ -24,7 +24,8 @@ def regime(monkeypatch):
 def test_the_quick_ladder_tables_every_model_and_keeps_a_diverged_run_as_failed(
     regime, monkeypatch, tmp_path, capsys
 ):
-    # DiLoCo's run beyond the grid at an outer lr of 10,000: a real divergence, every round.
+    # DiLoCo's run beyond the grid at an outer lr of 10,000: a real divergence (a NaN training
+    # loss, or a model left no better than a uniform guess), kept as a failed row.
     quick = {**regime.PRESETS["quick"]}
     quick["tuning"] = {**quick["tuning"], "diloco_extra": 1e4}
     monkeypatch.setitem(regime.PRESETS, "quick", quick)
