@@ -19,6 +19,11 @@ steps (its first steps are warm-up, not measured).
     python bench/stacked_trainer.py --dim 64 --vocab 1024 --seq 128 --heads 4   # capacity size
     python bench/stacked_trainer.py --device cuda --dim 256 --layers 8 --vocab 8192 --seq 256
     python bench/stacked_trainer.py --quick               # CI's short form
+    python bench/stacked_trainer.py --profile             # and where a stacked step's time goes
+
+``--profile`` adds the machine's rate on one large matrix product (the ceiling for the batched
+products) and a ``torch.profiler`` breakdown of 10 stacked steps (compiled unless --no-compile):
+batched products, attention, the compiled elementwise kernels, the rest.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-compile", action="store_true", help="leave out the two compiled trainers")
     ap.add_argument("--quick", action="store_true", help="CI's short form: 4 paths, 3 steps")
+    ap.add_argument("--profile", action="store_true", help="where a stacked step's time goes")
     add_report_args(ap)
     args = ap.parse_args()
     if args.quick:
@@ -116,6 +122,8 @@ def main() -> None:
         f"(sequential {base:,.0f}, {best} {results[best][0]:,.0f} tok/s)"
     )
     summary = ", ".join(f"{n} {v[0] / base:.2f}x" for n, v in results.items() if n != "sequential")
+    if args.profile:
+        _profile(cfg, settings, batches, args)
     record(
         args,
         "stacked_trainer",
@@ -159,6 +167,55 @@ def _stacked(cfg, settings, batches, args, compiled):
         stacked_step(paths, optimizer, batches[k], [settings.lr_at(k)] * args.paths)
     _sync(args.device)
     return time.perf_counter() - began, warm, [paths.state(i) for i in range(args.paths)]
+
+
+def _profile(cfg, settings, batches, args) -> None:
+    """The large-product ceiling, then the share of a stacked step's time by kind of operation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n = 2048
+    a, b = (torch.randn(n, n, device=args.device) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    _sync(args.device)
+    began, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        a @ b
+    _sync(args.device)
+    print(
+        f"one {n} x {n} product: {2 * n**3 * reps / (time.perf_counter() - began) / 1e9:.0f} GFLOP/s"
+    )
+    models = [new_dense_model(cfg, seed) for seed in range(args.paths)]
+    compiled = not args.no_compile
+    paths = StackedPaths(cfg, [m.state_dict() for m in models], args.device, compile=compiled)
+    optimizer = StackedAdamW(paths, settings)
+    lrs = [settings.lr] * args.paths
+    for k in range(args.warmup):
+        stacked_step(paths, optimizer, batches[k], lrs)
+    activities = [ProfilerActivity.CPU]
+    if str(args.device).startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    steps = min(10, batches.shape[0])
+    with profile(activities=activities) as prof:
+        for k in range(steps):
+            stacked_step(paths, optimizer, batches[k], lrs)
+        _sync(args.device)
+    kinds = {"batched products": 0.0, "attention": 0.0, "compiled kernels": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        if e.key == "aten::bmm":
+            kind = "batched products"
+        elif "scaled_dot_product" in e.key:
+            kind = "attention"
+        elif "CompiledFxGraph" in e.key:
+            kind = "compiled kernels"
+        else:
+            kind = "other"
+        kinds[kind] += e.self_cpu_time_total
+    total = sum(kinds.values())
+    print(
+        f"stacked{', compiled' if compiled else ''} step, {total / steps / 1e3:.1f} ms of CPU time: "
+        + ", ".join(f"{k} {v / total:.0%}" for k, v in kinds.items())
+    )
 
 
 def _sync(device: str) -> None:

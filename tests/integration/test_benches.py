@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
         ("codecs", []),
         ("scale", ["--out", "{tmp}/scale.json", "--plot", "{tmp}/scale.html"]),
         ("path_parallel", []),
-        ("stacked_trainer", []),
+        ("stacked_trainer", ["--profile"]),
         ("scheduler_leases", []),
         ("state_files", []),
         ("lock_handoffs", []),
@@ -41,6 +41,8 @@ def test_the_benchmark_runs_prints_its_ratio_and_records_its_row(bench, extra, t
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert any(line.startswith("ratio") for line in done.stdout.splitlines()), done.stdout
+    if "--profile" in args:  # the product ceiling and the step's time by kind of operation
+        assert "GFLOP/s" in done.stdout and "batched products" in done.stdout, done.stdout
     rows = [line for line in doc.read_text().splitlines() if line.startswith(f"| {bench} |")]
     assert len(rows) == 1, doc.read_text()
     assert f"bench/{bench}.py --quick" in rows[0]  # the command, as typed
