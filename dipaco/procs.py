@@ -10,6 +10,10 @@ from __future__ import annotations
 import os
 import signal
 
+# The exit code of a command that Ctrl-C or SIGTERM stopped in order before its work was done
+# (dipaco/cli/stopping.py states the rule every command follows).
+STOPPED = 130
+
 
 def children_map() -> dict[int, list[int]]:
     """ppid -> pids of every live process, read from /proc ({} where there is no /proc)."""

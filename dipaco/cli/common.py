@@ -235,7 +235,7 @@ def run_command(fn: Callable[[], int | None]) -> int:
         return 2
     except KeyboardInterrupt:
         say("interrupted; the run folder keeps everything, run the same command to resume")
-        return 130
+        return stopping.STOPPED
 
 
 def one_line(exc: BaseException) -> str:
@@ -279,7 +279,10 @@ def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     """Parse, set up logging, run the chosen subcommand's ``fn`` and exit with its code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     fmt = _take_option(argv, "--log-format")  # accepted after the subcommand too
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)  # --help prints, and may meet a closed pipe
+    except BrokenPipeError:
+        sys.exit(_reader_gone())
     if fmt is not None and fmt not in FORMATS:
         parser.error(f"--log-format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
     try:
@@ -295,7 +298,28 @@ def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     stopping.install()  # SIGTERM as Ctrl-C; either one ends the process within seconds
     try:
         code = run_command(lambda: args.fn(args))
+    except BrokenPipeError:
+        code = _reader_gone()
     finally:
         if not stopping.requested():
             stopping.uninstall()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = _reader_gone()
     stopping.finish(code)  # at once after a stop signal (leaving no child), else sys.exit
+
+
+READER_GONE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose pipe closed
+
+
+def _reader_gone() -> int:
+    """The reader of our output went away (``| head``, ``less`` quit early): end quietly. Later
+    writes, including the interpreter's last flush, go nowhere instead of raising again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return READER_GONE

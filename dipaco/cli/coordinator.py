@@ -86,6 +86,7 @@ def wait_finished(
     if coordinator.failure:
         raise DipacoError(coordinator.failure)
     say(f"run finished: every module at version {coordinator.round}")
+    stopping.mark_done()  # a signal from now on cuts the linger short: exit 0, nothing to resume
     if publisher is not None:
         publisher.publish()  # "finished" in the DHT now: peers that cannot reach us stop
     if gather_from is not None:

@@ -129,7 +129,9 @@ class Panel:
         message = event.get("message", "")
         with self.lock:
             row = self.rows[worker.index]
-            if kind in ("worker_started", "worker_died", "worker_failed", "worker_done"):
+            if kind in (
+                "worker_started", "worker_died", "worker_failed", "worker_done", "worker_stopped"
+            ):  # fmt: skip
                 row["state"] = kind.removeprefix("worker_")
                 message = {
                     "worker_started": f"started (pid {event.get('pid')})",
@@ -137,6 +139,7 @@ class Panel:
                     "starting it again",
                     "worker_failed": f"exited with code {event.get('code')}",
                     "worker_done": "done",
+                    "worker_stopped": "stopped (Ctrl-C); its task is handed back",
                 }[kind]
             elif kind in ("task_started", "task_progress", "task_trained"):
                 row.update(state="training", task=event.get("task", ""))

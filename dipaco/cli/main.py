@@ -28,7 +28,7 @@ from dipaco.cli.common import (
 from dipaco.cli.init import add_init_command
 from dipaco.cli.use import add_owner_dir, add_use_commands, gatherer
 from dipaco.cli.watch import add_status_command
-from dipaco.errors import DipacoError
+from dipaco.errors import DataError, DipacoError
 from dipaco.fileio import write_json_atomic
 from dipaco.model.topology import Topology
 from dipaco.prepare.folder import PreparedRun
@@ -283,7 +283,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_gather(args: argparse.Namespace) -> int:
     from dipaco.coordinator.gather import gather_run, remote_modules
+    from dipaco.run.export import check_run_folder
 
+    check_run_folder(Path(args.run_dir))
+    if not (Path(args.run_dir) / "coordinator" / "coordinator.json").exists():
+        raise DataError(
+            f"{args.run_dir} has no coordinator state (coordinator/coordinator.json): the run "
+            "was never started, so there is nothing to gather"
+        )
     remote = remote_modules(args.run_dir)
     if not remote:
         say(f"{args.run_dir}: every module is the scheduler's own; nothing to gather")

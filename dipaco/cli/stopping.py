@@ -19,6 +19,13 @@ thread hears every signal at once through ``signal.set_wakeup_fd``, whichever th
   number. What coordinators and peers keep is crash-safe (docs/reliability.md): cutting a slow
   stop short loses nothing acknowledged.
 
+Exit codes, the same for every command: 0 when its work is done; 2 for an error it explains in
+one line; 130 (``STOPPED``) when Ctrl-C or SIGTERM stopped it in order before its work was done
+(a peer or node that left a run still going, a coordinator whose run had not finished: run the
+same command to resume); 128 + the signal's number when the deadline above cut a slow stop short;
+141 when its reader went away (a pipe into ``head``: see ``common.dispatch``). A coordinator
+whose run finished (``mark_done``) exits 0 when a signal cuts its linger short.
+
 :func:`finish` ends a stopped command's process at once (``os._exit``), after killing any child
 left: interpreter shutdown joins non-daemon threads and thread pools, and a library's thread
 blocked on a socket would hold the exit for as long as it stays blocked.
@@ -32,7 +39,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from dipaco.procs import kill_descendants
+from dipaco.procs import STOPPED, kill_descendants
 
 GRACE_SECONDS = 4.0  # after the first signal, the process ends by this deadline
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -47,6 +54,7 @@ class Stopper:
         self.heard = threading.Event()  # a stop signal arrived (set at once, by the watcher)
         self.handled = threading.Event()  # the main thread ran the stop action
         self.signum = 0
+        self.done = False  # mark_done(): a stop signal now ends a finished command with 0
         self._main = threading.main_thread().ident
         self._deadline: threading.Timer | None = None
         self._arm_lock = threading.Lock()
@@ -165,9 +173,27 @@ def requested() -> bool:
     return _current is not None and _current.heard.is_set()
 
 
+def mark_done() -> None:
+    """The command's work is done (a coordinator whose run finished, lingering): a stop signal
+    from now on ends it with 0, not ``STOPPED``."""
+    if _current is not None:
+        _current.done = True
+
+
+def exit_code(code: int) -> int:
+    """The rule every command follows (docs/operations.md, "Exit codes"): a command that a stop
+    signal ended before its work was done exits ``STOPPED`` (130) once it stopped in order,
+    whatever its body returned; an error keeps its own code (2); a finished command, 0."""
+    if code == 0 and requested() and not _current.done:  # type: ignore[union-attr]
+        return STOPPED
+    return code
+
+
 def finish(code: int) -> None:
-    """End a command's process with ``code``. After a stop signal: kill any child left and exit
-    at once, without interpreter shutdown (see the module's docstring); else ``sys.exit``."""
+    """End a command's process with ``exit_code(code)``. After a stop signal: kill any child
+    left and exit at once, without interpreter shutdown (see the module's docstring); else
+    ``sys.exit``."""
+    code = exit_code(code)
     if requested() and threading.current_thread() is threading.main_thread():
         kill_descendants(os.getpid())
         for stream in (sys.stdout, sys.stderr):

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from dipaco.errors import ConfigError
+from dipaco.procs import STOPPED
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,10 @@ class Machine:
         if proc is None or worker.state != "running" or proc.poll() is None:
             return
         worker.returncode = code = proc.returncode
+        if code == STOPPED:  # Ctrl-C reached it too (the terminal's process group): it left
+            worker.state = "stopped"
+            self.on_event(worker, {"event": "worker_stopped"})
+            return
         if code == 0 or (self.together and any(w.state == "done" for w in self.workers)):
             # A group's rank that dies once another ended normally (the run is over) was on its
             # way out (gloo's threads may abort an exiting process): nothing is left to redo.

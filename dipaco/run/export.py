@@ -86,14 +86,9 @@ class UsableRun:
 Remote = Callable[[Path], tuple[set[str], dict[str, tuple[int, dict[str, torch.Tensor]]]]]
 
 
-def open_run(run_dir: str | Path, *, remote: Remote | None = None) -> UsableRun:
-    """Open a run folder as ``dipaco eval`` does: its config, ``prepare`` and every module.
-
-    Modules other coordinators own come from ``remote`` (``dipaco.coordinator.gather.whole_run``
-    gathers them: the CLI passes it); without it, a run with other owners is refused, since the
-    scheduler's own copies of their modules are stale.
-    """
-    run_dir = Path(run_dir)
+def check_run_folder(run_dir: Path) -> Path:
+    """``run_dir`` is a scheduler's run folder (else a DataError saying what it is); its
+    config.json."""
     config_file = run_dir / "config.json"
     if not run_dir.is_dir():
         raise DataError(f"run folder {run_dir} does not exist")
@@ -105,6 +100,18 @@ def open_run(run_dir: str | Path, *, remote: Remote | None = None) -> UsableRun:
                 f"--owner-dir {run_dir} if its owner is not running"
             )
         raise DataError(f"{run_dir} is not a run folder: it has no config.json")
+    return config_file
+
+
+def open_run(run_dir: str | Path, *, remote: Remote | None = None) -> UsableRun:
+    """Open a run folder as ``dipaco eval`` does: its config, ``prepare`` and every module.
+
+    Modules other coordinators own come from ``remote`` (``dipaco.coordinator.gather.whole_run``
+    gathers them: the CLI passes it); without it, a run with other owners is refused, since the
+    scheduler's own copies of their modules are stale.
+    """
+    run_dir = Path(run_dir)
+    config_file = check_run_folder(run_dir)
     try:
         raw = json.loads(config_file.read_text())
     except ValueError as exc:

@@ -216,7 +216,7 @@ def test_two_owners_four_peers_survive_kills_and_apply_every_ack_once(run_copy, 
         wait_for(lambda: quitter.saw("training path"), 120, told(quitter, coordinator))
         time.sleep(0.5)
         quitter.p.send_signal(signal.SIGINT)  # Ctrl-C: it releases its lease and leaves
-        assert quitter.finish(60) == 0, quitter.output
+        assert quitter.finish(60) == 130, quitter.output  # stopped before the run was done
         assert "left after 0 tasks" in quitter.output, quitter.output
 
         metrics = root / "metrics.jsonl"
