@@ -43,9 +43,11 @@ def saved_status(run_dir: Path) -> dict:
             "started with --dashboard stops; for a live run give the dashboard's address"
         )
     try:
-        return json.loads(file.read_text())
+        state = json.loads(file.read_text())
     except ValueError as exc:
         raise TransportError(f"{file}: not readable: {exc}") from None
+    state["saved_at"] = file.stat().st_mtime  # not live: render() says so
+    return state
 
 
 def fetch_status(address: str, token: str | None = None, timeout: float = 10.0) -> dict:
@@ -77,20 +79,28 @@ def render(s: dict) -> Group:
         f"run [bold]{s['run_id']}[/]",
         f"round [bold]{s['round']}/{s['rounds']}[/]",
         state,
-        "peers {} live{}".format(
-            sum(p.get("state") != "gone" for p in s["peers"].values()),
-            f", {sum(p.get('state') == 'gone' for p in s['peers'].values())} gone"
-            if any(p.get("state") == "gone" for p in s["peers"].values())
-            else "",
-        ),
+        peer_count(s),
         f"tasks out {len(s['leases'])}",
     )
+    if s.get("saved_at") is not None and not s["finished"]:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["saved_at"]))
+        head.add_row(Text(f"saved when its coordinator stopped, {when}; not running now", "dim"))
+    if s.get("stale_seconds"):
+        head.add_row(
+            Text(
+                f"the coordinator is busy: its state as of {s['stale_seconds']:.0f} s ago",
+                style="dim",
+            )
+        )
     routed = s["series"]["routed_ppl"]
     if routed:
         head.add_row(f"routed validation ppl {routed[-1]['ppl']:.2f} (round {routed[-1]['round']})")
     elif s.get("evaluation"):
         head.add_row(Text(s["evaluation"], style="dim"))
-    grid = Table(title="modules (version, deltas pending)", title_justify="left")
+    grid = Table(
+        title="modules (version; -N: N versions behind the newest module; deltas pending/paths)",
+        title_justify="left",
+    )
     width = max((len(r["modules"]) for r in s["grid"]), default=0)
     grid.add_column("row")
     for i in range(width):
@@ -165,6 +175,28 @@ def render(s: dict) -> Group:
             rej.add_row(reason, str(n))
         parts.append(rej)
     return Group(*parts)
+
+
+def peer_count(s: dict) -> str:
+    """The header's peers: a machine of several workers (``--gpus``) counts once. Live only
+    while the coordinator runs; a finished or saved run says how many took part."""
+    machines = s.get("machines", {})
+    order = {"training": 0, "idle": 1, "gone": 2}
+    units: dict[str, str] = {}
+    workers = 0
+    for pid, p in s["peers"].items():
+        unit = p.get("machine") if p.get("machine") in machines else pid
+        workers += unit != pid
+        state = p.get("state", "gone")
+        if unit not in units or order.get(state, 2) < order.get(units[unit], 2):
+            units[unit] = state
+    n_machines = len({u for u in units if u in machines})
+    on = f" ({workers} workers on {n_machines} machine{'s' * (n_machines != 1)})" if workers else ""
+    if s["finished"] or s.get("saved_at") is not None:
+        return f"peers {len(units)} took part{on}"
+    live = sum(state != "gone" for state in units.values())
+    gone = len(units) - live
+    return f"peers {live} live" + (f", {gone} gone" if gone else "") + on
 
 
 def peer_lines(peers: dict[str, dict], machines: dict[str, dict]):

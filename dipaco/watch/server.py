@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dipaco.errors import ConfigError
 from dipaco.fileio import write_atomic, write_private
-from dipaco.watch.snapshot import Series, json_safe, snapshot
+from dipaco.watch.snapshot import LastState, Series, json_safe, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ class Dashboard:
         self.coordinator = coordinator
         self.run_dir = Path(run_dir)
         self.series = Series(self.run_dir / "metrics.jsonl")
+        self.last = LastState()  # what a snapshot shows while the coordinator is busy
         self.refused = 0
         self.token = token
         if self.token is None and not is_loopback(host):
@@ -180,7 +181,7 @@ class Dashboard:
         return folder / "index.html"
 
     def snapshot(self) -> dict:
-        return snapshot(self.coordinator, self.run_dir, self.series)
+        return snapshot(self.coordinator, self.run_dir, self.series, self.last)
 
     def plotly(self) -> bytes:
         if self._plotly is None:

@@ -148,10 +148,38 @@ def module_grid(modules: dict[str, dict], paths_through: dict[str, int]) -> list
     ]
 
 
-def snapshot(coordinator, run_dir: Path, series: Series) -> dict[str, Any]:
-    """The whole picture, JSON-ready. Holds the coordinator's lock only to copy its state."""
-    with coordinator.lock:
-        state = coordinator.status().state
+BUSY_WAIT = 1.0  # seconds a snapshot waits for a busy coordinator before it shows the last copy
+
+
+class LastState:
+    """The coordinator's last status copied under its lock, and when: while an outer step or a
+    state save holds the lock (seconds, under load), a snapshot shows this copy at once."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] | None = None
+        self.at = 0.0
+        self._lock = threading.Lock()
+
+    def read(self, coordinator, wait: float = BUSY_WAIT) -> tuple[dict[str, Any], float]:
+        """The status state and how old it is (0: fresh)."""
+        if coordinator.lock.acquire(timeout=wait if self.state is not None else -1):
+            try:
+                state = coordinator.status().state
+            finally:
+                coordinator.lock.release()
+            with self._lock:
+                self.state, self.at = state, time.monotonic()
+            return state, 0.0
+        with self._lock:
+            return self.state, time.monotonic() - self.at  # type: ignore[return-value]
+
+
+def snapshot(
+    coordinator, run_dir: Path, series: Series, last: LastState | None = None
+) -> dict[str, Any]:
+    """The whole picture, JSON-ready. Holds the coordinator's lock only to copy its state; with
+    ``last``, waits at most ``BUSY_WAIT`` seconds for it (``stale_seconds``: the copy's age)."""
+    state, stale = (last or LastState()).read(coordinator)
     series.update()
     topology = coordinator.topology
     paths_through = {mid: len(topology.paths_through(mid)) for mid in state["modules"]}
@@ -186,4 +214,5 @@ def snapshot(coordinator, run_dir: Path, series: Series) -> dict[str, Any]:
         "rejections_by_peer": state["rejections_by_peer"],
         "routing": routing_histogram(run_dir),
         "series": {k: v for k, v in rates.items() if k != "throughput"},
+        "stale_seconds": round(stale, 1),
     }
