@@ -45,7 +45,7 @@ from dipaco.cli.nodes import (
     relayed_route,
     relays_for_owners,
 )
-from dipaco.config import load_config_dict
+from dipaco.config import PRESETS, RunConfig, load_config_dict
 from dipaco.coordinator.access import change_access
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.gather import gather_at_end, remote_fetcher, wait_gathered
@@ -110,8 +110,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         return start_standby(args)
     if args.owns or args.join:
         return start_owner(args)
-    config = choose_config(args.config, args.preset)
     run_dir = Path(args.run_dir)
+    config = start_config(args, run_dir)
     prep = prepare(run_dir, config, stage=lambda s: console.log(s))
     metrics = MetricsLog(run_dir / "metrics.jsonl")
     print_events(metrics)
@@ -124,6 +124,26 @@ def cmd_start(args: argparse.Namespace) -> int:
     host, port = split_hostport(args.listen)
     node = HivemindNode(host=host, port=port, identity_path=hivemind.node_identity(run_dir))
     return serve_hivemind(args, prep, metrics, node)
+
+
+def start_config(args: argparse.Namespace, run_dir: Path) -> RunConfig:
+    """The run config ``start`` serves: ``--config`` or ``--preset``; without either, the one a
+    run folder saved (resuming it); never a preset nobody chose."""
+    if args.config or args.preset:
+        return choose_config(args.config, args.preset)
+    saved = run_dir / "config.json"
+    if saved.exists():
+        try:
+            config = load_config_dict(json.loads(saved.read_text()), origin=str(saved))
+        except ValueError as exc:
+            raise ConfigError(f"{saved}: not a readable run config: {exc}") from None
+        say(f"resuming {run_dir} with the config it saved ({saved})")
+        return config
+    raise ConfigError(
+        f"{run_dir} holds no run yet and no config was given: pass --config FILE (`dipaco init` "
+        f"writes one) or --preset NAME (one of {', '.join(sorted(PRESETS))}; demo trains in "
+        "about 10 minutes on 2 cores)"
+    )
 
 
 def serve_hivemind(args: argparse.Namespace, prep, metrics: MetricsLog, node) -> int:
@@ -509,7 +529,11 @@ def main(argv: list[str] | None = None) -> None:
     parser, sub = command_parser("dipaco-coordinator", __doc__)
     start = sub.add_parser("start", help="prepare (if needed) and serve a run, or own modules")
     start.add_argument("--config", help="run config (TOML)")
-    start.add_argument("--preset", help="a preset instead of a config file (demo, tiny)")
+    start.add_argument(
+        "--preset",
+        help=f"a preset instead of a config file ({', '.join(sorted(PRESETS))}). With neither, "
+        "a run folder that holds a run resumes with the config it saved; an empty one is refused",
+    )
     start.add_argument("--run-dir", required=True)
     start.add_argument(
         "--transport",

@@ -2,9 +2,12 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from _waiting import wait_for
 
 BIN = Path(sys.executable).parent
 
@@ -75,3 +78,31 @@ def test_gather_refuses_a_folder_that_is_not_there_or_not_a_run(tmp_path):
         capture_output=True, text=True,
     )  # fmt: skip
     assert never.returncode == 2 and "never started" in never.stdout, never.stdout
+
+
+def test_start_without_a_config_resumes_a_run_folder_or_asks_for_one(tmp_path, run_copy):
+    empty = subprocess.run(
+        [BIN / "dipaco-coordinator", "start", "--run-dir", tmp_path / "new", "--transport",
+         "loopback"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    said = " ".join(empty.stdout.split())
+    assert empty.returncode == 2 and "no config was given" in said and "--preset" in said, said
+    assert not (tmp_path / "new" / "config.json").exists()  # no demo run prepared behind our back
+    root = run_copy()
+    log = tmp_path / "coordinator.log"
+    proc = subprocess.Popen(
+        [BIN / "dipaco-coordinator", "start", "--run-dir", root, "--transport", "loopback",
+         "--listen", "127.0.0.1:0", "--no-eval"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: "listening on" in log.read_text() or proc.poll() is not None, 120, "it")
+        text = " ".join(log.read_text().split())
+        assert f"resuming {root} with the config it saved" in text, text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130  # stopped before its run was done
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
