@@ -22,21 +22,35 @@ def checks_json(checks: list[Check]) -> str:
 
 
 def print_checks(checks: list[Check], console: Any) -> None:
-    from rich.table import Table
-
-    table = Table(title="dipaco-peer doctor")
-    table.add_column("", no_wrap=True)
-    table.add_column("check", no_wrap=True)
-    table.add_column("detail")
-    table.add_column("advice")
-    for c in checks:
-        mark = "[dim]–[/]" if c.skipped else ("[green]✓[/]" if c.ok else "[red]✗[/]")
-        table.add_row(mark, c.name, c.detail, c.advice)
-    console.print(table)
-    if all_passed(checks):
-        console.print("[green]all checks passed[/] (– : skipped, nothing to compare with)")
+    """A table on a terminal; to a file or a pipe one line per check (``✓ name: detail;
+    advice``), which no width wraps. Then the verdict, naming skipped checks if any."""
+    marks = {"skipped": ("–", "dim"), "passed": ("✓", "green"), "failed": ("✗", "red")}
+    if console.lines:
+        for c in checks:
+            mark = marks[c.outcome][0]
+            console.print(
+                f"{mark} {c.name}: {c.detail}" + (f"; {c.advice}" if c.advice else ""),
+                markup=False,
+                highlight=False,
+            )
     else:
-        console.print("[red]some checks failed[/]: see the advice above")
+        from rich.table import Table
+
+        table = Table(title="dipaco-peer doctor")
+        table.add_column("", no_wrap=True)
+        table.add_column("check", no_wrap=True)
+        table.add_column("detail")
+        table.add_column("advice")
+        for c in checks:
+            mark, style = marks[c.outcome]
+            table.add_row(f"[{style}]{mark}[/]", c.name, c.detail, c.advice)
+        console.print(table)
+    skipped = [c.name for c in checks if c.skipped]
+    why = f" ({', '.join(skipped)} skipped: nothing to compare with)" if skipped else ""
+    if all_passed(checks):
+        console.print(f"[green]all checks passed[/]{why}")
+    else:
+        console.print(f"[red]some checks failed[/]: see the advice above{why}")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -41,8 +41,14 @@ class Check:
     advice: str = ""
     skipped: bool = False  # nothing could be compared: neither passed nor failed
 
+    @property
+    def outcome(self) -> str:
+        return "skipped" if self.skipped else ("passed" if self.ok else "failed")
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON's form: ``ok`` is true or false for a check that ran and null for a skipped
+        one (neither passed nor failed); ``outcome`` says it in a word."""
+        return {**asdict(self), "ok": None if self.skipped else self.ok, "outcome": self.outcome}
 
 
 def all_passed(checks: list[Check]) -> bool:

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from dipaco.cli.doctor import add_doctor_command
+from dipaco.cli.doctor import add_doctor_command, print_checks
 from dipaco.config import preset_config
 from dipaco.peer.checks import (
     Check,
@@ -112,8 +112,14 @@ def test_json_output_shape_and_exit_codes(listening, closed_port, capsys):
         "clock skew",
     ]
     for c in out["checks"]:
-        assert set(c) == {"name", "ok", "detail", "advice", "skipped"}
-        assert isinstance(c["ok"], bool) and isinstance(c["detail"], str)
+        assert set(c) == {"name", "ok", "detail", "advice", "skipped", "outcome"}
+        assert isinstance(c["detail"], str)
+        # a skipped check neither passed nor failed: null, not false
+        if c["skipped"]:
+            assert c["ok"] is None and c["outcome"] == "skipped"
+        else:
+            assert isinstance(c["ok"], bool) and c["outcome"] == ("passed" if c["ok"] else "failed")
+    assert any(c["skipped"] for c in out["checks"])  # the loopback coordinator tells no time
     assert _cli([closed_port, "--device", "cpu", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["ok"] is False
     assert _cli([listening, "--device", "cpu", "--preset", "tiny", "--memory-gb", "0.001"]) == 1
@@ -164,3 +170,32 @@ def test_a_measured_clock_offset_fails_past_half_the_window():
     late = clock_check(-160.0, 300.0, "measured at Hello")
     assert not late.ok and "-160.0 s from the coordinator's" in late.detail
     assert "more than 300 s off are refused" in late.advice
+
+
+def test_doctor_in_a_file_is_one_line_per_check_and_names_what_it_skipped(closed_port, capsys):
+    from dipaco.cli.common import console
+    from dipaco.peer.checks import Check
+
+    before = console.mode
+    console.configure("plain")
+    try:
+        checks = [
+            Check("device", True, "cpu, 2 cores"),
+            Check("reachability", False, "nothing listens at " + closed_port,
+                  "check the address: dipaco-peer doctor ADDRESS " + "x" * 200),
+        ]  # fmt: skip
+        print_checks(checks, console)
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == 3, lines  # a line per check, whatever its length, then the verdict
+        assert lines[0].endswith("✓ device: cpu, 2 cores")
+        assert "✗ reachability: nothing listens" in lines[1] and lines[1].endswith("x" * 200)
+        assert "some checks failed" in lines[2] and "skipped" not in lines[2]
+        print_checks([Check("device", True, "cpu")], console)
+        verdict = capsys.readouterr().out.splitlines()[-1]
+        assert verdict.endswith("all checks passed")  # nothing skipped, nothing said of it
+        print_checks([Check("device", True, "cpu"), Check("clock skew", False, "-", skipped=True)],
+                     console)  # fmt: skip
+        verdict = capsys.readouterr().out.splitlines()[-1]
+        assert verdict.endswith("all checks passed (clock skew skipped: nothing to compare with)")
+    finally:
+        console.configure(before)
