@@ -34,6 +34,23 @@ def test_a_thin_link_is_named_with_what_to_change():
     assert link_line({"fetch": 1.0, "push": 1.0, "train": 18.0}).endswith("10% on transfers, fine")
 
 
+def test_short_tasks_and_loopback_runs_are_not_called_a_thin_link():
+    from dipaco.cli.peer import on_loopback
+
+    # One-second tasks on loopback: 63% on transfers, but no link is to blame.
+    local = link_line({"fetch": 1.0, "push": 0.7, "train": 1.0}, (500_000, 900_000), local=True)
+    assert "63% on transfers, on this machine" in local and "thin link" not in local
+    assert "faster link" not in local and "train.inner_steps" in local
+    # Short tasks over a network: their fixed costs, not the link.
+    short = link_line({"fetch": 3.0, "push": 2.0, "train": 8.0}, tasks=2)
+    assert "4.0 s of training each" in short and "thin link" not in short
+    # Long tasks over a network: the link it is.
+    assert "thin link" in link_line({"fetch": 60.0, "push": 30.0, "train": 120.0}, tasks=2)
+    assert on_loopback("127.0.0.1:31337") and on_loopback("/ip4/127.0.0.1/tcp/4001/p2p/QmX")
+    assert on_loopback("localhost:1") and not on_loopback("203.0.113.7:31337")
+    assert not on_loopback("/ip4/10.0.0.2/tcp/4001") and not on_loopback(None)
+
+
 def test_a_peer_served_malformed_modules_by_its_own_coordinator_hands_the_task_back(
     run_copy, tiny_config
 ):
