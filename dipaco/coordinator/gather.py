@@ -212,6 +212,7 @@ def gather(
                 todo.remove(r)
                 say(f"gathered {r.module} v{r.version} from {folder}")
                 break
+    found = {r.module: _found_in(owner_dirs, r) for r in todo}
     why: dict[str, str] = {}
     if todo and connect is not None:
         run_id = _run_id(run_dir)
@@ -230,13 +231,53 @@ def gather(
             if problem:
                 why[owner] = problem
     if todo:
-        raise DataError(missing_message(run_dir, todo, why, tried_network=connect is not None))
+        stale = any(v > r.version for r in todo for _, v in found[r.module])
+        raise (BehindTheRun if stale else DataError)(
+            missing_message(
+                run_dir,
+                todo,
+                why,
+                tried_network=connect is not None,
+                found=found,
+                owner_dirs=[str(f) for f in owner_dirs],
+            )  # fmt: skip
+        )
+    return out
+
+
+class BehindTheRun(DataError):
+    """An ``--owner-dir`` holds a module at a later version than the run folder recorded: the
+    folder's scheduler stopped and the run went on elsewhere; no owner can serve the old one."""
+
+
+def _found_in(owner_dirs: Iterable[str | Path], r: RemoteModule) -> list[tuple[str, int]]:
+    """(folder, version) for each ``--owner-dir`` that holds ``r`` at another version or hash
+    than the scheduler recorded (why it was not taken from there)."""
+    out = []
+    for folder in owner_dirs:
+        try:
+            head = json.loads(
+                (Path(folder) / "coordinator/modules" / r.module / "head.json").read_text()
+            )
+            out.append((str(folder), int(head["version"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
     return out
 
 
 def missing_message(
-    run_dir: Path, missing: list[RemoteModule], why: dict[str, str], *, tried_network: bool
+    run_dir: Path,
+    missing: list[RemoteModule],
+    why: dict[str, str],
+    *,
+    tried_network: bool,
+    found: dict[str, list[tuple[str, int]]] | None = None,
+    owner_dirs: list[str] | None = None,
 ) -> str:
+    """What could not be had and what to do. When an ``--owner-dir`` holds a module at a later
+    version than this folder recorded, this folder is behind the run (its scheduler stopped and
+    another, a standby, carried the run on): it says so and which folder to use instead."""
+    found = found or {}
     by_owner: dict[str, list[RemoteModule]] = {}
     for r in missing:
         by_owner.setdefault(r.owner, []).append(r)
@@ -246,8 +287,31 @@ def missing_message(
         where = rs[0].addresses[0] if rs[0].addresses else "no known address"
         reason = why.get(owner) or ("not reached" if tried_network else "not asked")
         parts.append(f"owner {owner} (last at {where}) holds {mods}: {reason}")
+    newer = [
+        (r, folder, v) for r in missing for folder, v in found.get(r.module, []) if v > r.version
+    ]
+    other = [
+        (r, folder, v) for r in missing for folder, v in found.get(r.module, []) if v <= r.version
+    ]
+    if newer:
+        r, folder, v = newer[0]
+        return (
+            f"{run_dir} is behind the run: --owner-dir {folder} holds {r.module} at v{v}, but "
+            f"{run_dir} recorded v{r.version}. The run went on after this folder's scheduler "
+            "stopped (a standby took it over, or it was restored from an older copy): evaluate "
+            "the run folder of the scheduler that carried the run on (the standby's --run-dir), "
+            "with the same --owner-dir"
+        )
+    if other:
+        r, folder, v = other[0]
+        return (
+            f"--owner-dir {folder} holds {r.module} at v{v}, not at the final v{r.version} that "
+            f"{run_dir} recorded: that folder is an older copy of its owner's; pass the owner's "
+            "current run folder. " + " | ".join(parts)
+        )
+    tried = f" (looked in --owner-dir {', '.join(owner_dirs)}: not there)" if owner_dirs else ""
     return (
-        f"{run_dir} lacks modules other coordinators own, at their final versions. "
+        f"{run_dir} lacks modules other coordinators own, at their final versions{tried}. "
         + " | ".join(parts)
         + ". Start those owners again (dipaco-coordinator start --join ... --run-dir THEIR_DIR) "
         f"and run: dipaco gather --run-dir {run_dir}, or copy their run folders here and pass "
@@ -285,6 +349,8 @@ def gather_run(
         return {}
     try:
         return gather(run_dir, owner_dirs=owner_dirs, say=say)
+    except BehindTheRun:
+        raise  # asking the owners would not help: this folder is not the run's latest
     except DataError:
         if not network:
             raise
