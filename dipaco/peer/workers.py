@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 
 RESTART_SECONDS = 2.0  # pause before a dead worker is started again
 MAX_RESTARTS = 5  # per worker; past it the worker stays down and the machine says so
+# The time a worker's plain log line starts with (cli/common.py's format): the machine prints
+# the line with its own.
+_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)? ")
 STOP_SECONDS = 3.0  # a stopping worker hands its task back within this, or is killed
 
 
@@ -175,8 +179,8 @@ class Machine:
                 event = json.loads(line)
             except json.JSONDecodeError:
                 event = None
-            if not isinstance(event, dict):
-                event = {"message": line}
+            if not isinstance(event, dict):  # a log line: the machine stamps it, once
+                event = {"message": _STAMP.sub("", line, count=1)}
             worker.last_lines = (worker.last_lines + [str(event.get("message", line))])[-5:]
             self.on_event(worker, event)
 

@@ -96,6 +96,18 @@ def test_a_worker_that_fails_by_itself_is_not_restarted(tmp_path):
     assert machine.workers[0].last_lines  # what it said, for the machine to show
 
 
+def test_a_worker_stopped_by_ctrl_c_is_neither_failed_nor_restarted(tmp_path):
+    # Ctrl-C on a terminal reaches the workers too (one process group): each exits 130, the
+    # code of a command stopped in order (cli/stopping.py), which is not a failure of its own.
+    machine, events, _ = make(tmp_path, n=1, env={"EXIT_AFTER": "0.2", "EXIT_CODE": "130"})
+    t, result = run_in_thread(machine)
+    wait(lambda: any(e.get("event") == "worker_stopped" for _, e in events))
+    machine.stop.set()
+    t.join(10)
+    assert result["code"] == 0 and started(events, 0) == 1
+    assert not any(e.get("event") in ("worker_failed", "worker_died") for _, e in events)
+
+
 def test_workers_that_finish_end_the_machine(tmp_path):
     machine, events, _ = make(tmp_path, env={"EXIT_AFTER": "0.2"})
     assert machine.run() == 0
@@ -187,3 +199,17 @@ def test_a_worker_stops_when_its_machine_is_killed(tmp_path):
     finally:
         if machine.poll() is None:
             machine.kill()
+
+
+def test_a_workers_log_lines_carry_one_time_stamp_the_machines(tmp_path):
+    # A worker's logging writes "TIME LEVEL name: text" to the stream the machine reads; the
+    # machine prints every worker line with its own time, so the worker's is dropped.
+    logs = 'import sys\nprint("2026-11-28T23:43:02 WARNING dipaco.peer: lost it", flush=True)\n'
+    events: list[tuple[int, dict]] = []
+    machine = Machine(
+        "box", ["cpu"], tmp_path, lambda w: [sys.executable, "-c", logs],
+        lambda w, e: events.append((w.index, e)), threading.Event(),
+    )  # fmt: skip
+    machine.run()
+    said = [e["message"] for _, e in events if "message" in e]
+    assert said == ["WARNING dipaco.peer: lost it"], events
