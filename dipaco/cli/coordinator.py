@@ -118,6 +118,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.transport == "loopback":
         return serve_loopback(args, prep, metrics)
     if args.transport == "flower":
+        from dipaco.cli.flower_serve import serve_flower
+
         return serve_flower(args, prep)
     from dipaco.protocols.hivemind import HivemindNode
 
@@ -399,82 +401,6 @@ def serve_loopback(args, prep, metrics) -> int:
         if dashboard is not None:
             stop_dashboard(dashboard, run_dir)
     return 0
-
-
-def serve_flower(args, prep) -> int:
-    """A SuperLink (TLS, node authentication) and the run as a Flower app until it finishes."""
-    from dipaco.flower.launch import FlowerDeployment
-
-    run_dir = Path(args.run_dir)
-    me = Identity.load_or_create(run_dir / "coordinator" / "signing.key")
-    with FlowerDeployment(run_dir, listen=args.listen, names=args.tls_name) as flower:
-        flower.up()
-        address = flower.public_address
-        console.print(
-            f"coordinator for run {prep.run_id} (Flower) at [bold]{address}[/] (TLS, node auth)"
-        )
-        console.print(
-            f"nodes join with: dipaco-peer join --flower {address} --root-certificates "
-            f"{flower.tls.ca} --coordinator-key {me.public_key}",
-            soft_wrap=True,
-        )
-        console.print(
-            f"and are admitted with: dipaco-coordinator add-peer NODE_KEY --run-dir {run_dir}",
-            soft_wrap=True,
-        )
-        (run_dir / "coordinator" / "address").write_text(address + "\n")
-        if args.local_peers:
-            flower.start_local_nodes(args.local_peers)
-        runner = flower.submit(
-            evaluate=not args.no_eval,
-            dashboard=args.dashboard or "",
-            dashboard_token=args.dashboard_token or "",
-        )
-        url_file = run_dir / "coordinator" / "dashboard"
-        shown: list[str] = []
-
-        def show_dashboard() -> None:  # the ServerApp starts it once the core is up
-            if args.dashboard and not shown and url_file.exists():
-                shown.append(url_file.read_text().strip())
-                say(f"dashboard at {shown[0]}")
-
-        code = follow(runner, flower.dir / "run.log", show_dashboard)
-        result = flower.result()
-        if not result or not result.get("finished"):
-            raise DipacoError(
-                f"the Flower run ended (flwr run exit {code}) before the run finished; "
-                f"see {flower.dir / 'run.log'} and {flower.dir / 'superlink.log'}, then run "
-                "the same command to resume"
-            )
-        say(f"run finished: every module at version {result['round']}")
-        if args.dashboard and (run_dir / "dashboard" / "index.html").exists():
-            say(
-                f"the dashboard's last state: {run_dir / 'dashboard' / 'index.html'} "
-                f"(or: dipaco status {run_dir})"
-            )
-    return 0
-
-
-def follow(proc, log_file: Path, on_tick=None) -> int:
-    """Print a process's log file as it grows, until the process exits; its exit code."""
-    offset = 0
-    while True:
-        code = proc.poll()
-        if on_tick is not None:
-            on_tick()
-        if log_file.exists():
-            with open(log_file, "rb") as f:
-                f.seek(offset)
-                chunk = f.read()
-            offset += len(chunk)
-            from dipaco.flower.deploy import strip_ansi
-
-            for line in strip_ansi(chunk.decode(errors="replace")).splitlines():
-                if line.strip():
-                    say(line)
-        if code is not None:
-            return code
-        time.sleep(0.5)
 
 
 def cmd_add_peer(args: argparse.Namespace) -> int:

@@ -19,22 +19,24 @@ EVENT_TEXT = {
 }
 
 
+def print_event(e: dict) -> None:
+    """One coordinator event as one line (``console.event``: plain, JSON or dimmed); events
+    without a line of their own are not printed."""
+    template = EVENT_TEXT.get(e.get("event", ""))
+    if template is None or (e["event"] == "eval" and e.get("model", "dipaco") != "dipaco"):
+        return
+    values = dict(e)
+    values["round_1"] = e.get("round", 0) + 1 if isinstance(e.get("round"), int) else "?"
+    values["loss"] = (e.get("train_losses") or [float("nan")])[-1]
+    values["n_paths"] = len(e.get("paths", []))
+    try:
+        text = template.format(**values)
+    except (KeyError, ValueError, TypeError):
+        text = f"{e['event']}: {e}"
+    fields = {k: v for k, v in e.items() if isinstance(v, (str, int, float, bool))}
+    console.event(e["event"], text, **{k: v for k, v in fields.items() if k != "event"})
+
+
 def print_events(metrics: MetricsLog) -> None:
-    """One line per task event of the coordinator (``console.event``: plain, JSON or dimmed)."""
-
-    def on_event(e: dict) -> None:
-        template = EVENT_TEXT.get(e.get("event", ""))
-        if template is None or (e["event"] == "eval" and e.get("model", "dipaco") != "dipaco"):
-            return
-        values = dict(e)
-        values["round_1"] = e.get("round", 0) + 1 if isinstance(e.get("round"), int) else "?"
-        values["loss"] = (e.get("train_losses") or [float("nan")])[-1]
-        values["n_paths"] = len(e.get("paths", []))
-        try:
-            text = template.format(**values)
-        except (KeyError, ValueError, TypeError):
-            text = f"{e['event']}: {e}"
-        fields = {k: v for k, v in e.items() if isinstance(v, (str, int, float, bool))}
-        console.event(e["event"], text, **{k: v for k, v in fields.items() if k != "event"})
-
-    metrics.listeners.append(on_event)
+    """One line per task event of the coordinator, as it is logged in this process."""
+    metrics.listeners.append(print_event)

@@ -81,7 +81,11 @@ def serve(
 
 def _logging() -> None:
     """dipaco's progress lines with timestamps; the HTTP client Flower uses stays quiet."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # The level is in the line: the coordinator's command shows warnings, and hides the
+    # coordinator's INFO lines it prints from metrics.jsonl as events (cli/flower_serve.py).
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

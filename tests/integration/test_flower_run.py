@@ -157,6 +157,8 @@ def test_a_flower_run_with_tls_node_keys_a_stranger_and_a_killed_node(
         told, _ = refused.communicate(timeout=120)
         assert refused.returncode == 2, told
         assert "dipaco-coordinator add-peer" in said(told)
+        error = next(line for line in told.splitlines() if "error (" in line)
+        assert "the SuperNode's log:" in error and "shutdown" not in error.lower(), told
 
         nodes = [node(address, ca, a, key), node(address, ca, b, key)]
         # Node B is killed while its first task is out: as soon as it was issued.
@@ -189,6 +191,12 @@ def test_a_flower_run_with_tls_node_keys_a_stranger_and_a_killed_node(
         log.close()
     out = printed()
     assert "run finished" in out
+    # One time stamp a line (the command's), Flower's own progress lines only under -v, and the
+    # run's events as on hivemind (from metrics.jsonl).
+    lines = (tmp_path / "coordinator.log").read_text().splitlines()
+    assert not [line for line in lines if re.match(r"^\S+ \d{4}-\d\d-\d\d[ T]\d\d:", line)]
+    assert "INFO :" not in out and "Starting logstream" not in out
+    assert re.search(r"module S\.embed -> v1 \(\d+ paths", out) and "flower round 1:" in out
     saved = json.loads((root / "dashboard" / "status.json").read_text())
     assert saved["finished"] and saved["round"] == ROUNDS
     # Nothing of Flower is left running.

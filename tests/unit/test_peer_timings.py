@@ -1,6 +1,6 @@
 """A peer accounts for its time (claim, fetch, train, push, save) and for the tokens it trained."""
 
-from dipaco.cli.peer import link_line, time_summary
+from dipaco.cli.peer_report import link_line, time_summary
 from dipaco.peer.peer import TIMED, Peer
 from dipaco.prepare.pipeline import prepare
 from dipaco.protocols.transport import LocalTransport
@@ -35,7 +35,7 @@ def test_a_thin_link_is_named_with_what_to_change():
 
 
 def test_short_tasks_and_loopback_runs_are_not_called_a_thin_link():
-    from dipaco.cli.peer import on_loopback
+    from dipaco.cli.peer_report import on_loopback
 
     # One-second tasks on loopback: 63% on transfers, but no link is to blame.
     local = link_line({"fetch": 1.0, "push": 0.7, "train": 1.0}, (500_000, 900_000), local=True)
