@@ -104,6 +104,8 @@ def test_peers_serve_modules_to_each_other_and_refuse_a_tampered_one(short_copy,
             t.join(240)
         assert not any(t.is_alive() for t in threads), "a peer did not finish"
         assert co.finished
+        runs = [hostile[0], *(h[0] for h in honest), shy[0]]
+        assert all(p.run_finished for p in runs), [p.error for p in runs]
 
         tampered = hostile[2].served
         fetchers = [hostile[1], *(h[1] for h in honest), shy[1]]
