@@ -15,19 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.asyncio import as_aiter
 
-pytest.importorskip("hivemind")
-
-from hivemind.p2p import PeerID  # noqa: E402
-from hivemind.proto import runtime_pb2  # noqa: E402
-from hivemind.utils.asyncio import as_aiter  # noqa: E402
-
-from dipaco.errors import RejectedError, TransportError  # noqa: E402
-from dipaco.procs import child_pids as _child_pids  # noqa: E402
-from dipaco.protocols.addresses import relayed_address  # noqa: E402
-from dipaco.protocols.hivemind import HivemindNode, HivemindTransport  # noqa: E402
-from dipaco.protocols.hivemind import node as node_module  # noqa: E402
-from dipaco.protocols.hivemind.server import _ByteServicer  # noqa: E402
+from dipaco.errors import RejectedError, TransportError
+from dipaco.procs import child_pids as _child_pids
+from dipaco.protocols.addresses import relayed_address
+from dipaco.protocols.hivemind import HivemindNode, HivemindTransport
+from dipaco.protocols.hivemind import node as node_module
+from dipaco.protocols.hivemind.server import _ByteServicer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 SERVER = Path(__file__).with_name("_hivemind_echo_server.py")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 import torch
 
 from dipaco.peer.peer import Peer
@@ -19,11 +18,9 @@ from dipaco.peer.seeds import SeedFetcher, SeedServer, seed_key
 from dipaco.prepare.pipeline import prepare
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
+from dipaco.protocols.hivemind import HivemindNode
 from dipaco.run.factory import build_coordinator
 from dipaco.run.metrics_log import MetricsLog
-
-hivemind = pytest.importorskip("hivemind")
-from dipaco.protocols.hivemind import HivemindNode  # noqa: E402
 
 
 class Tampering(SeedServer):
