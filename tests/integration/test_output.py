@@ -315,15 +315,15 @@ def test_join_says_what_address_it_wanted(tmp_path):
 
 @serial
 def test_a_dead_address_is_retried_then_pointed_to_doctor(tmp_path):
-    with socket.socket() as s:  # a port nothing listens on
+    # A port bound and not listening: refused, and no other process can take it meanwhile.
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PEER_ID}"
-    began = time.monotonic()
-    line = one_error(
-        [BIN / "dipaco-peer", "join", address, "--state-dir", tmp_path / "s", "--patience", "4"]
-    )
-    assert time.monotonic() - began >= 4  # it retried for its patience
+        address = f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}/p2p/{PEER_ID}"
+        began = time.monotonic()
+        line = one_error(
+            [BIN / "dipaco-peer", "join", address, "--state-dir", tmp_path / "s", "--patience", "4"]
+        )
+        assert time.monotonic() - began >= 4  # it retried for its patience
     assert f"check it with: dipaco-peer doctor {address}" in line
     assert "\n" not in line and "failed to connect to bootstrap peers" in line
 
@@ -395,9 +395,9 @@ def test_a_flower_node_at_a_wrong_address_says_so(tmp_path):
     from dipaco.flower import deploy
 
     tls = deploy.make_tls(tmp_path / "tls")
-    with socket.socket() as s:  # nothing listens there
-        s.bind(("127.0.0.1", 0))
-        wrong = f"127.0.0.1:{s.getsockname()[1]}"
+    nobody = socket.socket()  # bound and not listening: refused, and no other process's port
+    nobody.bind(("127.0.0.1", 0))
+    wrong = f"127.0.0.1:{nobody.getsockname()[1]}"
     log = tmp_path / "node.log"
     node = subprocess.Popen(
         [BIN / "dipaco-peer", "join", "--flower", wrong, "--root-certificates", tls.ca,
@@ -406,10 +406,16 @@ def test_a_flower_node_at_a_wrong_address_says_so(tmp_path):
         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
-        wait_for(lambda: "no message from the SuperLink" in log.read_text(), 120, "the warning")
+        wait_for(
+            lambda: "no message from the SuperLink" in log.read_text() or node.poll() is not None,
+            120,
+            "the warning",
+        )
+        assert node.poll() is None, log.read_text()  # it warned, and is still trying
         node.send_signal(signal.SIGINT)
         assert node.wait(60) == 0
     finally:
+        nobody.close()
         if node.poll() is None:
             os.killpg(node.pid, signal.SIGKILL)
             node.wait()
