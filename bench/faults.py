@@ -150,7 +150,7 @@ def run_one(
     error, proxy = "", None
     try:
         if "proxy" in hooks:
-            proxy = Proxy(("127.0.0.1", c.port), seed=index, **hooks["proxy"])
+            proxy = Proxy(c.target, seed=index, **hooks["proxy"])
             c.peer_address = proxy.address
         c.run(timeout=300, during=hooks.get("during"))
     except AssertionError as exc:

@@ -2,6 +2,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _threads import thread_exceptions  # noqa: F401 - autouse: a thread's exception fails its test
 
 from dipaco.config import preset_config
 from dipaco.prepare.pipeline import prepare

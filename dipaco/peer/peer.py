@@ -161,6 +161,9 @@ class Peer:
         # Fetch ahead (ahead.py): the next task claimed and downloaded near this one's end.
         self.fetch_ahead = fetch_ahead
         self.ahead = Ahead(f"{peer_id}-fetch")
+        # The exception that ended the last run() (None when it returned): whoever started the
+        # peer on a thread reads it there, where nothing else would see the peer stop.
+        self.error: BaseException | None = None
 
     # ---- the loop -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -184,9 +187,21 @@ class Peer:
 
     def run(self) -> int:
         """Train tasks until the run finishes (``run_finished`` is then True), ``stop`` is set
-        or ``max_tasks`` are done; the number of tasks done."""
-        self.run_finished = False
-        self.setup()
+        or ``max_tasks`` are done; the number of tasks done.
+
+        Raises:
+            Exception: whatever stopped the peer otherwise (a rejection the user must act on,
+                or an unexpected error), after it is recorded as ``error``.
+        """
+        self.run_finished, self.error = False, None
+        try:
+            self.setup()
+            return self._timed_loop()
+        except Exception as exc:
+            self.error = exc
+            raise
+
+    def _timed_loop(self) -> int:
         began = time.monotonic()
         busy = sum(self.timings.values())
         try:

@@ -29,6 +29,32 @@ JOIN_SECONDS = 30
 STOP_SECONDS = 2
 
 
+class PeerThread(threading.Thread):
+    """A local peer's thread. An exception that ends ``peer.run`` stays on ``peer.error`` and
+    ends the thread as any thread's does (``threading.excepthook`` prints it), so that the
+    runner (:func:`failed_peers`) and a test both see that this peer failed, whichever peer
+    finishes the run."""
+
+    def __init__(self, peer: Peer, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.peer = peer
+
+    def run(self) -> None:
+        self.peer.run()
+
+
+def failed_peers(threads: list[threading.Thread]) -> DipacoError | None:
+    """A DipacoError naming every local peer that stopped on an exception (with the first as
+    its cause), or None when none did."""
+    failed = [t.peer for t in threads if isinstance(t, PeerThread) and t.peer.error is not None]
+    if not failed:
+        return None
+    said = "; ".join(f"{p.peer_id}: {type(p.error).__name__}: {p.error}" for p in failed)
+    error = DipacoError(f"a local peer stopped on an error (see the log above): {said}")
+    error.__cause__ = failed[0].error
+    return error
+
+
 def run_local_peers(
     coordinator: Coordinator,
     prep: PreparedRun,
@@ -40,8 +66,10 @@ def run_local_peers(
     parallel: int = 1,
     batching: str = "stacked",
     compile: str = "auto",
-) -> list[threading.Thread]:
+) -> list[PeerThread]:
     """Start ``n_peers`` peers in threads over the local transport; they stop when the run ends.
+    Each thread's ``peer`` is its :class:`Peer`: ``peer.run_finished`` once it saw the run end,
+    ``peer.error`` if something else stopped it.
 
     Local peers share one state folder, so a path's inner optimizer state follows the path,
     whichever local peer trains it: results then do not depend on thread timing.
@@ -77,7 +105,7 @@ def run_local_peers(
             batching=batching,
             compile=compile,
         )
-        t = threading.Thread(target=peer.run, name=f"peer-{i}", daemon=True)
+        t = PeerThread(peer, name=f"peer-{i}")
         t.start()
         threads.append(t)
     return threads
@@ -89,10 +117,15 @@ def wait_for_end(
     """Until the coordinator's run finishes (``finished_event``); ``DipacoError(stopped_early)``
     if every thread (the local peers) stops first. Peers stop as soon as the last round is
     complete, and the event is set after that round's validation (coordinator/serial.py): a
-    finished run is not an early stop."""
+    finished run is not an early stop. A local peer that stopped on an exception fails the run:
+    the DipacoError of :func:`failed_peers`, as soon as it is seen."""
     while not coordinator.finished_event.wait(0.5):
+        if (error := failed_peers(threads)) is not None:
+            raise error
         if not any(t.is_alive() for t in threads) and not coordinator.finished:
             raise DipacoError(stopped_early)
+    if (error := failed_peers(threads)) is not None:  # the others finished the run without it
+        raise error
 
 
 class LocalRun:
@@ -153,3 +186,5 @@ class LocalRun:
         deadline = time.monotonic() + (JOIN_SECONDS if exc_type is None else STOP_SECONDS)
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        if exc_type is None and (error := failed_peers(self.threads)) is not None:
+            raise error  # a run served to its end by others (the coordinator's --local-peers)

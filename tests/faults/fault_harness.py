@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -86,12 +86,6 @@ def local_run(prepared: Path, root: Path, peers: int) -> Path:
     return root
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Cluster:
     """One run's coordinator and peers as processes, with faults and restarts.
 
@@ -124,9 +118,10 @@ class Cluster:
         self.linger = linger
         workdir.mkdir(parents=True, exist_ok=True)
         self.config = write_config(workdir, config)
-        self.port = free_port()
-        self.listen = f"127.0.0.1:{self.port}"
-        self.peer_address = address or self.listen  # a proxy's address, if one is in between
+        # The first coordinator life picks a free port (port 0) and says which; the lives after
+        # it listen there again, so that a restarted coordinator keeps its address.
+        self.port: int | None = None
+        self._peer_address = address  # a proxy's address, if one is in between
         self.n_peers = peers
         self.coordinator_faults = list(coordinator_faults or [])
         # Each peer's extra environment applies to its first start only: a peer restarted after
@@ -141,6 +136,23 @@ class Cluster:
         self.lives = self.peer_starts = 0
         self.coordinator_kills = self.peer_kills = 0
         self.finished = False
+
+    @property
+    def listen(self) -> str:
+        return f"127.0.0.1:{self.port or 0}"
+
+    @property
+    def peer_address(self) -> str:
+        return self._peer_address or self.listen
+
+    @peer_address.setter
+    def peer_address(self, address: str) -> None:
+        self._peer_address = address
+
+    def target(self) -> tuple[str, int]:
+        """Where the coordinator listens, once it does (a proxy's upstream)."""
+        assert self.port is not None, "the coordinator has not started"
+        return ("127.0.0.1", self.port)
 
     # ---- processes ----------------------------------------------------------------------------
     def _env(self, extra: dict[str, str]) -> dict[str, str]:
@@ -167,7 +179,9 @@ class Cluster:
         """Until this coordinator life prints its address (or dies: then the caller sees it)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if "listening on" in self.coordinator_log.read_text():
+            said = re.search(r"listening on 127\.0\.0\.1:(\d+)", self.coordinator_log.read_text())
+            if said:
+                self.port = int(said.group(1))
                 return
             if self.coordinator.poll() is not None:
                 return

@@ -13,12 +13,13 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 
 class Proxy:
     def __init__(
         self,
-        target: tuple[str, int],
+        target: tuple[str, int] | Callable[[], tuple[str, int]],
         *,
         delay: float = 0.0,
         drop_prob: float = 0.0,
@@ -44,6 +45,11 @@ class Proxy:
         host, port = self._server.getsockname()[:2]
         return f"{host}:{port}"
 
+    def upstream(self) -> tuple[str, int]:
+        """Where connections go: ``target``, or what it returns when it is a function (a
+        coordinator's address, known once it listens)."""
+        return self.target() if callable(self.target) else self.target
+
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
@@ -53,7 +59,7 @@ class Proxy:
             except OSError:
                 return
             try:
-                upstream = socket.create_connection(self.target, timeout=5)
+                upstream = socket.create_connection(self.upstream(), timeout=5)
             except OSError:  # the coordinator is down (restarting): the peer sees a cut
                 client.close()
                 continue

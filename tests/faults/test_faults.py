@@ -81,7 +81,7 @@ def test_a_peer_killed_before_its_push_costs_only_its_task(cluster, reference):
 
 def test_connections_dropped_and_delayed_by_a_proxy(cluster):
     c = cluster()
-    with Proxy(("127.0.0.1", c.port), delay=0.01, drop_prob=0.03, blip_every=2.5) as proxy:
+    with Proxy(c.target, delay=0.01, drop_prob=0.03, blip_every=2.5) as proxy:
         c.peer_address = proxy.address
         c.run()
     assert proxy.dropped >= 3 and proxy.connections > 2

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_harness import BIN, free_port, write_config
+from fault_harness import BIN, write_config
 
 from dipaco.procs import descendants
 
@@ -175,13 +175,11 @@ def test_coordinator_stops_while_preparing_and_while_serving(tmp_path, run):
 
 @pytest.mark.skipif(TGKILL is None, reason="tgkill's number is known for x86_64 and aarch64")
 def test_peers_stop_mid_task_and_mid_push_and_the_lingering_coordinator_stops(tmp_path, run):
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    c = coordinator(tmp_path, run, "--transport", "loopback", "--listen", address,
-                    "--linger", "60")  # fmt: skip
+    c = coordinator(tmp_path, run, "--transport", "loopback", "--linger", "60")  # port 0
     procs = [c]
     try:
         c.wait_for("listening on")
+        address = re.search(r"listening on (127\.0\.0\.1:\d+)", c.log()).group(1)
         # Three peers at once (their start-up overlaps): peer0 is stopped in the middle of a task,
         # peer1 in its push, and peer2 trains the run to its end.
         faults = tmp_path / "faults.jsonl"
@@ -227,7 +225,7 @@ def test_peers_stop_mid_task_and_mid_push_and_the_lingering_coordinator_stops(tm
 
 
 def test_hivemind_coordinator_stops_with_its_dht_and_p2pd(tmp_path, run):
-    c = coordinator(tmp_path, run, "--listen", f"127.0.0.1:{free_port()}")
+    c = coordinator(tmp_path, run)  # hivemind, on a port of its choosing (127.0.0.1:0)
     try:
         c.wait_for("peers join with", timeout=120)
         helpers = descendants(c.p.pid)

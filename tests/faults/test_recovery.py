@@ -150,7 +150,7 @@ def test_a_coordinator_killed_while_peers_hold_leases_takes_their_tasks_back(clu
         assert not c.step()  # restarted from its folder, listening again
         c.resume_peers()
 
-    c.run(timeout=55, during=kill_while_training)
+    c.run(during=kill_while_training)
     assert held and c.coordinator_kills == 1
     events = c.events()
     acked = {e["task"] for e in events if e["event"] == "delta_acked"}

@@ -16,8 +16,13 @@ import pytest
 from _waiting import wait_for
 
 BIN = Path(sys.executable).parent
-ARTIFACTS = Path(os.environ.get("DIPACO_ARTIFACTS", Path(__file__).parents[2] / "artifacts"))
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
+
+def artifacts(tmp_path: Path) -> Path:
+    """Where the screenshot goes: ``DIPACO_ARTIFACTS`` when CI asks to keep it, else the test's
+    own folder (never the checkout, which may be read-only)."""
+    return Path(os.environ.get("DIPACO_ARTIFACTS") or tmp_path / "artifacts")
 
 
 def chromium():
@@ -116,9 +121,10 @@ def test_dashboard_in_chromium_and_status_json_during_a_live_run(run_copy, tmp_p
         assert set(versions) == {2}
         peer_rows = page(browser, "return document.querySelectorAll('#peers tbody tr').length")
         assert peer_rows == 2
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        browser.save_screenshot(str(ARTIFACTS / "dashboard.png"))
-        assert (ARTIFACTS / "dashboard.png").stat().st_size > 20_000
+        shots = artifacts(tmp_path)
+        shots.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(shots / "dashboard.png"))
+        assert (shots / "dashboard.png").stat().st_size > 20_000
 
         # `dipaco status --json` says what the coordinator's files say (and `dipaco status`,
         # run meanwhile, says it in lines).

@@ -67,6 +67,7 @@ def test_a_slow_peer_gets_shorter_tasks_and_its_deltas_weigh_their_tokens(
         t.join(240)
     stop.set()
     assert co.finished, "the run did not finish"
+    assert all(p.run_finished for p in peers), [p.error for p in peers]
 
     log = metrics.read()
     issued = {e["task"]: e for e in log if e["event"] == "task_issued"}

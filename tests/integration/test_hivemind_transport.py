@@ -15,19 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.asyncio import as_aiter
 
-pytest.importorskip("hivemind")
-
-from hivemind.p2p import PeerID  # noqa: E402
-from hivemind.proto import runtime_pb2  # noqa: E402
-from hivemind.utils.asyncio import as_aiter  # noqa: E402
-
-from dipaco.errors import RejectedError, TransportError  # noqa: E402
-from dipaco.procs import child_pids as _child_pids  # noqa: E402
-from dipaco.protocols.addresses import relayed_address  # noqa: E402
-from dipaco.protocols.hivemind import HivemindNode, HivemindTransport  # noqa: E402
-from dipaco.protocols.hivemind import node as node_module  # noqa: E402
-from dipaco.protocols.hivemind.server import _ByteServicer  # noqa: E402
+from dipaco.errors import RejectedError, TransportError
+from dipaco.procs import child_pids as _child_pids
+from dipaco.protocols.addresses import relayed_address
+from dipaco.protocols.hivemind import HivemindNode, HivemindTransport
+from dipaco.protocols.hivemind import node as node_module
+from dipaco.protocols.hivemind.server import _ByteServicer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 SERVER = Path(__file__).with_name("_hivemind_echo_server.py")
@@ -390,20 +387,24 @@ def test_a_node_that_cannot_start_says_why_and_what_to_change():
     taken.bind(("127.0.0.1", 0))
     taken.listen(1)
     port = taken.getsockname()[1]
+    # Bound and not listening: connections to it are refused, and no other process can take it.
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
     try:
         with pytest.raises(TransportError, match=f"127.0.0.1:{port} is taken: stop what listens"):
             HivemindNode(port=port)
-        # Nobody listens where the address to join points (the port just closed).
+        # Nobody listens where the address to join points.
         nobody = (
-            f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWPvUbQ8Ptm5VrcCFY7GhTqiGiRqvCDngedcEgoq9nt1zT"
+            f"/ip4/127.0.0.1/tcp/{dead.getsockname()[1]}/p2p/"
+            "12D3KooWPvUbQ8Ptm5VrcCFY7GhTqiGiRqvCDngedcEgoq9nt1zT"
         )
-        taken.close()
         with pytest.raises(TransportError, match="answered: is the coordinator running"):
             HivemindNode(initial_peers=[nobody], client_mode=True)
         with pytest.raises(TransportError, match="must be a whole multiaddr"):
             HivemindNode(initial_peers=["/ip4/127.0.0.1/tcp/1"], client_mode=True)
     finally:
         taken.close()
+        dead.close()
 
 
 def test_a_daemon_slow_to_start_is_waited_for_longer(monkeypatch, caplog):

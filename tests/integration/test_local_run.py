@@ -3,6 +3,7 @@
 import threading
 import time
 
+import pytest
 import torch
 
 from dipaco.prepare.pipeline import prepare
@@ -31,7 +32,9 @@ def train(root, config, n_peers, *, stop_after_deltas=None, evaluate=True):
     for t in threads:
         t.join(300)
     assert not any(t.is_alive() for t in threads)
+    assert [t.peer.error for t in threads] == [None] * n_peers
     if stop_after_deltas is None:  # the run's end: after the last round's validation
+        assert all(t.peer.run_finished for t in threads), "a peer did not see the run end"
         assert coordinator.finished_event.wait(120)
     return prep, coordinator, metrics
 
@@ -72,6 +75,33 @@ def test_stopped_and_resumed_run_matches_an_uninterrupted_one(run_copy, tiny_con
         assert resumed.store.version(mid) == record.version
         for name, tensor in record.params.items():
             assert torch.equal(resumed.store.params(mid)[name], tensor), (mid, name)
+
+
+def test_a_peer_that_fails_fails_the_local_run_though_another_could_finish_it(
+    run_copy, tiny_config, monkeypatch, thread_exceptions
+):
+    from dipaco.errors import DipacoError
+    from dipaco.peer.peer import Peer
+    from dipaco.run.local import LocalRun
+
+    real = Peer.run_task
+
+    def run_task(self, *args, **kwargs):
+        if self.peer_id == "local-0":
+            raise RuntimeError("disk on fire")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Peer, "run_task", run_task)
+    prep = prepare(run_copy(), tiny_config)
+    coordinator = build_coordinator(prep, MetricsLog(prep.root / "m.jsonl"), evaluate=False)
+    with pytest.raises(DipacoError, match="local-0: RuntimeError: disk on fire") as failed:
+        with LocalRun(coordinator, prep, 2) as local:
+            local.wait()
+    assert isinstance(failed.value.__cause__, RuntimeError)
+    assert not coordinator.finished  # said at once, not after local-1 trained the run alone
+    # ...and the thread's own exception, which fails a test that does not expect it
+    assert [(name, str(exc)) for name, exc in thread_exceptions] == [("peer-0", "disk on fire")]
+    thread_exceptions.clear()
 
 
 class HoldFirst:
@@ -121,6 +151,7 @@ def run_holding(prep, hold: HoldFirst, last: int, what: str, evaluate: bool) -> 
         hold.release.set()  # round 1's work checks that its modules stayed round 1's
     for t in threads:
         t.join(300)
+    assert all(t.peer.run_finished for t in threads), [t.peer.error for t in threads]
     assert coordinator.finished_event.wait(120)
     return metrics.read()
 

@@ -28,16 +28,18 @@ SECOND = ["L1.M0", "L1.M1"]
 
 def run_peers(primary, peers_dir, n, connect):
     stop = threading.Event()
-    threads = []
+    peers, threads = [], []
     for i in range(n):
         peer = Peer(
             LocalTransport(primary.handle), f"peer-{i}", peers_dir, stop=stop, connect=connect
         )
+        peers.append(peer)
         threads.append(threading.Thread(target=peer.run, daemon=True))
         threads[-1].start()
     for t in threads:
         t.join(300)
     assert not any(t.is_alive() for t in threads)
+    assert all(p.run_finished for p in peers), [p.error for p in peers]
 
 
 def test_two_owners_match_one_coordinator_bit_for_bit(run_copy, tiny_config):

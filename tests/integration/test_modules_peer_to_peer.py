@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 import torch
 
 from dipaco.peer.peer import Peer
@@ -19,11 +18,9 @@ from dipaco.peer.seeds import SeedFetcher, SeedServer, seed_key
 from dipaco.prepare.pipeline import prepare
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
+from dipaco.protocols.hivemind import HivemindNode
 from dipaco.run.factory import build_coordinator
 from dipaco.run.metrics_log import MetricsLog
-
-hivemind = pytest.importorskip("hivemind")
-from dipaco.protocols.hivemind import HivemindNode  # noqa: E402
 
 
 class Tampering(SeedServer):
@@ -104,6 +101,8 @@ def test_peers_serve_modules_to_each_other_and_refuse_a_tampered_one(short_copy,
             t.join(240)
         assert not any(t.is_alive() for t in threads), "a peer did not finish"
         assert co.finished
+        runs = [hostile[0], *(h[0] for h in honest), shy[0]]
+        assert all(p.run_finished for p in runs), [p.error for p in runs]
 
         tampered = hostile[2].served
         fetchers = [hostile[1], *(h[1] for h in honest), shy[1]]

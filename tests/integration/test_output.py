@@ -5,6 +5,7 @@ never cut and without ANSI codes; every mistake a user can make at the command l
 exit code 2 and one line saying what to do, and leaves no file or process behind.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -12,8 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
+import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -125,39 +127,110 @@ def test_each_command_writes_one_line_per_task_event_to_a_file(run_copy, tmp_pat
 # ---- mistakes: wrong input, exit code 2, one line, nothing left behind ------------------------
 
 
-def p2pd_pids() -> set[int]:
-    out = set()
+# The variable that marks the processes a test started: p2pd inherits its parent's environment
+# (hivemind copies os.environ), and keeps it when the command that started it is gone.
+TAG = "DIPACO_TEST_COMMANDS"
+# hivemind puts its daemons' sockets in /tmp whatever TMPDIR says: p2pd-<uid>.sock, and its
+# client's p2pclient-<uid>.sock.
+SOCKET = re.compile(r"/tmp/hivemind-p2p(?:d|client)-([A-Za-z0-9_-]+)\.sock")
+
+
+def p2pd_processes() -> dict[int, str]:
+    """pid -> command line of every p2pd on the machine."""
+    out = {}
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if b"p2pd" in cmdline.read_bytes().split(b"\0")[0]:
-                out.add(int(cmdline.parent.name))
+            args = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
+        if b"p2pd" in args[0]:
+            out[int(cmdline.parent.name)] = b" ".join(args).decode(errors="replace")
     return out
 
 
-def sockets() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("hivemind-p2pd-*.sock")}
+def tagged(pid: int, tag: str) -> bool:
+    try:
+        return f"{TAG}={tag}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:  # gone, or another user's
+        return False
+
+
+class OwnDaemons:
+    """The p2p daemons of the commands a test runs with ``env``, and only those: a hivemind peer
+    that someone runs on the machine meanwhile is none of the test's business.
+
+    Within the ``with`` block, every p2pd whose environment carries this block's tag is noted
+    with its socket id (a thread looks every 50 ms; p2pd lives far longer than that: its
+    parent waits for it to start). Leaving the block, none of them may outlive ``grace``
+    seconds, nor any socket file of theirs."""
+
+    def __init__(self, grace: float = 10.0) -> None:
+        self.tag, self.grace = uuid.uuid4().hex, grace
+        self.env = {**os.environ, TAG: self.tag}
+        self.uids: set[str] = set()
+        self._done = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="own-daemons", daemon=True)
+
+    def pids(self) -> set[int]:
+        """Our p2pd processes alive now (their socket ids noted)."""
+        ours = set()
+        for pid, cmdline in p2pd_processes().items():
+            if tagged(pid, self.tag) and alive(pid):
+                ours.add(pid)
+                self.uids.update(SOCKET.findall(cmdline))
+        return ours
+
+    def sockets(self) -> list[Path]:
+        """Our daemons' socket files still on disk."""
+        return [
+            f
+            for uid in self.uids
+            for f in (
+                Path(f"/tmp/hivemind-p2pd-{uid}.sock"),
+                Path(f"/tmp/hivemind-p2pclient-{uid}.sock"),
+            )
+            if f.exists()
+        ]
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.05):
+            self.pids()
+
+    def __enter__(self) -> "OwnDaemons":
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._done.set()
+        self._watcher.join()
+        if exc_info[0] is not None:
+            return
+        deadline = time.monotonic() + self.grace
+        while (self.pids() or self.sockets()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not self.pids(), "a p2p daemon outlived a command"
+        assert not self.sockets(), "a daemon socket file was left behind"
 
 
 def one_error(args, *, timeout: float = 120) -> str:
     """Run a command that must fail: exit 2, exactly one error line, no traceback, and no
-    daemon process or socket file left behind. Its error line."""
+    daemon process or socket file of its own left behind. Its error line."""
     return errors_of(args, timeout=timeout)[0]
 
 
 def errors_of(*commands, timeout: float = 120) -> list[str]:
     """``one_error`` for several commands, run side by side (each mostly imports, on one core):
-    their error lines, in order; no daemon or socket file outlives any of them."""
-    before_pids, before_sockets = p2pd_pids(), sockets()
+    their error lines, in order; no daemon or socket file of theirs outlives any of them."""
+    with OwnDaemons() as own:
 
-    def run(args) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [str(a) for a in args], capture_output=True, text=True, timeout=timeout
-        )
+        def run(args) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
+                env=own.env,
+            )  # fmt: skip
 
-    with ThreadPoolExecutor(len(commands)) as pool:
-        done = list(pool.map(run, commands))
+        with ThreadPoolExecutor(len(commands)) as pool:
+            done = list(pool.map(run, commands))
     lines = []
     for proc in done:
         out = proc.stdout + proc.stderr
@@ -166,10 +239,60 @@ def errors_of(*commands, timeout: float = 120) -> list[str]:
         errors = [line for line in out.splitlines() if re.match(r"\S+ error \(", line)]
         assert len(errors) == 1, out
         lines.append(errors[0])
-    time.sleep(0.5)
-    assert p2pd_pids() <= before_pids, "a p2p daemon outlived a command"
-    assert sockets() <= before_sockets, "a daemon socket file was left behind"
     return lines
+
+
+def p2pd_binary() -> Path:
+    """The p2pd that ships inside hivemind's wheel (found without importing hivemind)."""
+    (package,) = importlib.util.find_spec("hivemind").submodule_search_locations
+    return Path(package) / "hivemind_cli" / "p2pd"
+
+
+def a_daemon(env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """A p2pd listening as hivemind starts one, once its socket is there: (process, socket)."""
+    sock = Path(f"/tmp/hivemind-p2pd-{uuid.uuid4().hex[:11]}.sock")
+    p = subprocess.Popen(
+        [p2pd_binary(), f"-listen=/unix{sock}", "-hostAddrs=/ip4/127.0.0.1/tcp/0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )  # fmt: skip
+    wait_for(lambda: sock.exists() or p.poll() is not None, 60, "p2pd's socket")
+    assert p.poll() is None, "p2pd did not start"
+    return p, sock
+
+
+def stop_daemon(p: subprocess.Popen, sock: Path) -> None:
+    p.terminate()
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+    sock.unlink(missing_ok=True)
+
+
+def test_a_daemon_someone_else_runs_meanwhile_is_not_taken_for_a_left_over_one(tmp_path):
+    # Started while the checked commands run, as a developer's own peer may be, and left running.
+    other = None
+    try:
+        with OwnDaemons(grace=1.0):
+            other = a_daemon()
+        assert other[0].poll() is None and other[1].exists()
+    finally:
+        if other is not None:
+            stop_daemon(*other)
+
+
+def test_a_daemon_a_command_leaves_behind_is_caught():
+    own = OwnDaemons(grace=1.0)
+    left = None
+    try:
+        with pytest.raises(AssertionError, match="a p2p daemon outlived a command"):
+            with own:
+                left = a_daemon(own.env)  # its command "exited" without stopping it
+    finally:
+        if left is not None:
+            stop_daemon(*left)
+    assert own.uids == {left[1].name.removeprefix("hivemind-p2pd-").removesuffix(".sock")}
 
 
 @serial
@@ -192,15 +315,15 @@ def test_join_says_what_address_it_wanted(tmp_path):
 
 @serial
 def test_a_dead_address_is_retried_then_pointed_to_doctor(tmp_path):
-    with socket.socket() as s:  # a port nothing listens on
+    # A port bound and not listening: refused, and no other process can take it meanwhile.
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PEER_ID}"
-    began = time.monotonic()
-    line = one_error(
-        [BIN / "dipaco-peer", "join", address, "--state-dir", tmp_path / "s", "--patience", "4"]
-    )
-    assert time.monotonic() - began >= 4  # it retried for its patience
+        address = f"/ip4/127.0.0.1/tcp/{s.getsockname()[1]}/p2p/{PEER_ID}"
+        began = time.monotonic()
+        line = one_error(
+            [BIN / "dipaco-peer", "join", address, "--state-dir", tmp_path / "s", "--patience", "4"]
+        )
+        assert time.monotonic() - began >= 4  # it retried for its patience
     assert f"check it with: dipaco-peer doctor {address}" in line
     assert "\n" not in line and "failed to connect to bootstrap peers" in line
 
@@ -240,41 +363,41 @@ def test_data_that_looks_like_markup_is_printed_as_it_is(tmp_path):
 @serial
 def test_ctrl_c_stops_a_hivemind_coordinator_quickly_and_quietly(run_copy, tmp_path):
     root = run_copy()
-    before = sockets()
     log = tmp_path / "coordinator.log"
-    coordinator = subprocess.Popen(
-        [BIN / "dipaco-coordinator", "start", "--config", run_config(tmp_path), "--run-dir",
-         root, "--no-eval"],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        wait_for(lambda: "peers join with" in log.read_text(), 120, "the coordinator")
-        helpers = helper_pids(coordinator.pid)
-        began = time.monotonic()
-        coordinator.send_signal(signal.SIGINT)
-        code = coordinator.wait(30)
-        took = time.monotonic() - began
-    finally:
-        if coordinator.poll() is None:
-            os.killpg(coordinator.pid, signal.SIGKILL)
-            coordinator.wait()
+    with OwnDaemons(grace=15) as own:  # its p2pd and sockets gone with it
+        coordinator = subprocess.Popen(
+            [BIN / "dipaco-coordinator", "start", "--config", run_config(tmp_path), "--run-dir",
+             root, "--no-eval"],
+            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, env=own.env,
+        )  # fmt: skip
+        try:
+            wait_for(lambda: "peers join with" in log.read_text(), 120, "the coordinator")
+            helpers = helper_pids(coordinator.pid)
+            assert own.pids(), "the coordinator's p2pd is not among its own"
+            began = time.monotonic()
+            coordinator.send_signal(signal.SIGINT)
+            code = coordinator.wait(30)
+            took = time.monotonic() - began
+        finally:
+            if coordinator.poll() is None:
+                os.killpg(coordinator.pid, signal.SIGKILL)
+                coordinator.wait()
+        # the DHT, p2pd and torch's shared-memory manager (which leaves once its clients have)
+        wait_for(lambda: not any(alive(pid) for pid in helpers), 15, "its helpers to exit")
     text = log.read_text()
     assert code == 130, text
     assert took < 10, f"{took:.1f} s to stop"
     assert "ERROR" not in text and "hard way" not in text and "Traceback" not in text, text
     assert "run the same command to resume" in text
-    # the DHT, p2pd and torch's shared-memory manager (which leaves once its clients have)
-    wait_for(lambda: not any(alive(pid) for pid in helpers), 15, "its helpers to exit")
-    assert sockets() <= before
 
 
 def test_a_flower_node_at_a_wrong_address_says_so(tmp_path):
     from dipaco.flower import deploy
 
     tls = deploy.make_tls(tmp_path / "tls")
-    with socket.socket() as s:  # nothing listens there
-        s.bind(("127.0.0.1", 0))
-        wrong = f"127.0.0.1:{s.getsockname()[1]}"
+    nobody = socket.socket()  # bound and not listening: refused, and no other process's port
+    nobody.bind(("127.0.0.1", 0))
+    wrong = f"127.0.0.1:{nobody.getsockname()[1]}"
     log = tmp_path / "node.log"
     node = subprocess.Popen(
         [BIN / "dipaco-peer", "join", "--flower", wrong, "--root-certificates", tls.ca,
@@ -283,10 +406,16 @@ def test_a_flower_node_at_a_wrong_address_says_so(tmp_path):
         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
-        wait_for(lambda: "no message from the SuperLink" in log.read_text(), 120, "the warning")
+        wait_for(
+            lambda: "no message from the SuperLink" in log.read_text() or node.poll() is not None,
+            120,
+            "the warning",
+        )
+        assert node.poll() is None, log.read_text()  # it warned, and is still trying
         node.send_signal(signal.SIGINT)
         assert node.wait(60) == 130  # Ctrl-C before the run was done, as every command
     finally:
+        nobody.close()
         if node.poll() is None:
             os.killpg(node.pid, signal.SIGKILL)
             node.wait()

@@ -126,6 +126,7 @@ def test_the_capacity_preset_quick_form_trains_its_core_rows_with_curves(tmp_pat
     for row in result["rows"]:
         # One evaluation after each of the quick form's 2 rounds, falling from the first.
         assert [c["round"] for c in row["curve"]] == [1, 2]
+        assert row["curve"][1]["ppl"] < row["curve"][0]["ppl"], row
         assert row["curve"][-1]["ppl"] == row["ppl"]
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     claims = {c["claim"] for c in result["orderings"]}

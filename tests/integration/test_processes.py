@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -89,23 +88,21 @@ def test_a_peer_killed_mid_task_costs_only_its_task(run_copy, tmp_path):
     assert len(redone) == 1 and redone[0]["peer"] != "peer0"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_coordinator_killed_mid_run_restarts_and_the_peers_carry_on(run_copy, tmp_path):
     root = run_copy()
-    listen = f"127.0.0.1:{free_port()}"
     start = [BIN / "dipaco-coordinator", "start", "--config", run_config(tmp_path),
-             "--run-dir", root, "--no-eval", "--listen", listen, "--transport", "loopback"]  # fmt: skip
+             "--run-dir", root, "--no-eval", "--transport", "loopback"]  # fmt: skip
     metrics = root / "metrics.jsonl"
+    address = root / "coordinator" / "address"
     procs = []
     try:
+        # The first life picks its port; the second listens there again, where the peers are.
         first = subprocess.Popen(start, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         procs.append(first)
-        wait_for((root / "coordinator" / "address").exists, 120, "the coordinator to listen")
+        listen = wait_for(
+            lambda: address.exists() and address.read_text().strip(), 120, "the coordinator"
+        )
+        start += ["--listen", listen]
         procs += [start_peer(listen, root, tmp_path, i) for i in range(2)]
         wait_for(
             lambda: metrics.exists() and metrics.read_text().count(DELTA) >= 3, 120, "3 deltas"

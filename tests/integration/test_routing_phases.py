@@ -54,12 +54,13 @@ def test_discriminative_phase_reshards_mid_run_and_peers_download_the_new_shards
             stop=stop,
             shard_source=files.shard,
         )
-        peers.append(files)
+        peers.append(peer)
         threads.append(threading.Thread(target=peer.run, daemon=True))
         threads[-1].start()
     for t in threads:
         t.join(300)
     assert not any(t.is_alive() for t in threads)
+    assert all(p.run_finished for p in peers), [p.error for p in peers]
     # The run's end comes after the last round's held-out scoring (it runs after each round,
     # off the coordinator's lock), as the CLI waits for it.
     assert coordinator.finished_event.wait(60)
@@ -72,10 +73,12 @@ def test_discriminative_phase_reshards_mid_run_and_peers_download_the_new_shards
     issued = [e for e in events if e["event"] == "task_issued"]
     assert {e["phase"] for e in issued if e["round"] == 0} == {0}
     assert {e["phase"] for e in issued if e["round"] >= 1} == {1}
-    # ... which the peers downloaded by name from the offers.
-    assert any((tmp_path / "p0" / "shards" / "phase1").rglob("train.tokens")) or any(
-        (tmp_path / "p1" / "shards" / "phase1").rglob("train.tokens")
-    )
+    # ... which each peer that trained in the new phase downloaded by name from the offers.
+    later = {e["peer"] for e in issued if e["round"] >= 1}
+    assert later
+    for i in range(2):
+        if f"remote-{i}" in later:
+            assert any((tmp_path / f"p{i}" / "shards" / "phase1").rglob("train.tokens")), i
 
     prep.refresh()
     assert [r.phase for r in prep.routings] == [0, 1]
@@ -183,6 +186,7 @@ def test_two_phases_alternate_like_em(prepared_tiny, tiny_config, tmp_path):
     threads = run_local_peers(coordinator, prep, 2, stop=stop)
     for t in threads:
         t.join(300)
+    assert all(t.peer.run_finished for t in threads), [t.peer.error for t in threads]
     assert coordinator.finished and coordinator.failure is None
     events = metrics.read()
     assert [e["phase"] for e in events if e["event"] == "routing_phase"] == [1, 2]
@@ -210,8 +214,10 @@ def test_a_phase_decided_from_held_out_losses_starts_when_they_stop_falling(
     metrics = MetricsLog(tmp_path / "run" / "metrics.jsonl")
     coordinator = build_coordinator(prep, metrics, evaluate=False)
     stop = threading.Event()
-    for t in run_local_peers(coordinator, prep, 2, stop=stop):
+    threads = run_local_peers(coordinator, prep, 2, stop=stop)
+    for t in threads:
         t.join(300)
+    assert all(t.peer.run_finished for t in threads), [t.peer.error for t in threads]
     assert coordinator.finished_event.wait(60)
     assert coordinator.finished and coordinator.failure is None
     events = metrics.read()

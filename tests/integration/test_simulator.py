@@ -60,12 +60,14 @@ def test_a_simulated_task_done_is_held_until_an_owners_report_lands():
     held (TaskDone.wait, as the real scheduler holds it) and looked at again when a report
     lands, not refused and retried a second later; the run still ends with every delta
     applied once. ``done_after_ack_s``: how long tasks waited after their last ack."""
-    run = simulate.run(settings(peers=20, owners=1, seed=0))
+    s = settings(peers=20, owners=1, seed=0)
+    run = simulate.run(s)
     assert run.rounds_done == 2 and run.acked == run.applied and run.lost == 0
     assert run.stats["task_done_parked"] >= 1
     assert 1 <= run.stats["task_done_unparked_by_report"] <= run.stats["task_done_parked"]
+    # Most tasks are taken as done within one owner report interval of their last ack.
     gaps = run.stats["done_after_ack_s"]
-    assert 0 <= gaps["p50"] <= gaps["max"], gaps
+    assert gaps["p50"] < s.report_seconds, gaps
 
 
 @pytest.mark.timeout(120)

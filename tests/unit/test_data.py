@@ -78,8 +78,9 @@ def test_malformed_jsonl_line_is_reported_with_file_and_line_number(
 
 
 def test_parquet_file_and_folder_are_read(tmp_path: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     (tmp_path / "parts").mkdir()
     pq.write_table(pa.table({"text": ["a", "b"], "n": [1, 2]}), tmp_path / "parts" / "0.parquet")
     pq.write_table(pa.table({"text": ["c"], "id": ["c-id"]}), tmp_path / "parts" / "1.parquet")
@@ -92,8 +93,9 @@ def test_parquet_file_and_folder_are_read(tmp_path: Path) -> None:
 
 
 def test_parquet_without_the_column_names_file_and_columns(tmp_path: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     path = tmp_path / "t.parquet"
     pq.write_table(pa.table({"content": ["a"], "lang": ["en"]}), path)
 
@@ -103,7 +105,8 @@ def test_parquet_without_the_column_names_file_and_columns(tmp_path: Path) -> No
 
 
 def test_hf_dataset_saved_to_disk_is_read_by_spec(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     datasets.Dataset.from_dict({"text": ["x", "y"]}).save_to_disk(str(tmp_path / "flat"))
     datasets.DatasetDict(
         {

@@ -28,10 +28,9 @@ def listening():
 @pytest.fixture
 def closed_port():
     s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # bound then closed, never listening: connections are refused
-    return f"127.0.0.1:{port}"
+    s.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused, and no other
+    yield f"127.0.0.1:{s.getsockname()[1]}"  # process can take the port meanwhile
+    s.close()
 
 
 def by_name(checks: list[Check]) -> dict[str, Check]:

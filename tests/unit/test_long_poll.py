@@ -8,6 +8,7 @@ import threading
 import time
 
 from _tiny import constant_delta, delta_message, tiny_coordinator
+from _waiting import wait_for
 
 from dipaco.coordinator import tasks
 from dipaco.protocols import messages as m
@@ -22,14 +23,28 @@ def peer(co, name):
     return LocalTransport(co.handle).authenticate(KEYS.setdefault(name, Identity.generate()))
 
 
+# Where a test needs a claim answered only by a wake-up, its own looks come this late: an answer
+# well before it was woken (a loaded machine may take seconds to wake it; never this long).
+NEVER_ON_ITS_OWN = 60.0
+# What a user notices: a claim answered within seconds of the change, not at its own next look.
+SOON = 10.0
+
+
+def only_wake_ups_answer(monkeypatch):
+    monkeypatch.setattr(tasks, "LONG_POLL_SECONDS", NEVER_ON_ITS_OWN)
+    monkeypatch.setattr(tasks, "LOOK_AGAIN_SECONDS", NEVER_ON_ITS_OWN)
+
+
 def claim_in_background(co, name, wait):
-    """Claim from a thread; returns (the thread, a list that receives (reply, seconds))."""
+    """Claim from a thread; returns (the thread, a list that receives (reply, the seconds the
+    claim took, the time.monotonic() of its answer))."""
     out: list = []
 
     def run():
         began = time.monotonic()
         reply = peer(co, name).request(m.ClaimTask(peer_id=name, wait=wait))
-        out.append((reply, time.monotonic() - began))
+        ended = time.monotonic()
+        out.append((reply, ended - began, ended))
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -44,50 +59,57 @@ def lease_every_path(co):
     return tasks
 
 
-def test_a_waiting_claim_gets_the_next_rounds_path_as_soon_as_it_opens(tmp_path):
+def test_a_waiting_claim_gets_the_next_rounds_path_as_soon_as_it_opens(tmp_path, monkeypatch):
+    only_wake_ups_answer(monkeypatch)
     co = tiny_coordinator(tmp_path)
     tasks = lease_every_path(co)
     # Without a wait, the answer is a NoTask at once, with its retry interval.
     now = peer(co, "late").request(m.ClaimTask(peer_id="late"))
     assert isinstance(now, m.NoTask) and now.retry_after > 0 and not now.finished
-    thread, out = claim_in_background(co, "late", wait=10.0)
-    time.sleep(0.3)
-    assert out == [] and co.long_polls == 1  # waiting, not polling
+    thread, out = claim_in_background(co, "late", wait=NEVER_ON_ITS_OWN)
+    wait_for(lambda: co.long_polls == 1, 30, "the claim to wait")
+    assert out == []  # waiting, not polling
     for p, task in enumerate(tasks):
         peer(co, f"p{p}").request(delta_message(task, f"p{p}", constant_delta(co, task)))
-    thread.join(5)
-    ((reply, seconds),) = out
+    closed = time.monotonic()
+    thread.join(NEVER_ON_ITS_OWN)
+    ((reply, _, answered),) = out
     assert isinstance(reply, m.TaskOffer) and reply.module_versions == {
         mid: 1 for mid in reply.module_versions
     }
-    assert seconds < 2.0 and co.long_polls == 0
+    assert answered - closed < SOON and co.long_polls == 0
 
 
-def test_a_wait_is_bounded_and_only_so_many_claims_wait(tmp_path):
+def test_a_wait_is_bounded_and_only_so_many_claims_wait(tmp_path, monkeypatch):
     co = tiny_coordinator(tmp_path)
     lease_every_path(co)
     co.long_poll_slots = 2  # one for claims; the last is kept for a TaskDone's wait
-    first, first_out = claim_in_background(co, "a", wait=0.6)
-    time.sleep(0.2)
-    second, second_out = claim_in_background(co, "b", wait=0.6)
-    second.join(5)
-    assert isinstance(second_out[0][0], m.NoTask) and second_out[0][1] < 0.3  # no slot: at once
-    first.join(5)
-    reply, seconds = first_out[0]
-    assert isinstance(reply, m.NoTask) and 0.5 < seconds < 1.5  # waited its 0.6 s, then NoTask
+    began = time.monotonic()
     big = peer(co, "c").request(m.ClaimTask(peer_id="c", wait=3600.0))  # capped: LONG_POLL_SECONDS
     assert isinstance(big, m.NoTask)
+    assert tasks.LONG_POLL_SECONDS <= time.monotonic() - began < 60
+    only_wake_ups_answer(monkeypatch)
+    first, first_out = claim_in_background(co, "a", wait=3.0)
+    wait_for(lambda: co.long_polls == 1, 30, "the first claim to wait")
+    second, second_out = claim_in_background(co, "b", wait=NEVER_ON_ITS_OWN)
+    second.join(NEVER_ON_ITS_OWN)
+    assert isinstance(second_out[0][0], m.NoTask) and second_out[0][1] < SOON  # no slot: at once
+    first.join(NEVER_ON_ITS_OWN)
+    reply, seconds, _ = first_out[0]
+    assert isinstance(reply, m.NoTask) and 3.0 <= seconds < 3.0 + SOON  # its 3 s, then NoTask
 
 
-def test_a_released_lease_wakes_a_waiting_claim_with_its_path(tmp_path):
+def test_a_released_lease_wakes_a_waiting_claim_with_its_path(tmp_path, monkeypatch):
+    only_wake_ups_answer(monkeypatch)
     co = tiny_coordinator(tmp_path)
     tasks = lease_every_path(co)
-    thread, out = claim_in_background(co, "late", wait=10.0)
-    time.sleep(0.3)
+    thread, out = claim_in_background(co, "late", wait=NEVER_ON_ITS_OWN)
+    wait_for(lambda: co.long_polls == 1, 30, "the claim to wait")
     peer(co, "p2").request(m.ReleaseTask(peer_id="p2", task_id=tasks[2].task_id))
-    thread.join(5)
-    reply, seconds = out[0]
-    assert isinstance(reply, m.TaskOffer) and reply.path == 2 and seconds < 2.0
+    released = time.monotonic()
+    thread.join(NEVER_ON_ITS_OWN)
+    reply, _, answered = out[0]
+    assert isinstance(reply, m.TaskOffer) and reply.path == 2 and answered - released < SOON
 
 
 def test_a_closing_round_wakes_every_waiting_claim_and_a_delta_that_opens_nothing_wakes_one(
@@ -108,10 +130,7 @@ def test_a_closing_round_wakes_every_waiting_claim_and_a_delta_that_opens_nothin
     co = tiny_coordinator(tmp_path)
     leased = lease_every_path(co)
     waiting = [claim_in_background(co, f"late{i}", wait=30.0) for i in range(4)]
-    deadline = time.monotonic() + 5
-    while co.long_polls < 4 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert co.long_polls == 4
+    wait_for(lambda: co.long_polls == 4, 30, "four claims to wait")
     changes = co.work_generation
     looks.clear()  # the claims' first looks, before they waited
     for p, task in enumerate(leased):

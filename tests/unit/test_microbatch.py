@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from dipaco.errors import ConfigError
 from dipaco.model.optim import InnerSettings, make_optimizer, train_steps
 from dipaco.model.transformer import ModelConfig, new_dense_model
 from dipaco.peer.device import (
+    _mem_available,
     check_fits,
     device_memory_bytes,
     path_memory_bytes,
@@ -161,12 +164,25 @@ def test_a_card_too_small_for_the_path_in_bf16_is_told_what_bf16_needs() -> None
         ConfigError, match=rf"needs {bf16 / 2**30:.3g} GiB even at micro-batch 1 in bf16"
     ):
         check_fits(big, 1024, "cuda:0", memory_bytes=bf16 // 2, bf16=True)
-    assert pick_micro_batch(big, 8, 1024, "cuda:0", memory_bytes=between, bf16=True) >= 1
+    # The micro-batch it picks in bf16 is the largest that fits: the next one up does not.
+    picked = pick_micro_batch(big, 8, 1024, "cuda:0", memory_bytes=between, bf16=True)
+    assert path_memory_bytes(big, picked, 1024, bf16=True) <= between * 0.8
+    assert picked == 8 or path_memory_bytes(big, 2 * picked, 1024, bf16=True) > between * 0.8
+    assert picked >= pick_micro_batch(big, 8, 1024, "cuda:0", memory_bytes=between)
+    # Not even 1 fits: 1, and check_fits (above) is what refuses.
+    assert pick_micro_batch(big, 8, 1024, "cuda:0", memory_bytes=bf16 // 2, bf16=True) == 1
 
 
-def test_device_memory_probe() -> None:
-    cpu = device_memory_bytes("cpu")
-    assert cpu is None or cpu > 0
+def test_device_memory_probe(tmp_path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")
+    assert _mem_available(meminfo) == 8_000_000 * 1024
+    meminfo.write_text("MemTotal:       16000000 kB\n")  # a kernel that does not say
+    assert _mem_available(meminfo) is None
+    assert _mem_available(tmp_path / "none") is None  # no /proc
+    if Path("/proc/meminfo").exists():  # Linux: the machine's own, in bytes
+        cpu = device_memory_bytes("cpu")
+        assert cpu is not None and 2**20 < cpu <= 2**50
     assert device_memory_bytes("meta") is None
     if not torch.cuda.is_available():
         assert device_memory_bytes("cuda") is None
