@@ -251,7 +251,7 @@ class Peer:
                 except (TaskAborted, TransportError, RejectedError) as exc:
                     if not one:  # train_batch handles each task's failures
                         raise
-                    self._task_failed(offers[0], exc)
+                    task_failed(self, offers[0], exc)
                 continue
             if isinstance(reply, DipacoError):
                 if self.patience.claim_failed(reply, last_contact):
@@ -273,29 +273,6 @@ class Peer:
             want = min(want, self.max_tasks - self.tasks_done - len(held))
         prefer = self.last_path if self.parallel == 1 else None
         return claim_tasks(self.transport, self.peer_id, want, prefer, held)
-
-    def _task_failed(
-        self, task: m.TaskOffer, exc: Exception, pause: bool = True, checkpoint: bool = True
-    ) -> None:
-        """A task that could not be trained or pushed: log it; hand back an aborted one, and one
-        whose delta was judged and refused (trained again, it would be refused again); the
-        checkpoint dropped unless not ``checkpoint`` (a push behind: it is the next task's)."""
-        reason = getattr(exc, "reason", "")
-        if isinstance(exc, TaskAborted):
-            log.warning("peer %s: task %s aborted: %s", self.peer_id, task.task_id, exc)
-        elif isinstance(exc, TransportError):
-            log.warning("peer %s: task %s lost: %s", self.peer_id, task.task_id, exc)
-            return
-        else:
-            log.warning(
-                "peer %s: task %s rejected: %s (%s)", self.peer_id, task.task_id, exc, reason
-            )
-            if checkpoint:
-                self.checkpoint.drop()
-        if (isinstance(exc, TaskAborted) or reason in JUDGED) and not self.stop.is_set():
-            self._release(task)  # re-issued at once
-        if pause:
-            self.stop.wait(min(0.5, self.patience.retry_seconds))  # never a hot loop of failures
 
     def _release(self, task: m.TaskOffer) -> None:
         try:
@@ -392,6 +369,28 @@ class Peer:
         self.pusher.push(task, delta, tokens, losses, before_send)
 
 
+def task_failed(
+    peer: Peer, task: m.TaskOffer, exc: Exception, pause: bool = True, checkpoint: bool = True
+) -> None:
+    """A task that could not be trained or pushed: log it; hand back an aborted one, and one
+    whose delta was judged and refused (trained again, it would be refused again); the
+    checkpoint dropped unless not ``checkpoint`` (a push behind: it is the next task's)."""
+    reason = getattr(exc, "reason", "")
+    if isinstance(exc, TaskAborted):
+        log.warning("peer %s: task %s aborted: %s", peer.peer_id, task.task_id, exc)
+    elif isinstance(exc, TransportError):
+        log.warning("peer %s: task %s lost: %s", peer.peer_id, task.task_id, exc)
+        return
+    else:
+        log.warning("peer %s: task %s rejected: %s (%s)", peer.peer_id, task.task_id, exc, reason)
+        if checkpoint:
+            peer.checkpoint.drop()
+    if (isinstance(exc, TaskAborted) or reason in JUDGED) and not peer.stop.is_set():
+        peer._release(task)  # re-issued at once
+    if pause:
+        peer.stop.wait(min(0.5, peer.patience.retry_seconds))  # never a hot loop of failures
+
+
 def train_batch(peer: Peer, tasks: list[m.TaskOffer]) -> None:
     """Train several tasks (paths) at once; push each as ``run_task`` does.
 
@@ -433,15 +432,15 @@ def _train_batch(peer: Peer, leases: list[Lease]) -> None:
         try:  # no checkpoints in a batch (see train_batch)
             runs.append(peer._setup_task(*lease, resume=False, stream=stream))
         except (TaskAborted, TransportError, RejectedError) as exc:
-            peer._task_failed(lease[0], exc, pause=False)
+            task_failed(peer, lease[0], exc, pause=False)
     train_together(
-        peer.trainer, runs, lambda run, exc: peer._task_failed(run.task, exc, False), peer.batching
+        peer.trainer, runs, lambda run, exc: task_failed(peer, run.task, exc, False), peer.batching
     )
     for run in runs:
         try:
             peer._finish_task(run)
         except (TaskAborted, TransportError, RejectedError) as exc:
-            peer._task_failed(run.task, exc, pause=False)
+            task_failed(peer, run.task, exc, pause=False)
 
 
 def make_trainer(peer: Peer) -> PathTrainer:
@@ -485,7 +484,7 @@ def push_behind(peer: Peer, run: TaskRun, lease: Lease) -> None:
         lambda: peer.pusher.send(task, wire, list(delta), tokens, losses),
         beating=lambda: heartbeating(peer.transport, peer.peer_id, [lease], beat),
         undo=undo,
-        failed=lambda exc: peer._task_failed(task, exc, pause=False, checkpoint=False),
+        failed=lambda exc: task_failed(peer, task, exc, pause=False, checkpoint=False),
         done=lambda: peer._pushed(task, delta, tokens, losses),
     )
 
