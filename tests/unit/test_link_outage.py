@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ import pytest
 from dipaco.cli.common import OneLineFormatter
 from dipaco.coordinator.owner import Reporter
 from dipaco.errors import TransportError
+from dipaco.net.joins import dial_loopback
 from dipaco.peer.links import Patience, heartbeating
 from dipaco.protocols import messages as m
 from dipaco.protocols.linkwatch import NOTICE, GaveUp
@@ -169,6 +171,22 @@ def test_a_peer_that_gives_up_says_what_it_tried_and_how_to_check():
     )
     assert gave_up.value.reason == "transport"
     assert len(out.getvalue().splitlines()) == 5  # lost, and four reminders
+
+
+def test_a_join_to_a_dead_address_says_so_once_then_what_it_tried():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    said: list[str] = []
+
+    with pytest.raises(GaveUp) as gave_up:
+        dial_loopback(address, b"k" * 32, patience=2.5, on_wait=said.append)
+
+    assert len(said) == 1, said
+    assert said[0].startswith(f"cannot reach the run at {address} yet (connection refused)")
+    assert "retrying every 1 s for up to 2 s" in said[0]
+    assert str(gave_up.value).startswith(f"gave up reaching the run at {address} after ")
+    assert str(gave_up.value).endswith(f"Check the address with: dipaco-peer doctor {address}")
 
 
 def test_a_record_with_continuation_lines_is_logged_on_one_line():
