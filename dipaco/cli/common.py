@@ -7,6 +7,7 @@ import faulthandler
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -22,6 +23,7 @@ from rich.text import Text
 from dipaco.cli import stopping
 from dipaco.config import RunConfig, load_config, preset_config
 from dipaco.errors import DipacoError
+from dipaco.protocols.linkwatch import NOTICE
 
 FORMATS = ("auto", "rich", "plain", "json")
 
@@ -197,24 +199,32 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+class OneLineFormatter(logging.Formatter):
+    """Every record's message on one line: a library's text with continuation lines (a
+    hivemind daemon's ``  * [/ip4/...] dial backoff``) is joined onto its first."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        return _BREAKS.sub(" ", super().formatMessage(record).strip())
+
+
+_BREAKS = re.compile(r"\s*\n\s*")
+
+
 def setup_logging(verbose: bool) -> None:
+    """Log to stderr: warnings, and a link that is back (NOTICE); with ``verbose``, INFO too."""
     if console.lines:
         handler: logging.Handler = _StderrHandler()
         handler.setFormatter(
-            logging.Formatter(
-                "%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%dT%H:%M:%S"
-            )
+            OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%dT%H:%M:%S")
         )
     else:
         handler = RichHandler(console=Console(stderr=True), show_path=False, markup=False)
+        handler.setFormatter(OneLineFormatter("%(message)s"))
     # The handler filters too: libraries (hivemind) that set their own loggers' levels would
     # otherwise print INFO lines through it.
-    handler.setLevel(logging.INFO if verbose else logging.WARNING)
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(message)s" if not console.lines else None,
-        handlers=[handler],
-    )
+    level = logging.INFO if verbose else NOTICE
+    handler.setLevel(level)
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 def choose_config(config: str | None, preset: str | None) -> RunConfig:

@@ -231,6 +231,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         shard_group=group,
         push_behind=args.push_behind,
         fetch_ahead=args.fetch_ahead,
+        address=args.address,
         **join.peer_options,
     )
     console.print(f"peer {peer_id} ({peer.device}) joined {args.address}")

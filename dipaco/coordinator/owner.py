@@ -26,6 +26,7 @@ from dipaco.coordinator import rotation, tickets
 from dipaco.coordinator.core import Coordinator
 from dipaco.errors import ConfigError, DipacoError, RejectedError, TransportError, WireError
 from dipaco.protocols import messages as m
+from dipaco.protocols.linkwatch import LinkWatch
 from dipaco.protocols.reasons import Reason
 from dipaco.protocols.transport import Transport
 
@@ -96,13 +97,24 @@ class Reporter(threading.Thread):
     """Keeps the scheduler informed of this owner's modules; learns the overdue tasks back."""
 
     def __init__(
-        self, coordinator: Coordinator, scheduler: Transport, interval: float = 1.0
+        self,
+        coordinator: Coordinator,
+        scheduler: Transport,
+        interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(name="dipaco-reporter", daemon=True)
         speak_as_owner(coordinator, scheduler)
         self.coordinator, self.scheduler, self.interval = coordinator, scheduler, interval
         self.stop = threading.Event()
         self.sent = 0
+        # While the scheduler is away: a line when it is lost, a few reminders, one when back.
+        self.watch = LinkWatch(
+            "the scheduler",
+            f"keeps serving its modules; reporting again every {interval:g} s",
+            logger=log,
+            clock=clock,
+        )
 
     def run(self) -> None:
         co = self.coordinator
@@ -112,6 +124,7 @@ class Reporter(threading.Thread):
             try:
                 ack = self.scheduler.request(co.report())
             except RejectedError as exc:
+                self.watch.ok()  # it answered
                 log.error("the scheduler refused our report: %s (%s)", exc, exc.reason)
                 self.stop.wait(self.interval)
                 continue
@@ -124,10 +137,11 @@ class Reporter(threading.Thread):
                 co.changed.set()
                 continue
             except DipacoError as exc:
-                log.warning("cannot reach the scheduler: %s", " ".join(str(exc).split()))
+                self.watch.failed(exc)
                 self.stop.wait(self.interval)
                 co.changed.set()  # report again as soon as it is back
                 continue
+            self.watch.ok()
             self.sent += 1
             with co.lock:
                 co.overdue = {(int(p), int(r)) for p, r in ack.overdue}

@@ -27,6 +27,7 @@ from dipaco.peer.seeds import SEED_REQUEST_BYTES, SeedFetcher, SeedServer
 from dipaco.protocols import discovery
 from dipaco.protocols import messages as m
 from dipaco.protocols.auth import Identity
+from dipaco.protocols.linkwatch import LinkWatch
 from dipaco.protocols.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -247,10 +248,11 @@ def start_node(
 ) -> Any:
     """A hivemind node bootstrapped from ``address`` (a client node, unless it ``listen``s on
     that host for other peers), retried for ``patience`` seconds (the coordinator may be
-    restarting), saying why through ``on_wait``; then a TransportError that points to
-    ``dipaco-peer doctor``."""
+    restarting), saying so through ``on_wait`` in a few lines (``LinkWatch``); then a
+    TransportError that says what was tried and points to ``dipaco-peer doctor``."""
     from dipaco.protocols.hivemind import HivemindNode
 
+    watch = join_watch(address, patience, on_wait, every=2.0)
     began = time.monotonic()
     while True:
         try:
@@ -258,15 +260,25 @@ def start_node(
                 return HivemindNode(initial_peers=[address], host=listen)
             return HivemindNode(initial_peers=[address], client_mode=True)
         except TransportError as exc:
-            why = str(exc).splitlines()[0].removeprefix("cannot start a hivemind node: ")
+            watch.failed(exc)
             left = patience - (time.monotonic() - began)
             if left <= 0:
-                raise TransportError(
-                    f"cannot reach the run at {address} ({why}) after {patience:.0f} s of "
-                    f"retries; check it with: dipaco-peer doctor {address}"
-                ) from None
-            on_wait(f"cannot reach {address} yet ({why}); retrying for {left:.0f} s more")
+                raise watch.gave_up(exc) from None
             time.sleep(min(2.0, max(left, 0.1)))
+
+
+def join_watch(
+    address: str, patience: float, on_wait: Callable[[str], None], every: float
+) -> LinkWatch:
+    """The watch on a join's first contact with ``address``: its lines go to ``on_wait``."""
+    return LinkWatch(
+        f"the run at {address}",
+        f"retrying every {every:g} s for up to {patience:.0f} s",
+        check=f"Check the address with: dipaco-peer doctor {address}",
+        lost="cannot reach {what} yet",
+        logger=log,
+        tell=lambda level, line: on_wait(line),
+    )
 
 
 def join_run(

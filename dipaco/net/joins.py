@@ -122,6 +122,7 @@ def dial_loopback(
     """Connect to a loopback coordinator, retrying for ``patience`` seconds: a coordinator
     that is restarting, or a connection cut mid-handshake, must not end the peer before it
     starts (later requests redial by themselves). A refused key fails at once."""
+    watch = hivemind.join_watch(address, patience, on_wait, every=1.0)
     began = time.monotonic()
     while True:
         try:
@@ -129,16 +130,9 @@ def dial_loopback(
         except TransportError as exc:
             if exc.reason == "auth":
                 raise
-            why = str(exc).splitlines()[0]
+            watch.failed(exc)
             if time.monotonic() - began > patience:
-                raise TransportError(
-                    f"cannot reach the run at {address} ({why}) after {patience:.0f} s "
-                    f"of retries; check it with: dipaco-peer doctor {address}"
-                ) from None
-            on_wait(
-                f"{why}; retrying (if this goes on: dipaco-peer doctor {address} "
-                "checks the address, firewall and clock)"
-            )
+                raise watch.gave_up(exc) from None
             time.sleep(1.0)
 
 

@@ -9,6 +9,11 @@ asking the scheduler where it is now), for up to ``give_up_seconds``; a run that
 meanwhile ends the retries (``RunOver``). Tasks are claimed from the scheduler
 (``claim_tasks``), and their leases kept alive by heartbeats from a thread of their own
 (``heartbeating``).
+
+While the scheduler (or an owner) does not answer, each link's ``LinkWatch`` tells it in a few
+lines (lost, still unreachable at growing intervals, back), not a line per failed attempt; the
+retries that end give the watch's account of them (what was tried, for how long, and the
+``dipaco-peer doctor`` command to check the address with).
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dipaco.errors import DipacoError, RejectedError, TransportError
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
+from dipaco.protocols.linkwatch import LinkWatch, one_line, short_id
 from dipaco.protocols.reasons import Reason
 from dipaco.protocols.transport import Transport
 
@@ -46,46 +52,80 @@ RETRY_SECONDS = 2.0  # a peer's default wait before it asks again (Patience.retr
 
 @dataclass
 class Patience:
-    """How long the peer retries a request, and the events that end its retries early."""
+    """How long the peer retries a request, the events that end its retries early, and the
+    watch on its link to the scheduler (``address``: the one it joined, for the advice when the
+    retries end)."""
 
     peer_id: str
     give_up_seconds: float
     retry_seconds: float
     stop: threading.Event
     run_over: threading.Event
+    address: str | None = None
+    clock: Callable[[], float] = time.monotonic  # a test's fake clock
+    watch: LinkWatch = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.watch = self.link_watch("the coordinator", self.address)
+
+    def link_watch(self, what: str, address: str | None = None) -> LinkWatch:
+        """A watch on one of this peer's links."""
+        check = f"Check the address with: dipaco-peer doctor {address}" if address else ""
+        who = f"peer {self.peer_id}: "
+        return LinkWatch(what, self.retrying(), who=who, check=check, logger=log, clock=self.clock)
+
+    def retrying(self, doing: str = "") -> str:
+        """What the peer does while a link is down: ``doing``, and its retries."""
+        retries = f"retrying every {self.retry_seconds:g} s for up to {self.give_up_seconds:g} s"
+        return f"{doing}; {retries}" if doing else retries
 
     def call(self, call: Callable[[], Any], reasons: tuple[str, ...] = ()) -> Any:
         """Retry ``call`` over transport errors, and refusals for one of ``reasons``, for up to
         ``give_up_seconds``."""
-        began = time.monotonic()
+        began = self.clock()
         while True:
             try:
-                return call()
-            except (TransportError, RejectedError) as exc:
-                if isinstance(exc, RejectedError) and exc.reason not in reasons:
+                reply = call()
+            except TransportError as exc:
+                self.watch.failed(exc, self.retrying())
+                if self.run_over.is_set():
+                    raise RunOver() from None
+                if self.stop.is_set():
+                    raise
+                if self.clock() - began > self.give_up_seconds:
+                    raise self.watch.gave_up(exc) from None
+                self.stop.wait(self.retry_seconds)
+                continue
+            except RejectedError as exc:
+                self.watch.ok()  # it answered
+                if exc.reason not in reasons:
                     raise
                 if self.run_over.is_set():
                     raise RunOver() from None
-                if time.monotonic() - began > self.give_up_seconds or self.stop.is_set():
+                if self.clock() - began > self.give_up_seconds or self.stop.is_set():
                     raise
                 # A refusal we expected (the scheduler has not heard another owner's ack yet)
-                # is routine; a transport error is worth a warning.
-                level = logging.INFO if isinstance(exc, RejectedError) else logging.WARNING
-                log.log(level, "peer %s: %s; retrying", self.peer_id, exc)
+                # is routine.
+                log.info("peer %s: %s; retrying", self.peer_id, exc)
                 self.stop.wait(self.retry_seconds)
+                continue
+            self.watch.ok()
+            return reply
 
     def claim_failed(self, reply: DipacoError, last_contact: float) -> bool:
         """After a claim that failed (``reply``): True when the run has finished; else wait to
-        claim again, or raise ``reply`` once nothing was heard for ``give_up_seconds``."""
+        claim again, or raise the watch's account of the retries once nothing was heard for
+        ``give_up_seconds``."""
         if isinstance(reply, TransportError):
+            self.watch.failed(reply, self.retrying("waiting for work"))
             if self.run_over.is_set():
                 log.info("peer %s: the run has finished", self.peer_id)
                 return True
             # The coordinator may be restarting: it keeps everything it acknowledged.
-            if time.monotonic() - last_contact > self.give_up_seconds:
-                raise reply
-            log.warning("peer %s: %s; retrying", self.peer_id, reply)
+            if self.clock() - last_contact > self.give_up_seconds:
+                raise self.watch.gave_up(reply)
         else:  # rate-limited, or over the key's task quota
+            self.watch.ok()
             log.warning("peer %s: %s; waiting", self.peer_id, reply)
         self.stop.wait(self.retry_seconds)
         return False
@@ -113,6 +153,7 @@ class OwnerLinks:
         self.addresses: dict[str, list[str]] = {}
         self.keys: dict[str, str] = {}  # owner id -> the key the scheduler vouches for
         self._links: dict[str, Transport] = {}
+        self._watches: dict[str, LinkWatch] = {}  # owner id -> the watch on the link to it
         # A push behind (behind.py) asks owners from its own thread while the peer fetches.
         self._lock = threading.RLock()
 
@@ -120,6 +161,18 @@ class OwnerLinks:
         """What the scheduler's Welcome tells of it: its owner id, and its protocol number."""
         self.scheduler_id = welcome.config.get("owner_id", "")
         self.scheduler_protocol = welcome.protocol or 1
+        if self.scheduler_id:
+            self.patience.watch.what = f"the coordinator {short_id(self.scheduler_id)}"
+
+    def watch(self, owner: str) -> LinkWatch:
+        """The watch on the link to ``owner`` (the scheduler's is the patience's)."""
+        if owner == self.scheduler_id or self.connect is None:
+            return self.patience.watch
+        with self._lock:
+            if owner not in self._watches:
+                what = f"the module owner {short_id(owner)}"
+                self._watches[owner] = self.patience.link_watch(what)
+            return self._watches[owner]
 
     def link(self, owner: str) -> Transport:
         """The transport to a module owner; the scheduler's own modules use the main one."""
@@ -151,15 +204,20 @@ class OwnerLinks:
             groups.setdefault(self.owners.get(mid, self.scheduler_id), []).append(mid)
         return groups
 
-    def ask(self, owner: str, make: Callable[[], m.Message]) -> m.Message:
-        """One request to one owner, retried while the owner is unreachable or handing over."""
-        patience = self.patience
-        began = time.monotonic()
+    def ask(self, owner: str, make: Callable[[], m.Message], doing: str = "") -> m.Message:
+        """One request to one owner, retried while the owner is unreachable or handing over
+        (``doing``: what the peer does meanwhile, said when the link is lost)."""
+        patience, watch = self.patience, self.watch(owner)
+        doing = patience.retrying(doing)
+        began = patience.clock()
         while True:
             try:
-                return self.link(owner).request(make())
+                reply = self.link(owner).request(make())
+                watch.ok()
+                return reply
             except TransportError as exc:
                 problem: DipacoError = exc
+                watch.failed(exc, doing)
                 # The owner may have restarted elsewhere: ask the scheduler where it is now.
                 with self._lock:
                     link = self._links.pop(owner, None)
@@ -170,14 +228,19 @@ class OwnerLinks:
                     except DipacoError as again:
                         log.warning("peer %s: cannot refresh owners: %s", patience.peer_id, again)
             except RejectedError as exc:
+                watch.ok()  # it answered
                 if exc.reason not in RETRIABLE:
                     raise
                 problem = exc
+                log.info("peer %s: owner %s: %s; retrying", patience.peer_id, owner, exc)
             if patience.run_over.is_set():
                 raise RunOver() from None
-            if time.monotonic() - began > patience.give_up_seconds or patience.stop.is_set():
+            if patience.stop.is_set():
                 raise problem  # a stopping peer does not retry: Ctrl-C ends it within seconds
-            log.warning("peer %s: owner %s: %s; retrying", patience.peer_id, owner, problem)
+            if patience.clock() - began > patience.give_up_seconds:
+                if isinstance(problem, TransportError):
+                    raise watch.gave_up(problem) from None
+                raise problem
             patience.stop.wait(patience.retry_seconds)
 
     def close(self) -> None:
@@ -228,13 +291,19 @@ def claim_tasks(
 
 @contextmanager
 def heartbeating(
-    transport: Transport, peer_id: str, leases: list[Lease], every: float
+    transport: Transport,
+    peer_id: str,
+    leases: list[Lease],
+    every: float,
+    watch: LinkWatch | None = None,
 ) -> Iterator[None]:
-    """Heartbeat the leases every ``every`` seconds from one thread while the block runs."""
+    """Heartbeat the leases every ``every`` seconds from one thread while the block runs;
+    ``watch``: the watch on the link to the scheduler, told of each heartbeat's outcome."""
     done = threading.Event()
+    watch = watch or LinkWatch("the coordinator", who=f"peer {peer_id}: ", logger=log)
     beats = threading.Thread(
         target=_heartbeats,
-        args=(transport, peer_id, leases, every, done),
+        args=(transport, peer_id, leases, every, done, watch),
         name=f"{peer_id}-heartbeat",
         daemon=True,
     )
@@ -247,7 +316,12 @@ def heartbeating(
 
 
 def _heartbeats(
-    transport: Transport, peer_id: str, leases: list[Lease], every: float, done: threading.Event
+    transport: Transport,
+    peer_id: str,
+    leases: list[Lease],
+    every: float,
+    done: threading.Event,
+    watch: LinkWatch,
 ) -> None:
     """Keep the leases alive from a thread of its own, however long a step or a push takes.
 
@@ -261,9 +335,15 @@ def _heartbeats(
                 ack = transport.request(
                     m.Heartbeat(peer_id=peer_id, task_id=task.task_id, step=progress["step"])
                 )
-            except DipacoError as exc:
-                log.warning("peer %s: heartbeat failed: %s", peer_id, exc)
+            except TransportError as exc:
+                # Said when the link is lost; what a push or a claim says later is more telling.
+                doing = f"keeps working on {task.task_id}, heartbeating every {every:g} s"
+                watch.failed(exc, None if watch.down else doing)
                 continue
+            except DipacoError as exc:
+                log.warning("peer %s: heartbeat failed: %s", peer_id, one_line(exc))
+                continue
+            watch.ok()
             if not ack.lease_ok:
                 lost.set()
                 live.remove(lease)

@@ -146,6 +146,7 @@ def _ask_owners(
                 have={mid: have[mid] for mid in owned if mid in have},
                 ticket=task.ticket,
             ),
+            f"waits to fetch the modules of {task.task_id}",
         )
         check_releases(links.link(owner).server_key, reply, run_id)
         versions.update(reply.versions)

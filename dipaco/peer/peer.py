@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ from dipaco.peer.training import PathTrainer, TaskRun, timed, train_together
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.feedback import ErrorFeedback
+from dipaco.protocols.linkwatch import GaveUp, gist
 from dipaco.protocols.reasons import Reason
 from dipaco.protocols.transport import Transport
 
@@ -108,6 +110,7 @@ class Peer:
         seeds: SeedFetcher | None = None,
         push_behind: bool = False,
         fetch_ahead: bool = False,
+        address: str | None = None,
     ) -> None:
         if parallel < 1:
             raise ConfigError(f"parallel must be at least 1, got {parallel}")
@@ -141,7 +144,10 @@ class Peer:
         self.timings: dict[str, float] = dict.fromkeys(TIMED, 0.0)  # see TIMED
         self.config: dict[str, Any] = {}
         self.micro_batch: int | None = None
-        self.patience = Patience(peer_id, give_up_seconds, retry_seconds, self.stop, self.run_over)
+        # address: the one the peer joined, named in the advice when the retries end
+        self.patience = Patience(
+            peer_id, give_up_seconds, retry_seconds, self.stop, self.run_over, address
+        )
         self.links = OwnerLinks(transport, self.identity, self.patience, connect)
         self.feedback = ErrorFeedback()
         self.pusher = Pusher(self.links, self.feedback, peer_id, on_ack or (lambda info: None))
@@ -187,12 +193,8 @@ class Peer:
 
     def run(self) -> int:
         """Train tasks until the run finishes (``run_finished`` is then True), ``stop`` is set
-        or ``max_tasks`` are done; the number of tasks done.
-
-        Raises:
-            Exception: whatever stopped the peer otherwise (a rejection the user must act on,
-                or an unexpected error), after it is recorded as ``error``.
-        """
+        or ``max_tasks`` are done; the number of tasks done. Whatever else stops it (a rejection
+        the user must act on, an unexpected error) is recorded as ``error``, and raised."""
         self.run_finished, self.error = False, None
         try:
             self.setup()
@@ -236,6 +238,8 @@ class Peer:
             offers, reply = ([ahead[0]], None) if ahead is not None else self._claim_batch()
             if offers or not isinstance(reply, DipacoError):
                 last_contact = time.monotonic()
+            if offers or not isinstance(reply, TransportError):
+                self.patience.watch.ok()  # the scheduler answered
             if isinstance(reply, RejectedError) and reply.reason not in PASSING:
                 raise reply  # revoked, banned, not on the allow-list...: the user must act
             if offers:
@@ -274,6 +278,11 @@ class Peer:
         prefer = self.last_path if self.parallel == 1 else None
         return claim_tasks(self.transport, self.peer_id, want, prefer, held)
 
+    def heartbeating(self, leases: list[Lease]) -> AbstractContextManager[None]:
+        """Heartbeat ``leases`` from a thread of their own while the block runs (links.py)."""
+        every = self.config["heartbeat_seconds"]
+        return heartbeating(self.transport, self.peer_id, leases, every, self.patience.watch)
+
     def _release(self, task: m.TaskOffer) -> None:
         try:
             self.transport.request(m.ReleaseTask(peer_id=self.peer_id, task_id=task.task_id))
@@ -285,7 +294,7 @@ class Peer:
         """Fetch, train and push one task, heartbeating all along (downloads can be slow);
         ``fetched``: its modules fetched ahead (or what that fetch raised)."""
         lease: Lease = (task, {"step": 0}, threading.Event())
-        with heartbeating(self.transport, self.peer_id, [lease], self.config["heartbeat_seconds"]):
+        with self.heartbeating([lease]):
             run = self._setup_task(*lease, fetched=fetched)
             try:
                 self.trainer.train(
@@ -379,7 +388,10 @@ def task_failed(
     if isinstance(exc, TaskAborted):
         log.warning("peer %s: task %s aborted: %s", peer.peer_id, task.task_id, exc)
     elif isinstance(exc, TransportError):
-        log.warning("peer %s: task %s lost: %s", peer.peer_id, task.task_id, exc)
+        if not isinstance(exc, GaveUp):  # a failure its watch has not heard of
+            peer.patience.watch.failed(exc)
+        why = exc if isinstance(exc, GaveUp) else gist(exc)
+        log.warning("peer %s: task %s lost: %s", peer.peer_id, task.task_id, why)
         return
     else:
         log.warning("peer %s: task %s rejected: %s (%s)", peer.peer_id, task.task_id, exc, reason)
@@ -408,7 +420,7 @@ def train_batch(peer: Peer, tasks: list[m.TaskOffer]) -> None:
     (fetch, push) are handled as ``_loop`` handles a single task's.
     """
     leases = [(task, {"step": 0}, threading.Event()) for task in tasks]
-    with heartbeating(peer.transport, peer.peer_id, leases, peer.config["heartbeat_seconds"]):
+    with peer.heartbeating(leases):
         try:
             _train_batch(peer, leases)
         except TaskAborted as exc:  # the peer is stopping: hand every task back at once
@@ -478,11 +490,10 @@ def push_behind(peer: Peer, run: TaskRun, lease: Lease) -> None:
     peer.behind.wait()  # one send at a time
     wire, undo, tokens = peer.trainer.finish_behind(run, peer.pusher.encode)
     task, delta, losses = run.task, run.delta, run.losses
-    beat = peer.config["heartbeat_seconds"]
     peer.behind.start(
         task,
         lambda: peer.pusher.send(task, wire, list(delta), tokens, losses),
-        beating=lambda: heartbeating(peer.transport, peer.peer_id, [lease], beat),
+        beating=lambda: peer.heartbeating([lease]),
         undo=undo,
         failed=lambda exc: task_failed(peer, task, exc, pause=False, checkpoint=False),
         done=lambda: peer._pushed(task, delta, tokens, losses),
@@ -503,11 +514,8 @@ def fetch_next_ahead(peer: Peer, run: TaskRun) -> None:
         return
     holding = [run.task.task_id, *peer.behind.holding]
     claim = m.ClaimTask(peer_id=peer.peer_id, holding=holding, wait=0.0)
-    beat = peer.config["heartbeat_seconds"]
     peer.ahead.start(
         lambda: peer.transport.request(claim),
         peer.fetch,
-        lambda offer: heartbeating(
-            peer.transport, peer.peer_id, [(offer, {"step": 0}, threading.Event())], beat
-        ),
+        lambda offer: peer.heartbeating([(offer, {"step": 0}, threading.Event())]),
     )

@@ -135,6 +135,7 @@ class Pusher:
                         ticket=task.ticket,
                         codec=codec,
                     ),
+                    f"keeps the delta of {task.task_id}",
                 )
             except RejectedError as exc:
                 if exc.reason == Reason.FINISHED:

@@ -55,7 +55,7 @@ class Links:
             groups.setdefault(self.owners[mid], []).append(mid)
         return groups
 
-    def ask(self, owner, make):
+    def ask(self, owner, make, doing=""):
         msg = make()
         self.asked.append((owner, sorted(k.partition("/")[0] for k in msg.tensors)))
         answer = self.answers[owner]
