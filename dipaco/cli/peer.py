@@ -160,6 +160,7 @@ def cmd_join(args: argparse.Namespace) -> int:
                         peer.behind.seconds if peer.push_behind else None,
                         tasks=len(acked_tasks),
                         local=on_loopback(args.address),
+                        outage=peer.patience.watch.down_seconds,
                     )
                 )
             for old in current.values():

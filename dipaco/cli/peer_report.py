@@ -29,6 +29,7 @@ def link_line(
     *,
     tasks: int = 1,
     local: bool = False,
+    outage: float = 0.0,
 ) -> str:
     """One line on the link, from the peer's time so far (printed when its second task starts):
     transfers (fetch and push) against training, the bytes where the transport counts them,
@@ -37,14 +38,18 @@ def link_line(
     coordinator's address is a loopback one) and not when tasks are short (under ``SHORT_TASK``
     seconds of training each over ``tasks`` tasks), where each transfer's fixed costs weigh
     whatever the link. ``behind``: the seconds uploads took behind training (--push-behind),
-    outside the peer's own time."""
-    moving, training = timings.get("fetch", 0.0) + timings.get("push", 0.0), timings["train"]
+    outside the peer's own time. ``outage``: seconds the coordinator was unreachable, which
+    the transfers waited out: not the link's speed, so not counted as transfer time."""
+    moving = max(0.0, timings.get("fetch", 0.0) + timings.get("push", 0.0) - outage)
+    training = timings["train"]
     share = moving / max(moving + training, 1e-9)
     line = f"link: transfers took {moving:.1f} s so far, training {training:.1f} s"
     if traffic is not None and moving > 0:
         line += f" ({traffic[0] / 1e6:.1f} MB up, {traffic[1] / 1e6:.1f} MB down)"
     if behind is not None:
         line += f", uploads behind training {behind:.1f} s"
+    if outage > 0:
+        line += f", not counting {outage:.0f} s the coordinator was unreachable"
     if share <= THIN_LINK:
         return line + f": {100 * share:.0f}% on transfers, fine"
     per_task = training / max(tasks, 1)

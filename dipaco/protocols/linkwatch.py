@@ -140,6 +140,7 @@ class LinkWatch:
         self._next = 0.0  # seconds after the loss of the next reminder
         self._last = ""  # the last failure, in a few words
         self.outages = 0  # links lost so far (each told once)
+        self.down_seconds = 0.0  # the outages' total length, those that ended
 
     @property
     def down(self) -> bool:
@@ -187,6 +188,7 @@ class LinkWatch:
                 return
             down, attempts = self._clock() - self._down_since, self._attempts
             self._down_since, self._attempts = None, 0
+            self.down_seconds += down
         plural = "s" * (attempts != 1)
         self._tell(
             NOTICE,

@@ -90,3 +90,10 @@ def test_a_peer_served_malformed_modules_by_its_own_coordinator_hands_the_task_b
     assert released and released[0]["peer"] == "victim"
     assert co.scheduler.leases_of("victim") == []  # nothing held: the path is free again
     assert all(r.version == 0 and not r.pending for r in co.store.modules.values())
+
+
+def test_an_outage_waited_out_is_not_counted_as_transfer_time():
+    # 40 s of "push" of which 36 s waited for a coordinator that was down: 4 s of transfers.
+    line = link_line({"fetch": 1.0, "push": 40.0, "train": 60.0}, tasks=1, outage=36.0)
+    assert "transfers took 5.0 s" in line and "not counting 36 s" in line
+    assert line.endswith("8% on transfers, fine")
