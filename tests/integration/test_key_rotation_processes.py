@@ -90,7 +90,14 @@ def test_owner_and_peer_follow_a_rotated_scheduler_key_without_restarting(
         procs.append(scheduler)
         assert coordinator_key(scheduler) == new_key and "epoch 1" in scheduler.output
 
-        assert scheduler.finish(600) == 0, scheduler.output
+        # A peer that stops early (a refused reply) fails the test at once, not by a timeout.
+        wait_for(
+            lambda: scheduler.p.poll() is not None or peer.p.poll() not in (None, 0),
+            600,
+            told(scheduler, peer, owner),
+        )
+        assert peer.p.poll() in (None, 0), peer.output
+        assert scheduler.finish(60) == 0, scheduler.output
         assert owner.finish(120) == 0, owner.output
         assert peer.finish(120) == 0, peer.output
     finally:
