@@ -11,7 +11,8 @@ it lists rules, separated by ``;`` or ``,``::
     DIPACO_FAULTS="submit.before_ack=sleep:2@2-4"             # sleep 2 s at hits 2, 3 and 4
 
 Actions: ``kill`` (SIGKILL this process: no cleanup, no flush, like a power cut for the
-process), ``enospc`` (raise ``OSError(ENOSPC)``, a full disk), ``sleep:SECONDS``. When: ``N``
+process), ``enospc`` (raise ``OSError(ENOSPC)``, a full disk), ``sleep:SECONDS``, ``corrupt``
+(``fault_point`` returns True: the caller damages what it is about to send). When: ``N``
 (the Nth hit only), ``N-M``, ``N-`` (from the Nth on), ``if:PATH`` (while PATH exists, so a
 harness can fill and free the "disk" from outside); without ``@`` the first hit for ``kill``,
 every hit otherwise. Each fault that fires is appended as a JSON line to ``DIPACO_FAULTS_LOG``
@@ -44,6 +45,8 @@ POINTS = {
     "peer.send": "Pusher.send: the deltas encoded, not yet sent (sleep: a slow uplink)",
     "peer.fetch": "fetch_modules: the task's modules not yet asked for (sleep: a slow downlink)",
     "peer.inner_step": "PathTrainer.stepped: an inner step done, the stop not yet checked",
+    "flower.train": "Flower node: a train message received, not yet trained (sleep: it hangs)",
+    "flower.reply": "Flower node: the signed delta made, not yet sent (corrupt: damaged on the way)",
 }
 
 
@@ -79,7 +82,7 @@ def parse(spec: str) -> dict[str, list[Rule]]:
             raise ValueError(f"DIPACO_FAULTS: {item!r} is not point=action[@when]")
         action, _, when = rest.partition("@")
         name, _, arg = action.partition(":")
-        if name not in ("kill", "enospc", "sleep"):
+        if name not in ("kill", "enospc", "sleep", "corrupt"):
             raise ValueError(f"DIPACO_FAULTS: unknown action {action!r} in {item!r}")
         rule = Rule(point.strip(), name, float(arg) if name == "sleep" and arg else 0.0)
         if not when:
@@ -102,17 +105,21 @@ def reset() -> None:
     _hits.clear()
 
 
-def fault_point(name: str) -> None:
-    """Fire the fault ``DIPACO_FAULTS`` sets for this point and hit, if any (usually none)."""
+def fault_point(name: str) -> bool:
+    """Fire the fault ``DIPACO_FAULTS`` sets for this point and hit, if any (usually none);
+    True when a ``corrupt`` rule fired (the caller damages what it sends)."""
     global _rules
     if _rules is None:
         _rules = parse(os.environ.get("DIPACO_FAULTS", ""))
     if not _rules or name not in _rules:
-        return
+        return False
     hit = _hits[name] = _hits.get(name, 0) + 1
+    corrupt = False
     for rule in _rules[name]:
         if rule.due(hit):
             _fire(rule, hit)
+            corrupt |= rule.action == "corrupt"
+    return corrupt
 
 
 def _fire(rule: Rule, hit: int) -> None:
@@ -126,7 +133,7 @@ def _fire(rule: Rule, hit: int) -> None:
         time.sleep(60)  # SIGKILL is asynchronous; never carry on past the fault point
     elif rule.action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {rule.point})")
-    else:
+    elif rule.action == "sleep":
         time.sleep(rule.seconds)
 
 

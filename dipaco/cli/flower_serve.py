@@ -56,9 +56,9 @@ def operator_line(line: str, verbose: bool) -> str | None:
 class Follower:
     """Reads what the ServerApp appended to a file since the last call, whole lines only."""
 
-    def __init__(self, path: Path, from_end: bool = False) -> None:
+    def __init__(self, path: Path, from_end: bool = False, offset: int = 0) -> None:
         self.path = path
-        self.offset = path.stat().st_size if from_end and path.exists() else 0
+        self.offset = path.stat().st_size if from_end and path.exists() else offset
 
     def lines(self) -> list[str]:
         if not self.path.exists():
@@ -73,10 +73,13 @@ class Follower:
         return strip_ansi(chunk[:end].decode(errors="replace")).splitlines()
 
 
-def follow(proc, log_file: Path, metrics_file: Path, verbose: bool, on_tick=None) -> int:
-    """Print the run's events and the operator's lines of ``log_file`` until ``proc`` exits;
-    its exit code. Events already in ``metrics_file`` (an earlier start) are not repeated."""
-    log, events = Follower(log_file), Follower(metrics_file, from_end=True)
+def follow(
+    proc, log_file: Path, metrics_file: Path, verbose: bool, on_tick=None, log_from: int = 0
+) -> int:
+    """Print the run's events and the operator's lines of ``log_file`` from byte ``log_from``
+    until ``proc`` exits; its exit code. Events already in ``metrics_file`` and lines before
+    ``log_from`` (an earlier start's: both files are appended to) are not repeated."""
+    log, events = Follower(log_file, offset=log_from), Follower(metrics_file, from_end=True)
     while True:
         code = proc.poll()
         if on_tick is not None:
@@ -121,6 +124,8 @@ def serve_flower(args, prep) -> int:
         (run_dir / "coordinator" / "address").write_text(address + "\n")
         if args.local_peers:
             flower.start_local_nodes(args.local_peers)
+        run_log = flower.dir / "run.log"
+        earlier = run_log.stat().st_size if run_log.exists() else 0  # an earlier start's lines
         runner = flower.submit(
             evaluate=not args.no_eval,
             dashboard=args.dashboard or "",
@@ -135,7 +140,7 @@ def serve_flower(args, prep) -> int:
                 say(f"dashboard at {shown[0]}")
 
         code = follow(
-            runner, flower.dir / "run.log", run_dir / "metrics.jsonl", args.verbose, show_dashboard
+            runner, run_log, run_dir / "metrics.jsonl", args.verbose, show_dashboard, earlier
         )
         result = flower.result()
         if not result or not result.get("finished"):

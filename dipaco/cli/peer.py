@@ -85,6 +85,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             patience=args.patience,
             on_wait=say,
             serve_modules=args.serve_modules,
+            trust_dir=machine_dir,
         )
     )
     transport = join.scheduler

@@ -30,6 +30,7 @@ from flwr.app import RecordDict
 
 from dipaco.data.shards import shard_name
 from dipaco.errors import ConfigError, CorruptFileError, DipacoError, TransportError, WireError
+from dipaco.faults import fault_point
 from dipaco.fileio import write_json_atomic, write_private
 from dipaco.flower import forward
 from dipaco.flower import records as rec
@@ -279,7 +280,10 @@ def respond(
             )
             return {"op": op}, {}
         if op == "train":
+            fault_point("flower.train")  # sleep:S makes a node whose call hangs
             task_id, envelope = node.train(meta, blobs, files)
+            if fault_point("flower.reply"):  # corrupt: the body no longer matches its signature
+                envelope = envelope[:-1] + bytes([envelope[-1] ^ 0xFF])
             return {"op": op, "task": task_id, "state": node.report()}, {"envelope": envelope}
         raise ConfigError(f"unknown dipaco operation {op!r}")
     except (DipacoError, TaskAborted) as exc:

@@ -22,6 +22,7 @@ from typing import Any
 from dipaco.coordinator.core import Coordinator
 from dipaco.errors import TransportError
 from dipaco.peer.download import RunFiles
+from dipaco.peer.identity import FollowingLink
 from dipaco.peer.modules import check_manifest
 from dipaco.peer.seeds import SEED_REQUEST_BYTES, SeedFetcher, SeedServer
 from dipaco.protocols import discovery
@@ -295,12 +296,14 @@ def join_run(
     patience: float,
     on_wait: Callable[[str], None],
     serve_modules: str | None = None,
+    trust_dir: Path | None = None,
 ) -> HivemindJoin:
     """Join a run's DHT: find the run, authenticate its scheduler (``trust``: the pinned or
     given coordinator key, and what to do on first use), fetch the tokenizer, publish this
     peer's record, and watch the DHT for the run's end. In client mode, unless
     ``serve_modules`` names a host to listen on: then the peer serves the module versions it
-    holds to other peers (``peer.seeds``). Either way it fetches from peers that serve."""
+    holds to other peers (``peer.seeds``). Either way it fetches from peers that serve.
+    ``trust_dir``: where the coordinator key is pinned (``state_dir`` unless a machine's)."""
     node = start_node(address, patience, on_wait, serve_modules)
     try:
         run_id, entry, manifest = discovery.find_run(node, run)
@@ -323,7 +326,9 @@ def join_run(
             join.seed_server = SeedServer(me, join.seeds.held)
             # FetchSeed requests are small; two uploads at a time at most
             node.serve(join.seed_server.handle, workers=2, max_request_bytes=SEED_REQUEST_BYTES)
-        join.scheduler = SchedulerLink(node, run_id, entry, join.connect)
+        # Follows a standby's takeover (SchedulerLink) and a rotation of the scheduler's key.
+        link = SchedulerLink(node, run_id, entry, join.connect)
+        join.scheduler = FollowingLink(link, trust_dir or state_dir, address, peer_id, run_id)
         join.scheduler.authenticate(me, *trust)
         join.files = RunFiles(
             join.scheduler, peer_id, manifest["files"], state_dir / "runs" / run_id

@@ -19,6 +19,7 @@ from typing import Any
 
 from dipaco.errors import ConfigError, TransportError
 from dipaco.net import hivemind
+from dipaco.peer.identity import FollowingLink
 from dipaco.protocols.addresses import join_address
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LoopbackTransport, Transport
@@ -41,6 +42,7 @@ class JoinRequest:
     patience: float = 60.0  # seconds to keep retrying an address that does not answer yet
     serve_modules: str | None = None  # hivemind: the host to listen on and serve modules from
     on_wait: Callable[[str], None] = lambda line: None  # says why it is still retrying
+    trust_dir: Path | None = None  # where ``trust``'s key is pinned, if not in state_dir
 
 
 @dataclass
@@ -90,7 +92,7 @@ def _join_hivemind(r: JoinRequest) -> Joined:
     j = hivemind.join_run(
         r.address, run=r.run, peer_id=r.peer_id, state_dir=r.state_dir, me=r.me, trust=r.trust,
         device=r.device, memory_gb=r.memory_gb, max_mbps=r.max_mbps, patience=r.patience,
-        on_wait=r.on_wait, serve_modules=r.serve_modules,
+        on_wait=r.on_wait, serve_modules=r.serve_modules, trust_dir=r.trust_dir,
     )  # fmt: skip
     return Joined(
         j.scheduler,
@@ -110,9 +112,12 @@ def _join_loopback(r: JoinRequest) -> Joined:
         raise ConfigError(
             f"--authkey-file {r.authkey_file}: not a readable key file ({exc})"
         ) from None
-    transport = dial_loopback(r.address, key, r.patience, r.on_wait).authenticate(r.me, *r.trust)
     if r.serve_modules is not None:
         raise ConfigError("--serve-modules needs a hivemind run (a multiaddr address)")
+    link = dial_loopback(r.address, key, r.patience, r.on_wait)
+    # follows a rotation of the scheduler's key, from the run id its first Welcome names
+    transport = FollowingLink(link, r.trust_dir or r.state_dir, r.address, r.peer_id)
+    transport.authenticate(r.me, *r.trust)
     return Joined(transport, close=transport.close)
 
 

@@ -9,7 +9,8 @@ use, like ssh's known_hosts, with a warning.
 When the scheduler rotates its key (``dipaco-coordinator rotate-key``), a reply signed by the new
 key is refused as ``untrusted-reply``; ``follow_rotation`` then asks for the rotation statements
 and moves the peer's trust, and its pin, to the new key only if statements signed by the key it
-trusted lead there (dipaco.protocols.keyrotation); else ``bad-rotation``.
+trusted lead there (dipaco.protocols.keyrotation); else ``bad-rotation``. A joined peer's link to
+the scheduler (``FollowingLink``) does that by itself on such a refusal, and asks again.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import json
 import logging
 import secrets
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from dipaco.errors import WireError
 from dipaco.fileio import write_json_atomic
 from dipaco.protocols import keyrotation
 from dipaco.protocols import messages as m
@@ -95,6 +98,8 @@ def follow_rotation(
         transport.authenticate(identity, trusted, on_pin)
         raise
     transport.authenticate(identity, key, on_pin)
+    if key == trusted:  # a reply refused for another reason (damaged on the way): nothing moved
+        return key
     file = state_dir / KNOWN_COORDINATORS
     known = json.loads(file.read_text()) if file.exists() else {}
     if known.get(address) == trusted:
@@ -105,3 +110,73 @@ def follow_rotation(
         fingerprint(key),
     )
     return key
+
+
+class _View(Transport):
+    """Another view of ``link``: its own keys, the same connection."""
+
+    def __init__(self, link: Transport) -> None:
+        self.link = link
+
+    def _roundtrip(self, data: bytes) -> bytes:
+        return self.link._roundtrip(data)
+
+
+class FollowingLink(Transport):
+    """A peer's transport to the scheduler that follows a signed rotation of its key.
+
+    A reply refused as ``untrusted-reply`` while a key is trusted makes it follow the rotation
+    (``follow_rotation``, on a view of the same link, so that requests of other threads keep
+    insisting on the trusted key meanwhile) and send the request once more, to the new key:
+    every request a peer sends may be repeated (a claim whose reply was lost leaves a lease to
+    expire; a delta or a TaskDone sent again is acknowledged again). A rotation that does not
+    lead to the key that answered raises ``RotationError`` (``bad-rotation``): the peer stops.
+
+    Args:
+        link: the transport that carries the bytes (its own keys are not used).
+        state_dir: the folder of ``known_coordinators.json``, whose pin for ``address`` follows.
+        address: the address the peer joined, as pinned.
+        peer_id: the peer's id, said in the ``Hello`` that asks for the statements.
+        run_id: the run's id, which the statements must name; None to learn it from the first
+            ``Welcome`` (no rotation is followed before one).
+    """
+
+    def __init__(
+        self,
+        link: Transport,
+        state_dir: Path,
+        address: str,
+        peer_id: str,
+        run_id: str | None = None,
+    ) -> None:
+        self.link, self.state_dir, self.address = link, Path(state_dir), address
+        self.peer_id, self.run_id = peer_id, run_id
+        self._following = threading.Lock()
+
+    def _roundtrip(self, data: bytes) -> bytes:
+        return self.link._roundtrip(data)
+
+    def request(self, msg: m.Message) -> m.Message:
+        trusted = self.server_key
+        try:
+            reply = super().request(msg)
+        except WireError as exc:
+            if exc.reason != "untrusted-reply" or trusted is None or self.run_id is None:
+                raise
+            self._follow(trusted)
+            reply = super().request(msg)
+        if isinstance(reply, m.Welcome) and self.run_id is None:
+            self.run_id = reply.run_id
+        return reply
+
+    def _follow(self, trusted: str) -> None:
+        with self._following:
+            if self.server_key != trusted:  # another thread's request followed it already
+                return
+            view = _View(self.link).authenticate(self.identity, trusted, self.on_pin)
+            run_id = self.run_id or ""
+            key = follow_rotation(view, self.state_dir, self.address, self.peer_id, run_id)
+            self.server_key = key
+
+    def close(self) -> None:
+        self.link.close()

@@ -116,6 +116,17 @@ def test_an_injected_full_disk_leaves_nothing_half_written(tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["faults.jsonl", "one", "three"]
 
 
+def test_a_corrupt_rule_tells_its_caller_at_the_hits_it_names(monkeypatch):
+    monkeypatch.setenv("DIPACO_FAULTS", "flower.reply=corrupt@2")
+    faults.reset()
+    try:
+        assert [faults.fault_point("flower.reply") for _ in range(3)] == [False, True, False]
+        assert faults.fault_point("flower.train") is False
+    finally:
+        monkeypatch.delenv("DIPACO_FAULTS")
+        faults.reset()
+
+
 def test_clock_skew(monkeypatch):
     monkeypatch.setenv("DIPACO_CLOCK_SKEW", "-120")
     faults.reset()

@@ -43,7 +43,10 @@ def test_the_runs_events_are_printed_as_on_hivemind(tmp_path, capsys):
     metrics.write_text(
         json.dumps({"event": "eval", "model": "dipaco", "round": 0, "ppl": 1.0}) + "\n"
     )
-    # The ServerApp appends while the command follows; events of an earlier start are not repeated.
+    log.write_text("2026-11-29 06:30:00,000 INFO dipaco.flower.server: flower round 9: 1/2\n")
+    earlier = log.stat().st_size
+    # The ServerApp appends while the command follows; what an earlier start left in both files
+    # is not repeated.
     script = (
         "import json, time\n"
         f"time.sleep(1.0)\n"
@@ -56,7 +59,7 @@ def test_the_runs_events_are_printed_as_on_hivemind(tmp_path, capsys):
     console.configure("plain")
     try:
         proc = subprocess.Popen([sys.executable, "-c", script])
-        assert follow(proc, log, metrics, verbose=False) == 0
+        assert follow(proc, log, metrics, verbose=False, log_from=earlier) == 0
     finally:
         console.configure(before)
     out = [line.split(" ", 1)[1] for line in capsys.readouterr().out.splitlines()]

@@ -16,7 +16,7 @@ from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.owner import Reporter, take_over
 from dipaco.errors import ConfigError, RejectedError, WireError
-from dipaco.peer.identity import KNOWN_COORDINATORS, follow_rotation
+from dipaco.peer.identity import KNOWN_COORDINATORS, FollowingLink, follow_rotation
 from dipaco.protocols import keyrotation
 from dipaco.protocols import messages as m
 from dipaco.protocols.auth import Identity, sign_payload
@@ -210,6 +210,31 @@ def test_a_pinned_peer_follows_a_signed_rotation_and_refuses_a_forged_one(run, t
     assert welcome.config["coordinator_key"] == real.identity.public_key
     pinned = json.loads((state_dir / KNOWN_COORDINATORS).read_text())
     assert pinned == {"addr": real.identity.public_key}
+
+
+def test_a_joined_peers_link_follows_the_rotation_by_itself_and_not_a_forged_one(run, tmp_path):
+    sched, _, switch, _ = run
+    state_dir = tmp_path / "peer"
+    state_dir.mkdir()
+    old_key = sched.identity.public_key
+    (state_dir / KNOWN_COORDINATORS).write_text(json.dumps({"addr": old_key}))
+    link = FollowingLink(LocalTransport(switch), state_dir, "addr", "alice")
+    link.authenticate(ALICE, old_key)
+    assert link.request(m.Hello(peer_id="alice")).run_id == RUN  # the run id, from its Welcome
+
+    real = restart_rotated(sched, switch)
+    new_key = real.identity.public_key
+    switch.co = forged_scheduler(tmp_path, old_key)
+    with pytest.raises(keyrotation.RotationError) as err:  # Mallory's "rotation": the peer stops
+        link.request(m.ClaimTask(peer_id="alice", prefer_path=0))
+    assert err.value.reason == "bad-rotation" and link.server_key == old_key
+
+    switch.co = real  # the request the new key answered is sent again, under the new key
+    offer = link.request(m.ClaimTask(peer_id="alice", prefer_path=0))
+    assert isinstance(offer, m.TaskOffer) and link.server_key == new_key
+    assert json.loads((state_dir / KNOWN_COORDINATORS).read_text()) == {"addr": new_key}
+    beat = link.request(m.Heartbeat(peer_id="alice", task_id=offer.task_id, step=1))
+    assert beat.lease_ok  # and everything after it, without asking again
 
 
 def test_rotate_key_needs_a_started_scheduler_and_finishes_a_cut_rotation(tmp_path):
