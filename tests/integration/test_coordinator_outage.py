@@ -10,7 +10,6 @@ where it used to print two lines for every failed heartbeat.
 from __future__ import annotations
 
 import re
-import socket
 import time
 
 import pytest
@@ -20,16 +19,12 @@ pytestmark = pytest.mark.slow
 OUTAGE = 8.0  # seconds the coordinator is away: 16 failed heartbeats at 0.5 s
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_peer_says_once_that_the_coordinator_is_lost_and_once_that_it_is_back(run_copy, tmp_path):
     root, config = run_copy("run"), config_file(tmp_path)
-    listen = ("--listen", f"127.0.0.1:{free_port()}")  # the same address after the restart
-    coordinator, address = start_coordinator(root, config, False, *listen)
+    # Port 0: the system picks one no other process can take meanwhile; the restart listens on
+    # the port it was given (the same address the peer dials).
+    coordinator, address = start_coordinator(root, config, False, "--listen", "127.0.0.1:0")
+    listen = ("--listen", "127.0.0.1:" + re.search(r"/tcp/(\d+)/", address).group(1))
     peer = Proc(BIN / "dipaco-peer", "--log-format", "plain", "join", address,
                 "--peer-id", "alice", "--state-dir", tmp_path / "alice", name="alice")  # fmt: skip
     again = None

@@ -25,7 +25,6 @@ import pytest
 from _waiting import wait_for
 from test_flower_run import events, kill_tree, said
 from test_hivemind_run import BIN, Proc, told
-from test_processes import free_port
 
 from dipaco.flower import deploy
 
@@ -109,12 +108,14 @@ def test_a_flower_run_resumes_when_its_coordinator_is_stopped_and_started_again(
     monkeypatch.setattr(Proc, "log_dir", tmp_path)  # each process's output, to read after a failure
     root, a, b = run_copy("flower"), tmp_path / "node-a", tmp_path / "node-b"
     config = run_config(tmp_path, straggler_seconds=25.0)
-    listen = f"127.0.0.1:{free_port()}"  # the same address after the restart
     admit(root, a, b)
     procs: list[Proc] = []
     try:
-        coordinator, joining = start(root, config, listen)
+        # Port 0: the system picks a free one, which no other process can take meanwhile; the
+        # restart listens on the port it was given (the same address the nodes dial).
+        coordinator, joining = start(root, config, "127.0.0.1:0")
         procs.append(coordinator)
+        listen = joining[0]
         nodes = [join(joining, a), join(joining, b)]
         procs += nodes
         wait_for(
@@ -167,7 +168,7 @@ def test_a_damaged_reply_is_refused_and_a_hung_call_closes_its_round(
     }
     procs: list[Proc] = []
     try:
-        coordinator, joining = start(root, config, f"127.0.0.1:{free_port()}")
+        coordinator, joining = start(root, config, "127.0.0.1:0")
         procs.append(coordinator)
         nodes = [
             join(

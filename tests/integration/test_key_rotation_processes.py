@@ -31,7 +31,6 @@ from test_hivemind_run import (
     start_peer,
     told,
 )
-from test_processes import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -50,11 +49,13 @@ def test_owner_and_peer_follow_a_rotated_scheduler_key_without_restarting(
     root, owner_dir, peer_dir = run_copy(), tmp_path / "owner", tmp_path / "peer"
     config = config_file(tmp_path)  # 2 rounds of 4 tasks
     # The same address before and after the restart, as an operator's start command has.
-    listen = ("--listen", f"127.0.0.1:{free_port()}")
+    listen = ("--listen", "127.0.0.1:0")  # the first start: the system picks a free port
     procs: list[Proc] = []
     try:
         key = owner_key(owner_dir)
         scheduler, address = start_coordinator(root, config, False, *listen)
+        # the restart listens where the first start did: the address owner and peer dial
+        listen = ("--listen", "127.0.0.1:" + re.search(r"/tcp/(\d+)/", address).group(1))
         procs.append(scheduler)
         old_key = coordinator_key(scheduler)
         owner = start_owner(address, root, owner_dir, key())

@@ -22,12 +22,12 @@ def test_the_inner_state_of_a_round_is_saved_before_its_deltas_are_sent(run_copy
     peer = Peer(LocalTransport(co.handle), "solo", state)
     ask = peer.links.ask  # every request to a module owner, deltas included, goes through it
 
-    def watched(owner, make):
+    def watched(owner, make, doing=""):
         msg = make()
         if isinstance(msg, m.SubmitDelta):
             path, rnd = msg.task_id.split("-")[:2]  # "P<path>-r<round>-..."
             seen.append((msg.task_id, (state / "inner" / f"{path}-{rnd}.dpt").exists()))
-        return ask(owner, make)
+        return ask(owner, make, doing)
 
     peer.links.ask = watched
     done = peer.run()

@@ -55,11 +55,11 @@ def run_watching_deltas(short_copy, short_config, network: dict):
     sent: list[m.SubmitDelta] = []
     ask = peer.links.ask
 
-    def watched(owner, make):
+    def watched(owner, make, doing=""):
         msg = make()
         if isinstance(msg, m.SubmitDelta):
             sent.append(msg)
-        return ask(owner, make)
+        return ask(owner, make, doing)
 
     peer.links.ask = watched
     assert peer.run() == config.build_topology().num_paths * 2
