@@ -19,8 +19,9 @@ demo: $(STAMP)
 	$(VENV)/bin/dipaco demo $(ARGS)
 
 # Two workers (pytest-xdist) for most of the suite, then the tests marked serial alone (they time
-# how fast a command stops, or scan every process for a daemon left behind). Exit code 5 is
-# "nothing selected" (an ARGS that picks no serial test). TEST_WORKERS=0 runs it all in one.
+# how fast a command stops, or check that the daemons their commands started are gone). Exit
+# code 5 is "nothing selected" (an ARGS that picks no serial test). TEST_WORKERS=0 runs it all
+# in one.
 TEST_WORKERS ?= 2
 test: $(STAMP) lint
 	.ci/need-chromium

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _waiting import alive
 from fault_harness import BIN, write_config
 
 from dipaco.procs import descendants
@@ -38,15 +39,6 @@ def busy_core():
     yield hog
     hog.kill()
     hog.wait()
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie waiting for a reaper is not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 class Command:
