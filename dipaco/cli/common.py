@@ -285,6 +285,29 @@ def _take_option(argv: list[str], name: str) -> str | None:
     return value
 
 
+def dump_stacks_on_usr1() -> None:
+    """``kill -USR1 PID``: every thread's stack to standard error, and the process goes on.
+
+    A Python-level handler, not ``faulthandler.register``: faulthandler's C handler walks the
+    threads' frames at any instant, also while a thread is building one, and then crashes the
+    process (a segfault, seen under a busy coordinator's threads). This one runs on the main
+    thread between bytecodes, holding the GIL, when no thread is changing its frames; a main
+    thread waiting on a lock, an event or a sleep is woken for it."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+
+    def dump(signum: int, frame: object) -> None:
+        try:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        except (OSError, ValueError, AttributeError):  # stderr is no file, or closed
+            pass
+
+    try:
+        signal.signal(signal.SIGUSR1, dump)
+    except ValueError:  # not the main thread (called in-process by a test)
+        pass
+
+
 def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     """Parse, set up logging, run the chosen subcommand's ``fn`` and exit with its code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -300,11 +323,7 @@ def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     except ValueError as exc:  # DIPACO_LOG_FORMAT holds something else
         parser.error(f"DIPACO_LOG_FORMAT: {exc}")
     setup_logging(args.verbose)
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to stderr, run goes on
-        try:
-            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
-        except (OSError, ValueError):  # stderr is no file (called in-process, output captured)
-            pass
+    dump_stacks_on_usr1()
     stopping.install()  # SIGTERM as Ctrl-C; either one ends the process within seconds
     try:
         code = run_command(lambda: args.fn(args))

@@ -43,11 +43,36 @@ def chromium():
 
 
 def start_peer(address, root, tmp_path, i) -> subprocess.Popen:
-    return subprocess.Popen(
-        [BIN / "dipaco-peer", "join", address, "--authkey-file", root / "coordinator" / "authkey",
-         "--peer-id", f"peer{i}", "--state-dir", tmp_path / f"peer{i}", "--metrics-port", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    with (tmp_path / f"peer{i}.log").open("w") as log:  # read when a wait fails
+        return subprocess.Popen(
+            [BIN / "dipaco-peer", "join", address, "--authkey-file",
+             root / "coordinator" / "authkey", "--peer-id", f"peer{i}", "--state-dir",
+             tmp_path / f"peer{i}", "--metrics-port", "0"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+
+def story(what, browser, procs, tmp_path):
+    """A failed wait's message: what the page says, and what each process did and wrote, with
+    every thread's stack of those still running."""
+
+    def tell():
+        try:
+            shown = page(browser, "return document.getElementById('state').textContent")
+        except Exception as err:  # noqa: BLE001 (the browser itself may be what failed)
+            shown = f"(the page cannot be read: {err})"
+        parts = [f"{what}; the page says {shown!r}"]
+        for proc in procs:  # where each process is, into its log (`kill -USR1`), to read below
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        names = ["coordinator.log"] + [f"peer{i}.log" for i in range(len(procs) - 1)]
+        for proc, name in zip(procs, names, strict=True):
+            tail = (tmp_path / name).read_text()[-2500:] if (tmp_path / name).exists() else ""
+            parts.append(f"--- {name} (exit {proc.poll()}):\n{tail}")
+        return "\n".join(parts)
+
+    return tell
 
 
 def page(browser, script):
@@ -94,7 +119,7 @@ def test_dashboard_in_chromium_and_status_json_during_a_live_run(run_copy, tmp_p
                 int(page(browser, "return document.getElementById('round').dataset.round")) >= 1
             ),
             240,
-            "the page to show round 1",
+            story("the page to show round 1", browser, procs, tmp_path),
         )
         # `kill -USR1` prints every thread's stack to the log, and the run goes on.
         coordinator.send_signal(signal.SIGUSR1)
@@ -111,7 +136,7 @@ def test_dashboard_in_chromium_and_status_json_during_a_live_run(run_copy, tmp_p
                 page(browser, "return document.getElementById('state').textContent") == "finished"
             ),
             300,
-            "the page to say finished",
+            story("the page to say finished", browser, procs, tmp_path),
         )
         assert min(page(browser, LOSS_POINTS)) >= 2  # a point per path per round
         versions = page(
