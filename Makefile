@@ -31,7 +31,7 @@ test: $(STAMP) lint
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dipaco tests bench
 	$(VENV)/bin/ruff format --check dipaco tests bench
-	$(VENV)/bin/lint-imports  # DESIGN.md's floors and never-rules ([tool.importlinter])
+	$(VENV)/bin/lint-imports  # docs/design.md, "Layout": floors, never-rules ([tool.importlinter])
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix dipaco tests bench

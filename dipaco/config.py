@@ -427,8 +427,8 @@ def load_config(path: str | Path) -> RunConfig:
 
 
 PRESETS: dict[str, dict] = {
-    # Calibrated on 2 CPU cores (shared/reference/calibration.md): width 128, 4 layers, seq 128,
-    # batch 16, 60 pretraining steps then 8 rounds of H = 25: about ten minutes in all.
+    # Calibrated on 2 CPU cores (docs/design.md, "Measured before the code"): width 128, 4 layers,
+    # seq 128, batch 16, 60 pretraining steps then 8 rounds of H = 25: about ten minutes in all.
     # Local presets: peers are equal threads or processes on one machine, so rounds wait for
     # every path and every task is H steps: runs are deterministic, bit for bit.
     "demo": {"name": "demo", "scheduler": {"quorum": 1.0, "min_step_fraction": 1.0}},

@@ -59,8 +59,8 @@ class Plan:
 
 def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
     """Admit a delta. Only the state transitions take the coordinator's lock: decoding, the
-    content checks and the durable write run outside it, many requests at once (DESIGN.md's
-    promise holds: a delta is durable before it is acknowledged, and never applied twice)."""
+    content checks and the durable write run outside it, many requests at once (the promise of
+    docs/design.md holds: a delta is durable before it is acknowledged, and never applied twice)."""
     with core.lock:
         core._seen(req.peer_id)
         task = core._task(req.peer_id, req.task_id, req.ticket)

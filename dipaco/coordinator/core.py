@@ -1,6 +1,6 @@
 """The coordinator core: a transport-free state machine over the module store and the scheduler.
 
-Operations (DESIGN.md, "The core is transport-free"): hello, claim a task, fetch a path's
+Operations (docs/design.md, "The core is transport-free"): hello, claim a task, fetch a path's
 modules, heartbeat, submit a delta, release a task, status. :meth:`Coordinator.handle` maps wire
 frames to them, so every transport (local, loopback, hivemind and Flower) drives the same code.
 Every rejection raises a :class:`RejectedError` with a reason and is counted.

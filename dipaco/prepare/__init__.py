@@ -1,4 +1,5 @@
-"""The operator's step 1 (DESIGN.md "One round"): prepare a run folder once, before training.
+"""The operator's step 1 (docs/design.md, "One round, end to end"): prepare a run folder once,
+before training.
 
 tokenizer -> token files -> dense pretraining -> prefix features -> router -> per-path shards
 (``pipeline.prepare``), re-sharding for a discriminative routing phase (``phases``), and the

@@ -1,4 +1,5 @@
-"""Preparing a run (DESIGN.md "One round", step 1), done once by the coordinator's operator.
+"""Preparing a run (docs/design.md, "One round, end to end", step 1), done once by the
+coordinator's operator.
 
 tokenizer -> token files -> dense pretraining -> prefix features -> router -> per-path shards.
 Every step writes its outputs atomically and is skipped when they already exist, so preparing

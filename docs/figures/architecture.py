@@ -1,5 +1,5 @@
-"""Draws docs/architecture.png: dipaco's parts on their floors (DESIGN.md's layout), the files of
-each, and the path of one delta. Run it again after moving files:
+"""Draws docs/architecture.png: dipaco's parts on their floors (docs/design.md, "Layout"), the
+files of each, and the path of one delta. Run it again after moving files:
 
     .venv/bin/python docs/figures/architecture.py
 """

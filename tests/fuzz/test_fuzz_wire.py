@@ -1,8 +1,9 @@
 """Fuzzing the wire: frames, messages and tensor files decode to a valid value or a WireError.
 
-Promise 1 (DESIGN.md): bad input gets a clear error, never a crash. Every example is either a
-random byte string or a small mutation of a valid encoding, so the decoder's later checks (the
-header's shape, tensor specs, lengths, message fields and their types) are reached as well.
+Promise 1 (docs/design.md, "Promises"): bad input gets a clear error, never a crash. Every
+example is either a random byte string or a small mutation of a valid encoding, so the decoder's
+later checks (the header's shape, tensor specs, lengths, message fields and their types) are
+reached as well.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ def test_no_file_over_600_lines_and_no_class_over_300() -> None:
 
 
 def test_every_part_says_what_it_is_for() -> None:
-    """DESIGN.md: a part's __init__.py docstring says what it is for."""
+    """docs/design.md, "Layout": a part's __init__.py docstring says what it is for."""
     silent = [
         str(init.relative_to(PACKAGE.parent))
         for init in PACKAGE.rglob("__init__.py")
