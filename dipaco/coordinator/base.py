@@ -28,6 +28,7 @@ from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
 from dipaco.coordinator.serial import Serial
 from dipaco.coordinator.statetext import trained_by_texts
 from dipaco.coordinator.store import ModuleStore
+from dipaco.coordinator.tickets import SchedulerKeys
 from dipaco.coordinator.validation import KeyScores, NormTracker
 from dipaco.errors import ConfigError, CorruptFileError, RejectedError
 from dipaco.model.topology import Topology
@@ -203,9 +204,11 @@ class CoordinatorBase:
         # Our Ed25519 key signs replies, tickets, releases and the manifest; the scheduler's key
         # is the one whose tickets an owner accepts (our own, on the scheduler).
         self.identity = identity or auth.Identity.load_or_create(self.root / "signing.key")
-        self.scheduler_key = self.identity.public_key if is_scheduler else scheduler_key
-        if self.scheduler_key is None:
+        current = self.identity.public_key if is_scheduler else scheduler_key
+        if current is None:
             raise ValueError("a module owner needs the scheduler's public key (scheduler_key)")
+        # The scheduler's keys, current and retired, and the rotations between (rotation.py).
+        self.keys = SchedulerKeys(current)
         self.security = security or SecuritySection()
         self.access = AccessPolicy(
             self.root,
@@ -302,6 +305,11 @@ class CoordinatorBase:
         self.checked_mean = (
             v.aggregation == "auto" and v.heldout_check and outer.aggregation != "mean"
         )
+
+    @property
+    def scheduler_key(self) -> str:
+        """The scheduler's key now (``keys.current``)."""
+        return self.keys.current
 
     def owned_modules(self) -> list[str]:
         return [mid for mid in self.topology.module_ids() if self.owners.get(mid) == self.owner_id]

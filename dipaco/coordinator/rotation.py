@@ -5,14 +5,14 @@
   running or not: a new ``signing.key``, and a statement signed by the old key appended to
   ``key_rotations.json``. The scheduler signs with the new key from its next start on (a new
   epoch: the old key's tickets, all of earlier epochs, stay good at every owner).
-- ``load(core)`` (from ``state.start``): the scheduler reads its statements, which it serves in
-  ``Welcome.rotations``; an owner re-follows those it accepted (saved in its coordinator.json)
-  from the manifest's key.
+- ``load(core, saved)`` (from ``state.start``): the scheduler reads its statements, which it
+  serves in ``Welcome.rotations``; an owner re-follows those it accepted (saved in its
+  coordinator.json) from the manifest's key. Either way the keys land in ``core.keys``
+  (``tickets.SchedulerKeys``), the part that owns them.
 - ``follow(core, transport)``: an owner whose scheduler answered with a key it does not trust
   asks for the statements (a ``Hello``; the reply's content proves itself), follows them from
   the key it trusts, and from then on accepts the new key, or refuses and counts
   ``bad-rotation`` and keeps the key it had.
-- ``trusted_keys(core)``: the keys whose tickets this coordinator accepts.
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ def finish_pending(folder: Path) -> bool:
     return False
 
 
-def load(core: CoordinatorBase) -> None:
-    """Set ``core.key_rotations`` and ``core.retired_scheduler_keys`` on start."""
-    core.key_rotations, core.retired_scheduler_keys = [], {}
+def load(core: CoordinatorBase, saved: list[dict[str, Any]]) -> None:
+    """On start, ``core.keys`` from disk: the scheduler's statements (``key_rotations.json``),
+    or an owner's ``saved`` ones (its coordinator.json), followed from the manifest's key."""
     if core.is_scheduler:
         if finish_pending(core.root):
             use_identity(core, auth.Identity.load(core.root / SIGNING_KEY))
@@ -117,12 +117,11 @@ def load(core: CoordinatorBase) -> None:
         except keyrotation.RotationError as exc:
             log.warning("%s: %s; owners and peers cannot follow it", core.root / ROTATIONS, exc)
             return
-        core.key_rotations, core.retired_scheduler_keys = used, retired
+        core.keys.accept(key, retired, used)
         return
-    saved = getattr(core, "saved_rotations", [])
     if saved:
         try:
-            key, retired, used = keyrotation.follow(core.scheduler_key, saved, core.run_id)
+            key, retired, used = keyrotation.follow(core.keys.current, saved, core.run_id)
         except keyrotation.RotationError as exc:
             raise CorruptFileError(
                 f"{core.root / 'coordinator.json'}: its scheduler key rotations do not follow "
@@ -134,7 +133,7 @@ def load(core: CoordinatorBase) -> None:
 def use_identity(core: CoordinatorBase, identity: auth.Identity) -> None:
     """The scheduler signs with ``identity`` from now on (a rotation finished on start)."""
     core.identity = identity
-    core.scheduler_key = identity.public_key
+    core.keys.current = identity.public_key
     core.owner_keys[core.owner_id] = identity.public_key
     core.peer_config["coordinator_key"] = identity.public_key
     core.access.self_keys.add(identity.public_key)
@@ -143,18 +142,8 @@ def use_identity(core: CoordinatorBase, identity: auth.Identity) -> None:
 def accept(core: CoordinatorBase, key: str, retired: dict[str, int], used: list[dict]) -> None:
     """An owner trusts ``key`` as the scheduler's from now on, and the retired keys for the
     tickets of their epochs."""
-    core.retired_scheduler_keys.update(retired)
-    core.retired_scheduler_keys.pop(key, None)
-    core.key_rotations = used
-    core.scheduler_key = key
+    core.keys.accept(key, retired, used)
     core.access.self_keys.add(key)
-
-
-def trusted_keys(core: CoordinatorBase) -> list[tuple[str, int | None]]:
-    """The keys whose tickets this coordinator accepts: (key, None) for the scheduler's
-    current one, (key, last epoch) for each retired one."""
-    retired = getattr(core, "retired_scheduler_keys", {})
-    return [(core.scheduler_key, None), *retired.items()]
 
 
 def follow(core: CoordinatorBase, scheduler: Transport) -> bool:
@@ -174,7 +163,7 @@ def follow(core: CoordinatorBase, scheduler: Transport) -> bool:
         if not isinstance(welcome, m.Welcome) or seen is None:
             raise keyrotation.RotationError("the scheduler did not answer Hello with a Welcome")
         with core.lock:
-            start_key = core.scheduler_key
+            start_key = core.keys.current
         key, retired, used = keyrotation.follow(start_key, welcome.rotations, core.run_id, seen)
     except keyrotation.RotationError as exc:
         scheduler.authenticate(identity, trusted, on_pin)
@@ -192,7 +181,7 @@ def follow(core: CoordinatorBase, scheduler: Transport) -> bool:
     if key == start_key:  # a reply refused for another reason (a stale nonce): nothing moved
         return True
     with core.lock:
-        accept(core, key, retired, [*core.key_rotations, *used])
+        accept(core, key, retired, [*core.keys.rotations, *used])
         core._save_state()
     log.warning("the scheduler's key is now %s (rotated from %s)", key, start_key)
     core.metrics({"event": "scheduler_key_rotated", "key": key, "from": start_key})

@@ -64,8 +64,7 @@ def start(
         core.trained_by = {(p, r): peer for p, r, peer in saved.get("trained_by", [])}
     else:
         core.owners = dict.fromkeys(core.store.owned_on_disk(), core.owner_id)
-        core.saved_rotations = saved.get("scheduler_rotations", [])
-    rotation.load(core)
+    rotation.load(core, [] if core.is_scheduler else saved.get("scheduler_rotations", []))
     mine = core.owned_modules()
     if initial_modules is not None:
         core.store.initialize({mid: initial_modules[mid] for mid in mine})
@@ -180,8 +179,8 @@ def _common(core: CoordinatorBase) -> dict[str, Any]:
             ended=core.scheduler.ended,
             overdue=sorted([p, r] for p, r in core.overdue),
         )
-    elif getattr(core, "key_rotations", None):
-        state["scheduler_rotations"] = core.key_rotations
+    elif core.keys.rotations:
+        state["scheduler_rotations"] = core.keys.rotations
     return state
 
 

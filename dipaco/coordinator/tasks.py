@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from dipaco.coordinator import rotation, tickets
+from dipaco.coordinator import tickets
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.leases import Lease
 from dipaco.coordinator.records import Task
@@ -56,7 +56,7 @@ def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
         run_id=core.run_id,
         config=core.peer_config,
         signature=auth.sign_payload(core.identity, "manifest", core.peer_config),
-        rotations=list(getattr(core, "key_rotations", [])),
+        rotations=list(core.keys.rotations),
         clock=(
             {
                 "now": time.time(),
@@ -246,7 +246,7 @@ def task_of(core: CoordinatorBase, peer_id: str, task_id: str, ticket: str) -> T
             f"task {task_id} was released or its lease expired; claim a new task",
         )
     if ticket:
-        payload = tickets.read_ticket_from(rotation.trusted_keys(core), ticket)
+        payload = core.keys.read(ticket)
         task = None if payload is None else Task.of_ticket(payload)
         if task is None:
             core._reject(peer_id, Reason.BAD_TICKET, f"task {task_id}: ticket does not verify")

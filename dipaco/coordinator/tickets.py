@@ -10,6 +10,8 @@ its operator allowed (``dipaco-coordinator allow --owner KEY``).
 After a rotation of the scheduler's key (dipaco.protocols.keyrotation) a ticket verifies against
 the current key, or against a retired one if its task was issued in an epoch that key signed
 for (``read_ticket_from``): tickets already issued stay good, new ones need the new key.
+:class:`SchedulerKeys` is the coordinator's part that holds those keys (rotation.py changes
+them).
 """
 
 from __future__ import annotations
@@ -76,3 +78,38 @@ def prove(identity: Identity, purpose: str, owner_id: str, payload: Any) -> str:
 
 def check(public_key: str, proof: str, purpose: str, owner_id: str, payload: Any) -> bool:
     return check_payload(public_key, proof, f"owner/{purpose}/{owner_id}", payload)
+
+
+class SchedulerKeys:
+    """The scheduler's keys as a coordinator knows them, a part of the coordinator that owns
+    this state and nothing else:
+
+    - ``current``: the scheduler's key now, whose tickets and replies are accepted;
+    - ``retired``: each earlier key with the last epoch it signed for (its tickets stay good
+      for tasks of those epochs);
+    - ``rotations``: the rotation statements that lead from the manifest's key to ``current``
+      (the scheduler serves them in ``Welcome.rotations``; an owner saves them in its
+      coordinator.json and follows them again on start).
+    """
+
+    def __init__(self, current: str) -> None:
+        self.current = current
+        self.retired: dict[str, int] = {}
+        self.rotations: list[dict[str, Any]] = []
+
+    def trusted(self) -> list[tuple[str, int | None]]:
+        """(key, None) for the current key, (key, last epoch) for each retired one: what
+        ``read_ticket_from`` takes."""
+        return [(self.current, None), *self.retired.items()]
+
+    def accept(self, key: str, retired: dict[str, int], rotations: list[dict[str, Any]]) -> None:
+        """``key`` is the scheduler's from now on, reached by ``rotations``; ``retired`` keys
+        keep the tickets of their epochs."""
+        self.retired.update(retired)
+        self.retired.pop(key, None)
+        self.rotations = rotations
+        self.current = key
+
+    def read(self, ticket: str) -> dict[str, Any] | None:
+        """The payload of ``ticket`` if one of these keys signed it for its epoch."""
+        return read_ticket_from(self.trusted(), ticket)

@@ -99,7 +99,7 @@ def test_a_running_owner_follows_the_rotation_and_accepts_both_keys_tickets(run,
     sched = restart_rotated(sched, switch, times=2)  # two rotations, followed in one go
     new_key = sched.identity.public_key
     assert new_key != old_key and sched.epoch == 1
-    assert [s["seq"] for s in sched.key_rotations] == [1, 2]
+    assert [s["seq"] for s in sched.keys.rotations] == [1, 2]
 
     reporter = Reporter(own, link, interval=0.05)
     reporter.start()
@@ -151,7 +151,7 @@ def forged_scheduler(tmp_path, trusted_key):
     Mallory signed herself."""
     fake = tiny_coordinator(tmp_path / "fake", run_id=RUN, peer_config={}, identity=MALLORY)
     body = {"run": RUN, "seq": 1, "old": trusted_key, "new": MALLORY.public_key, "epoch": 0}
-    fake.key_rotations = [{**body, "sig": sign_payload(MALLORY, keyrotation.PURPOSE, body)}]
+    fake.keys.rotations = [{**body, "sig": sign_payload(MALLORY, keyrotation.PURPOSE, body)}]
     return fake
 
 
