@@ -52,23 +52,34 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dipaco.config import OUTER_LR, OUTER_MOMENTUM, OuterSection, ValidationSection
 from dipaco.coordinator import validation
 
 Tensors = dict[str, torch.Tensor]
 
 
+_OUTER, _VALIDATION = OuterSection.model_fields, ValidationSection.model_fields
+
+
 @dataclass(frozen=True)
 class OuterSettings:
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-    rescale: str = "sqrt"  # "none", "sqrt", "linear" or "norm" (the module docstring)
-    weight_by_tokens: bool = True
-    warmup_rounds: int = 0
-    aggregation: str = "mean"  # "mean", "trimmed_mean" or "median"
-    trim_fraction: float = 0.2
-    min_paths_for_robust: int = 3
-    norm_ratio: float = 3.0  # the clip, in median norms, when too few paths for a robust combiner
+    """One module's outer step. Every default is the run config's (``config.OuterSection``,
+    ``ValidationSection``; lr and momentum the dense codecs'), so that a step made without a
+    config (the simulator, a bench) is the one a default run makes."""
+
+    lr: float = OUTER_LR
+    momentum: float = OUTER_MOMENTUM
+    nesterov: bool = _OUTER["nesterov"].default
+    rescale: str = _OUTER["rescale"].default  # "none", "sqrt", "linear" or "norm" (above)
+    weight_by_tokens: bool = _OUTER["weight_by_tokens"].default
+    warmup_rounds: int = _OUTER["warmup_rounds"].default
+    # "mean", "trimmed_mean" or "median": the config's "auto" picks one by the run's join
+    # policy (run/factory.py); a step without a config takes the paper's mean.
+    aggregation: str = "mean"
+    trim_fraction: float = _VALIDATION["trim_fraction"].default
+    min_paths_for_robust: int = _VALIDATION["min_paths_for_robust"].default
+    # the clip, in median norms, when too few paths for a robust combiner
+    norm_ratio: float = _VALIDATION["norm_ratio"].default
     # (paths through a module, its lr): that lr for such modules (``for_sharing``), else ``lr``
     lr_by_sharing: tuple[tuple[int, float], ...] = ()
 

@@ -23,11 +23,11 @@ def test_weighted_average_and_square_root_rescale():
     # Two paths: deltas [1, 2] with 1,000 tokens and [3, -1] with 3,000 tokens.
     # weights 0.25 / 0.75 -> [2.5, -0.25]; times sqrt(2) -> [3.5355339, -0.3535534]
     deltas = [({"w": t(1, 2)}, 1000), ({"w": t(3, -1)}, 3000)]
-    g = outer_gradient(deltas, OuterSettings())
+    g = outer_gradient(deltas, OuterSettings(rescale="sqrt"))
     assert g["w"].tolist() == pytest.approx([2.5 * math.sqrt(2), -0.25 * math.sqrt(2)], abs=1e-6)
     plain = outer_gradient(deltas, OuterSettings(rescale="none", weight_by_tokens=False))
     assert plain["w"].tolist() == pytest.approx([2.0, 0.5], abs=1e-7)  # the plain mean
-    one = outer_gradient([({"w": t(4, 5)}, 7)], OuterSettings())
+    one = outer_gradient([({"w": t(4, 5)}, 7)], OuterSettings(rescale="sqrt"))
     assert one["w"].tolist() == pytest.approx([4.0, 5.0])  # sqrt(1) = 1, weight 1
 
 
@@ -70,7 +70,7 @@ def test_the_fused_round_equals_gradient_then_nesterov(paths, with_momentum):
     deltas = [(rand(), 1000.0 * (i + 1)) for i in range(paths)]
     params, momentum = rand(), rand() if with_momentum else None
     before = {k: v.clone() for k, v in params.items()}
-    s = OuterSettings()
+    s = OuterSettings(rescale="sqrt")
     info: dict = {}
     new_params, new_momentum, norm = apply_round(deltas, params, momentum, s, info)
     grad = outer_gradient(deltas, s)
@@ -313,3 +313,18 @@ def test_each_module_steps_at_the_lr_of_its_sharing_count(prepared_tiny, tiny_co
         assert moved(mid) < 1e-6, mid
     for mid in ("L0.M0", "L0.M1", "L1.M0", "L1.M1"):
         assert moved(mid) > 1e-4, mid
+
+
+def test_outer_settings_default_to_the_run_configs():
+    """One source for every default: a step made without a config (the simulator, a bench)
+    is the one a default run makes."""
+    from dataclasses import replace
+
+    from dipaco.config import RunConfig
+    from dipaco.run.factory import outer_settings
+
+    # Only the robust combiner differs: "auto" takes it for the default (open) run, and the
+    # paper's mean when a step has no run to ask.
+    default_run = outer_settings(RunConfig())
+    assert default_run.aggregation == "trimmed_mean"
+    assert OuterSettings() == replace(default_run, aggregation="mean")

@@ -86,17 +86,19 @@ def test_outer_gradient_robust_modes_keep_the_sqrt_rescale_and_report_clipping()
     honest, bad = honest_and_poisoned()
     deltas = [(bad, 100.0)] + [(h, 100.0) for h in honest[1:]]
     info: dict = {}
-    g = outer_gradient(deltas, OuterSettings(aggregation="median"), info)
+    g = outer_gradient(deltas, OuterSettings(aggregation="median", rescale="sqrt"), info)
     assert info["aggregation"] == "median"
     expected = coordinate_median([d for d, _ in deltas])
     assert torch.allclose(g["w"], (2.0 * expected["w"]).float())  # sqrt(4) = 2
     two: dict = {}
-    outer_gradient(deltas[:2], OuterSettings(aggregation="trimmed_mean"), two)
+    outer_gradient(deltas[:2], OuterSettings(aggregation="trimmed_mean", rescale="sqrt"), two)
     assert two["aggregation"] == "clipped_mean" and two["clip_factors"][0] < 1.0
     plain: dict = {}
-    mean = outer_gradient(deltas, OuterSettings(), plain)
+    mean = outer_gradient(deltas, OuterSettings(rescale="sqrt"), plain)
     assert plain == {"aggregation": "mean", "rescale": 2.0}
-    same = outer_gradient(deltas, OuterSettings(aggregation="trimmed_mean", trim_fraction=0.0))
+    same = outer_gradient(
+        deltas, OuterSettings(aggregation="trimmed_mean", trim_fraction=0.0, rescale="sqrt")
+    )
     assert torch.allclose(mean["w"], same["w"], atol=1e-7)
 
 
