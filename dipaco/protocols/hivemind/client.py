@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import logging
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, Protocol
@@ -29,7 +28,7 @@ from dipaco.protocols.transport import Transport
 log = logging.getLogger(__name__)
 
 # Rejections that mean "this request will never be accepted": the client raises RejectedError.
-# Everything else (truncated, hash-mismatch, timeout, handler-error...) is a TransportError.
+# Everything else (truncated, overrun, timeout, handler-error...) is a TransportError.
 FINAL_REASONS = frozenset({"too-large", "bad-header"})
 
 
@@ -118,7 +117,7 @@ class HivemindTransport(Transport):
             self.bytes_sent += len(piece)
             self._moved_at = asyncio.get_running_loop().time()
 
-    async def _call(self, data: bytes, header: str) -> tuple[list[bytes], int, str]:
+    async def _call(self, data: bytes, header: str) -> tuple[list[bytes], int]:
         if not self._dialed:
             await self._dial()
         stub = _ByteServicer.get_stub(self.node._p2p, self._peer)
@@ -170,7 +169,7 @@ class HivemindTransport(Transport):
             raise TransportError(f"{self.target} closed the stream without a reply")
         if got != size:
             raise TransportError(f"reply truncated: got {got} of {size} bytes", reason="truncated")
-        return chunks, size, reply_header["sha256"]
+        return chunks, size
 
     async def _within_budget(self, data: bytes, header: str):
         """``_call``, given up when no byte has moved either way for ``timeout`` seconds: a
@@ -212,9 +211,9 @@ class HivemindTransport(Transport):
             raise TransportError(problem) from None
 
     def _roundtrip(self, data: bytes) -> bytes:
-        header = size_header(len(data), hashlib.sha256(data).hexdigest(), to=self._to)
+        header = size_header(len(data), to=self._to)
         try:
-            chunks, size, digest = self.node._submit(
+            chunks, size = self.node._submit(
                 self._call_with_timeout(data, header), None
             )  # the call keeps its own time budget
         except (TransportError, RejectedError):
@@ -223,10 +222,4 @@ class HivemindTransport(Transport):
             raise TransportError(
                 f"call to {self.target} did not finish (node loop stuck or shut down)"
             ) from None
-        reply = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        if hashlib.sha256(reply).hexdigest() != digest:
-            raise TransportError(
-                f"reply of {size} bytes from {self.target} fails its SHA-256 check",
-                reason="hash-mismatch",
-            )
-        return reply
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)

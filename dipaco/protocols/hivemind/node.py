@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import logging
 import re
 import threading
@@ -272,12 +271,11 @@ class HivemindNode:
         self._submit(servicer.add_p2p_handlers(self._p2p), 30.0)
         self._servicer = servicer
 
-    async def _forward(self, target: str, data: bytes) -> tuple[bytes, str]:
+    async def _forward(self, target: str, data: bytes) -> bytes:
         """A relayed request, sent on to ``target`` (on this node's loop); its reply."""
         link = HivemindTransport(self, target, (), timeout=RELAY_TIMEOUT)
-        header = size_header(len(data), hashlib.sha256(data).hexdigest())
-        chunks, _, digest = await link._call_with_timeout(data, header)
-        return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), digest
+        chunks, _ = await link._call_with_timeout(data, size_header(len(data)))
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     # -- client --
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -73,19 +72,17 @@ class _ByteServicer(ServicerBase):
         self.own_id = own_id  # a request for this node itself is served, not relayed
 
     @staticmethod
-    def _assemble(chunks: list[bytes], size: int, digest: str) -> bytes:
-        """The request's bytes, checked against its header's size and SHA-256."""
+    def _assemble(chunks: list[bytes], size: int) -> bytes:
+        """The request's bytes, checked against its header's size."""
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         if len(data) != size:  # cannot happen: the reader counts bytes; kept as a guard
             raise _Reject("truncated", f"request truncated: got {len(data)} of {size} bytes")
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise _Reject("hash-mismatch", f"request of {size} bytes fails its SHA-256 check")
         return data
 
-    def _job(self, chunks: list[bytes], size: int, digest: str) -> tuple[bytes, str]:
-        """Runs in the pool: assemble and check the request, call the handler, hash the reply."""
-        data = self._assemble(chunks, size, digest)
+    def _job(self, chunks: list[bytes], size: int) -> bytes | bytearray | memoryview:
+        """Runs in the pool: assemble and check the request, call the handler."""
+        data = self._assemble(chunks, size)
         self._record("handler_calls", 1)
         try:
             reply = self._handler(data)
@@ -94,8 +91,7 @@ class _ByteServicer(ServicerBase):
             raise _Reject("handler-error", f"handler failed: {type(exc).__name__}: {exc}") from None
         if not isinstance(reply, bytes | bytearray | memoryview):
             raise _Reject("handler-error", f"handler returned {type(reply).__name__}, not bytes")
-        reply = bytes(reply) if not isinstance(reply, bytes) else reply
-        return reply, hashlib.sha256(reply).hexdigest()
+        return reply  # sent in 1 MiB pieces, each its own copy: no copy of the whole
 
     async def _next(self, stream: AsyncIterator[runtime_pb2.ExpertRequest]):
         try:
@@ -113,24 +109,24 @@ class _ByteServicer(ServicerBase):
         if not self._relay_for(to):
             raise _Reject("not-relayed", f"{to} is not reachable through this relay")
 
-    async def _relay(self, to: str, chunks: list[bytes], size: int, digest: str):
-        """Pass a request on to ``to`` (a node this one relays for); its reply and digest."""
+    async def _relay(self, to: str, chunks: list[bytes], size: int) -> bytes:
+        """Pass a request on to ``to`` (a node this one relays for); its reply."""
         forward = self._forward
         if forward is None:  # cannot happen: _check_relay refused it from its header
             raise _Reject("no-relay", f"this node relays for nobody (the request is for {to})")
         loop = asyncio.get_running_loop()
-        data = await loop.run_in_executor(self._executor, self._assemble, chunks, size, digest)
+        data = await loop.run_in_executor(self._executor, self._assemble, chunks, size)
         try:
-            reply, reply_digest = await forward(to, data)
+            reply = await forward(to, data)
         except Exception as exc:  # noqa: BLE001 - unreachable, refused, timed out: the caller's
             reason = getattr(exc, "reason", "transport")
             raise _Reject("unreachable" if reason == "transport" else reason, str(exc)) from None
         self._record("relayed", 1)
-        return reply, reply_digest
+        return reply
 
     async def _receive(
         self, stream: AsyncIterator[runtime_pb2.ExpertRequest]
-    ) -> tuple[list[bytes], int, str, str | None]:
+    ) -> tuple[list[bytes], int, str | None]:
         try:
             first = await self._next(stream)
         except StopAsyncIteration:
@@ -141,7 +137,7 @@ class _ByteServicer(ServicerBase):
                 raise ValueError("a request header cannot carry an error")
         except ValueError as exc:
             raise _Reject("bad-header", f"bad request header: {exc}") from None
-        size, digest = header["size"], header["sha256"]
+        size = header["size"]
         if size > self._max:
             raise _Reject(
                 "too-large", f"request of {size} bytes exceeds the limit of {self._max} bytes"
@@ -167,7 +163,7 @@ class _ByteServicer(ServicerBase):
                         "truncated", f"request truncated: got {got} of {size} bytes"
                     ) from None
                 # The sender has finished writing: a reply cannot collide with its writes.
-                return chunks, size, digest, header.get("to")
+                return chunks, size, header.get("to")
 
     async def _drain(self, stream: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
         """Read and drop what the caller still sends, until it ends or hangs up (bounded).
@@ -189,14 +185,12 @@ class _ByteServicer(ServicerBase):
         remote = context.remote_id.to_base58() if context.remote_id is not None else "?"
         stream = requests.__aiter__()
         try:
-            chunks, size, digest, to = await self._receive(stream)
+            chunks, size, to = await self._receive(stream)
             if to is not None and to != self.own_id:
-                reply, reply_digest = await self._relay(to, chunks, size, digest)
+                reply = await self._relay(to, chunks, size)
             else:
                 loop = asyncio.get_running_loop()
-                reply, reply_digest = await loop.run_in_executor(
-                    self._executor, self._job, chunks, size, digest
-                )
+                reply = await loop.run_in_executor(self._executor, self._job, chunks, size)
         except _Reject as rej:
             self._reject(rej.reason)
             log.debug("hivemind transport: rejected a request from %s: %s", remote, rej)
@@ -211,9 +205,7 @@ class _ByteServicer(ServicerBase):
         self._record("handled", 1)
         handed = 0  # reply bytes handed to hivemind to send
         try:
-            yield runtime_pb2.ExpertResponse(
-                metadata=size_header(len(reply), reply_digest).encode()
-            )
+            yield runtime_pb2.ExpertResponse(metadata=size_header(len(reply)).encode())
             for piece in pieces(reply):
                 if piece:
                     handed += len(piece)

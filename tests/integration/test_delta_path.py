@@ -1,0 +1,102 @@
+"""One large delta on its way in, over a real hivemind stream to a coordinator: how many times
+its bytes are hashed (docs/architecture.md, "One delta's path", holds the figures; this test
+holds the code to them). A hash pass is one hash object (BLAKE3, SHA-256, XXH3) fed at least
+half the delta's bytes, at either end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+import xxhash
+from _tiny import delta_message
+
+from dipaco.coordinator.core import Coordinator
+from dipaco.coordinator.outer import OuterSettings
+from dipaco.model.topology import Topology
+from dipaco.model.transformer import ModelConfig, new_dense_model
+from dipaco.protocols import auth
+from dipaco.protocols import messages as m
+from dipaco.protocols.hivemind.node import HivemindNode
+
+# Paths of about 1.6 M parameters: a delta of about 6 MB, far above every header and reply.
+CFG = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, max_seq_len=16)
+TOPO = Topology.parse("2x2", 2)
+
+# The figures docs/architecture.md states, for a delta that comes in through hivemind.
+HASH_PASSES = {"blake3": 2}  # the envelope: sealed by the peer, opened by the coordinator
+
+
+class Counted:
+    """A hash object that counts the bytes it is fed."""
+
+    def __init__(self, real, kind: str, log: list, data=None) -> None:
+        self._real, self.kind, self.bytes = real, kind, 0
+        log.append(self)
+        if data is not None:
+            self.bytes += memoryview(data).nbytes
+
+    def update(self, data) -> None:
+        self.bytes += memoryview(data).nbytes
+        self._real.update(data)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@pytest.fixture
+def hashes(monkeypatch):
+    log: list[Counted] = []
+    real_sha256, real_xxh3, real_blake3 = hashlib.sha256, xxhash.xxh3_128, auth.blake3.blake3
+
+    def sha256(data=b"", **kw):
+        return Counted(real_sha256(data, **kw), "sha256", log, data)
+
+    def xxh3(data=b"", **kw):
+        return Counted(real_xxh3(data, **kw), "xxh3", log, data)
+
+    def blake3(data=b"", **kw):
+        return Counted(real_blake3(data, **kw), "blake3", log, data)
+
+    blake3.AUTO = real_blake3.AUTO  # type: ignore[attr-defined]
+    monkeypatch.setattr(hashlib, "sha256", sha256)
+    monkeypatch.setattr(xxhash, "xxh3_128", xxh3)
+    monkeypatch.setattr(auth, "blake3", SimpleNamespace(blake3=blake3))
+    return log
+
+
+def test_a_large_delta_is_hashed_and_copied_whole_as_few_times_as_stated(tmp_path, hashes):
+    modules = TOPO.init_modules(new_dense_model(CFG, 0).state_dict())
+    co = Coordinator(
+        tmp_path / "run", TOPO, rounds=2, inner_steps=5, step_offset=0, total_steps=100, seed=0,
+        outer=OuterSettings(), lease_seconds=60.0, run_id="path", peer_config={},
+    )  # fmt: skip
+    co.start(modules)
+    with HivemindNode() as server:
+        server.serve(co.handle, max_request_bytes=co.max_request_bytes)
+        with HivemindNode(initial_peers=server.visible_maddrs(), client_mode=True) as client:
+            link = client.transport(server.peer_id, server.visible_maddrs(), timeout=60)
+            link.authenticate(auth.Identity.generate())
+            task = link.request(m.ClaimTask(peer_id="alice"))
+            assert isinstance(task, m.TaskOffer)
+            delta = {
+                f"{mid}/{k}": torch.full_like(v, 1e-3)
+                for mid in TOPO.path_modules(task.path)
+                for k, v in co.store.params(mid).items()
+            }
+            size = sum(t.numel() * t.element_size() for t in delta.values())
+            assert size > 5_000_000
+            msg = delta_message(task, "alice", delta)
+            hashes.clear()
+            reply = link.request(msg)
+    assert not isinstance(reply, m.Error), reply
+    assert task.path in co.store.modules[TOPO.path_modules(task.path)[0]].pending  # admitted
+
+    passes: dict[str, int] = {}
+    for h in hashes:
+        if h.bytes >= size // 2:
+            passes[h.kind] = passes.get(h.kind, 0) + 1
+    assert passes == HASH_PASSES
