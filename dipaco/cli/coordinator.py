@@ -176,12 +176,10 @@ def serve_hivemind(args: argparse.Namespace, prep, metrics: MetricsLog, node) ->
 
         def records() -> list[tuple]:
             if not fence.check():  # a standby took over: publish nothing, stop
-                with coordinator.lock:
-                    coordinator.failure = (
-                        f"superseded by scheduler {fence.superseded}: this one stops (start it "
-                        "again with --standby to stand by)"
-                    )
-                    coordinator.finished_event.set()
+                coordinator.fail(
+                    f"superseded by scheduler {fence.superseded}: this one stops (start it "
+                    "again with --standby to stand by)"
+                )
                 return []
             return hivemind.scheduler_records(coordinator, node.peer_id, addresses, run_id)
 

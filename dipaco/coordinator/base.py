@@ -149,6 +149,7 @@ class CoordinatorBase:
         phase_rounds: list[int] | tuple[int, ...] = (),
         validation: ValidationSection | None = None,
         heldout_loss: Callable[[int, dict[str, dict[str, torch.Tensor]]], float] | None = None,
+        eval_note: str | None = None,
     ) -> None:
         self.root = Path(root)
         self.topology = topology
@@ -231,7 +232,7 @@ class CoordinatorBase:
         # scheduler: fetches other owners' current modules (module ids -> tensors) for the
         # per-round evaluation; None: not possible on this transport
         self.fetch_remote: Callable[[list[str]], dict[str, dict[str, torch.Tensor]]] | None = None
-        self.eval_note: str | None = None  # why there is no per-round validation, if there is none
+        self.eval_note = eval_note  # why there is no per-round validation, if there is none
         self.owner_seen: dict[str, float] = {}  # other owners: when they last reported
         self.standbys: dict[str, float] = {}  # standby schedulers: when they last synced
         # Long polls (ClaimTask.wait, TaskDone.wait): how many wait now, and how many may (a
@@ -349,6 +350,12 @@ class CoordinatorBase:
     @property
     def finished(self) -> bool:
         return self.round >= self.rounds
+
+    def fail(self, reason: str) -> None:
+        """The run cannot go on: ``reason`` is its failure, and it ends (``finished_event``)."""
+        with self.lock:
+            self.failure = reason
+            self.finished_event.set()
 
     def _work_changed(self) -> None:
         """Something that may open a path happened (the caller holds the lock): wake the

@@ -105,14 +105,14 @@ def test_a_peer_that_fails_fails_the_local_run_though_another_could_finish_it(
 
 
 class HoldFirst:
-    """``factory.<name>`` wrapped: its first call (round 1's) notes the module tensors it is
+    """``round_work.<name>`` wrapped: its first call (round 1's) notes the module tensors it is
     given (``args[modules_at]``), waits for ``release``, and checks they are still the same."""
 
     def __init__(self, monkeypatch, name: str, modules_at: int) -> None:
         from dipaco.protocols.wire import tensors_sha256
-        from dipaco.run import factory
+        from dipaco.run import round_work
 
-        real = getattr(factory, name)
+        real = getattr(round_work, name)
         self.started, self.release = threading.Event(), threading.Event()
         self.held: dict[str, str] = {}
 
@@ -128,7 +128,7 @@ class HoldFirst:
                 assert self.held == hashes(args[0], args[modules_at])
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(factory, name, wrapper)
+        monkeypatch.setattr(round_work, name, wrapper)
 
 
 def run_holding(prep, hold: HoldFirst, last: int, what: str, evaluate: bool) -> list[dict]:
@@ -206,13 +206,13 @@ def test_a_restart_runs_the_round_work_that_a_stop_cut_off(run_copy, tiny_config
     work runs on a thread a stop does not wait for). The restarted coordinator scores the round
     its modules are at, once: a third start finds the work done."""
     from dipaco.coordinator.early_stopping import EarlyStopping
-    from dipaco.run import factory
+    from dipaco.run import round_work
 
     tiny_config = tiny_config.replace(
         scheduler={"quorum": 1.0}, eval={"early_stopping": True, "every_round": False}
     )
     prep = prepare(run_copy(), tiny_config)
-    real, cut, stopped, cut_off = factory.track_early_stopping, threading.Event(), set(), [True]
+    real, cut, stopped, cut_off = round_work.track_early_stopping, threading.Event(), set(), [True]
 
     def scoring(*args, **kwargs):
         """The first process's scoring never finishes: it stopped (its thread ends the test)."""
@@ -223,7 +223,7 @@ def test_a_restart_runs_the_round_work_that_a_stop_cut_off(run_copy, tiny_config
             raise RuntimeError("the process stopped")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(factory, "track_early_stopping", scoring)
+    monkeypatch.setattr(round_work, "track_early_stopping", scoring)
     log = prep.root / "metrics.jsonl"
 
     def heldout() -> list[int]:

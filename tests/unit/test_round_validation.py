@@ -7,7 +7,7 @@ import pytest
 
 from dipaco.errors import TransportError
 from dipaco.prepare.pipeline import prepare
-from dipaco.run import factory
+from dipaco.run import round_work
 from dipaco.run.factory import build_coordinator
 from dipaco.run.metrics_log import MetricsLog
 
@@ -17,7 +17,7 @@ def scheduler(run_copy, tiny_config, monkeypatch):
     """``make(failures)``: a scheduler one of whose modules another owner holds; fetching it
     fails ``failures`` times (the owner unreachable), then works. Returns (scheduler, the
     modules asked for at each try, the run folder)."""
-    monkeypatch.setattr(factory.time, "sleep", lambda s: None)
+    monkeypatch.setattr(round_work.time, "sleep", lambda s: None)
 
     def make(failures: int):
         root = run_copy()
@@ -57,10 +57,10 @@ def test_a_fetch_that_fails_once_is_tried_again_and_the_round_is_validated(sched
 
 
 def test_an_owner_that_cannot_be_reached_skips_the_round_and_says_why(scheduler):
-    co, asked, root = scheduler(failures=factory.FETCH_TRIES)
+    co, asked, root = scheduler(failures=round_work.FETCH_TRIES)
     co.on_round(1)
     assert co.after_round.drain(60)
-    assert len(asked) == factory.FETCH_TRIES
+    assert len(asked) == round_work.FETCH_TRIES
     assert evals(root) == {}
     assert "per-round validation skipped" in co.eval_note
     assert "connection refused" in co.eval_note
