@@ -32,6 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check dipaco tests bench
 	$(VENV)/bin/ruff format --check dipaco tests bench
 	$(VENV)/bin/lint-imports  # docs/design.md, "Layout": floors, never-rules ([tool.importlinter])
+	$(VENV)/bin/mypy  # protocols/ and peer/ type-checked ([tool.mypy]: its files, its strictness)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix dipaco tests bench
@@ -56,4 +57,4 @@ paper-table: $(STAMP)
 	$(PY) bench/paper_table.py --preset tiny $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache

@@ -41,7 +41,13 @@ from dipaco.peer.peer import Peer
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LoopbackServer, Transport
-from dipaco.protocols.wire import Frame, read_tensor_file, tensors_sha256, write_tensor_file
+from dipaco.protocols.wire import (
+    ByteBuffer,
+    Frame,
+    read_tensor_file,
+    tensors_sha256,
+    write_tensor_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +72,7 @@ class RelayTransport(Transport):
         self.submitted: bytes | None = None
         self.released = False
 
-    def _roundtrip(self, data: bytes) -> bytes:
+    def _roundtrip(self, data: ByteBuffer) -> ByteBuffer:
         raise TransportError("a Flower node cannot call its coordinator; it only answers")
 
     def request(self, msg: m.Message) -> m.Message:

@@ -108,19 +108,19 @@ def broadcast_optimizer(group: Group, optimizer: torch.optim.Optimizer) -> None:
     skeleton = None
     if group.rank == 0:
         sd = optimizer.state_dict()
-        state = {}
+        layout: dict[str, dict[str, Any]] = {}  # parameter id (as JSON keys are) -> its entries
         for pid, entry in sd["state"].items():
-            state[str(pid)] = {}
+            layout[str(pid)] = {}
             for k, v in entry.items():
                 if isinstance(v, torch.Tensor):
-                    state[str(pid)][k] = {"shape": list(v.shape), "dtype": str(v.dtype)[6:]}
+                    layout[str(pid)][k] = {"shape": list(v.shape), "dtype": str(v.dtype)[6:]}
                     tensors.append(v)
                 else:
-                    state[str(pid)][k] = {"value": v}
-        skeleton = {"state": state, "param_groups": sd["param_groups"]}
+                    layout[str(pid)][k] = {"value": v}
+        skeleton = {"state": layout, "param_groups": sd["param_groups"]}
     skeleton = group.text(skeleton)
     sent = iter(tensors)
-    state = {}
+    state: dict[int, dict[str, Any]] = {}
     for pid, entry in skeleton["state"].items():
         state[int(pid)] = {}
         for k, v in entry.items():
@@ -138,7 +138,7 @@ def broadcast_optimizer(group: Group, optimizer: torch.optim.Optimizer) -> None:
 def sharded_step(
     group: Group,
     model: torch.nn.Module,
-    ddp: DistributedDataParallel,
+    ddp: Callable[[torch.Tensor], torch.Tensor],  # the model in DistributedDataParallel
     optimizer: torch.optim.Optimizer,
     batch: torch.Tensor,
     settings: InnerSettings,
@@ -183,7 +183,11 @@ def send_step(group: Group, step: int, batch: torch.Tensor) -> torch.Tensor:
 
 def follow(group: Group, on_task: Callable[[dict], None] | None = None) -> int:
     """A rank other than 0: train the tasks rank 0 leads until it says quit; the steps taken."""
-    model = ddp = optimizer = settings = spec = None
+    model: PathModel | None = None
+    ddp: DistributedDataParallel | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    settings: InnerSettings | None = None
+    spec: dict[str, Any] = {}
     steps = 0
     while True:
         cmd = group.command()
@@ -200,14 +204,20 @@ def follow(group: Group, on_task: Callable[[dict], None] | None = None) -> int:
             if on_task is not None:
                 on_task(spec)
         elif cmd[0] == STEP:
-            if model is None:
+            if model is None or ddp is None or optimizer is None or settings is None:
                 raise RuntimeError("rank 0 sent a step before a task")
             batch = group.tensor(None, cmd[2:4], torch.int64)
             sharded_step(
-                group, model, ddp, optimizer, batch, settings,  # type: ignore[arg-type]
-                step=cmd[1], micro_batch=spec.get("micro_batch"),  # type: ignore[union-attr]
-                autocast=getattr(torch, spec["autocast"]) if spec.get("autocast") else None,  # type: ignore[union-attr]
-            )  # fmt: skip
+                group,
+                model,
+                ddp,
+                optimizer,
+                batch,
+                settings,
+                step=cmd[1],
+                micro_batch=spec.get("micro_batch"),
+                autocast=getattr(torch, spec["autocast"]) if spec.get("autocast") else None,
+            )
             steps += 1
 
 
@@ -233,7 +243,7 @@ class ShardedTrainer(PathTrainer):
                 f"{group.world} devices; use a number of devices that divides it"
             )
 
-    def open(self, task, modules, model, progress, lease_lost, *, resume=True, stream=None):  # type: ignore[no-untyped-def]
+    def open(self, task, modules, model, progress, lease_lost, *, resume=True, stream=None):
         run = super().open(task, modules, model, progress, lease_lost, resume=resume)
         autocast = self.features["autocast"]
         spec = {
@@ -248,8 +258,10 @@ class ShardedTrainer(PathTrainer):
     def step(self, run: TaskRun) -> torch.Tensor:
         with timed(self.timings, "train"):
             step = run.task.step_offset + run.step
+            if run.forward is None:  # open() wraps the model
+                raise RuntimeError(f"{run.task.task_id} has no DistributedDataParallel model")
             batch = send_step(self.group, step, next(run.batches))
             return sharded_step(
-                self.group, run.model, run.forward, run.optimizer, batch, run.settings,  # type: ignore[arg-type]
+                self.group, run.model, run.forward, run.optimizer, batch, run.settings,
                 step=step, micro_batch=self.micro_batch, autocast=self.features["autocast"],
             )  # fmt: skip

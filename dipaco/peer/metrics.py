@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -37,7 +38,7 @@ class PeerMetrics:
         )
         moved.labels("up").set_function(lambda: traffic()[0])
         moved.labels("down").set_function(lambda: traffic()[1])
-        self.server = None
+        self.server: WSGIServer | None = None  # serve() starts it
 
     def progress(self, info: dict, rate: float) -> None:
         self.step.set(info["step"])
@@ -48,8 +49,9 @@ class PeerMetrics:
 
     def serve(self, port: int) -> int:
         """Listen on 127.0.0.1:``port`` (0 picks one); returns the port."""
-        self.server, _ = start_http_server(port, addr="127.0.0.1", registry=self.registry)
-        return self.server.server_port
+        server, _ = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        self.server = server
+        return server.server_port
 
     def close(self) -> None:
         if self.server is not None:

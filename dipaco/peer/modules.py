@@ -10,6 +10,7 @@ scheduler vouched for, and must match the hash in that release; otherwise the ta
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,10 +89,14 @@ def fetch_modules(
         if missing:  # no holder delivered: the owner sends them after all
             held = {mid: v for mid, (v, _) in cache.items()} | {mid: versions[mid] for mid in fresh}
             honest = {mid: v for mid, v in held.items() if mid not in missing}
-            more = _ask_owners(links, task, peer_id, run_id, missing, honest)
-            for table, extra in zip((versions, hashes, signatures, fresh), more, strict=True):
-                table.update(extra)
-            seeds.from_owner += sum(1 for mid in missing if mid in more[3])
+            more_versions, more_hashes, more_signatures, more_fresh = _ask_owners(
+                links, task, peer_id, run_id, missing, honest
+            )
+            versions.update(more_versions)
+            hashes.update(more_hashes)
+            signatures.update(more_signatures)
+            fresh.update(more_fresh)
+            seeds.from_owner += sum(1 for mid in missing if mid in more_fresh)
     modules = {}
     for mid, want in task.module_versions.items():
         version = versions.get(mid)
@@ -140,7 +145,8 @@ def _ask_owners(
     for owner, owned in links.by_owner(mids).items():
         reply = links.ask(
             owner,
-            lambda owned=owned: m.FetchModules(
+            functools.partial(  # a new message for each try
+                m.FetchModules,
                 peer_id=peer_id,
                 task_id=task.task_id,
                 have={mid: have[mid] for mid in owned if mid in have},

@@ -345,7 +345,7 @@ class Peer:
     def _finish_task(self, run: TaskRun) -> None:
         """The task's per-module deltas (fetched minus trained), pushed; its inner state saved."""
         tokens = self.trainer.finish(run, self.push)
-        self._pushed(run.task, run.delta, tokens, run.losses)
+        self._pushed(run.task, run.taken_delta(), tokens, run.losses)
 
     def _pushed(self, task: m.TaskOffer, delta: Tensors, tokens: int, losses: list[float]) -> None:
         self.tasks_done += 1
@@ -489,7 +489,7 @@ def push_behind(peer: Peer, run: TaskRun, lease: Lease) -> None:
     """Encode and save here (``trainer.finish_behind``), send on the push thread (behind.py)."""
     peer.behind.wait()  # one send at a time
     wire, undo, tokens = peer.trainer.finish_behind(run, peer.pusher.encode)
-    task, delta, losses = run.task, run.delta, run.losses
+    task, delta, losses = run.task, run.taken_delta(), run.losses
     peer.behind.start(
         task,
         lambda: peer.pusher.send(task, wire, list(delta), tokens, losses),

@@ -10,6 +10,7 @@ owner's acknowledgement told the scheduler the task is done, the peer says so it
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -124,7 +125,8 @@ class Pusher:
             try:
                 ack = links.ask(
                     owner,
-                    lambda mids=mids: m.SubmitDelta(
+                    functools.partial(  # a new message for each try
+                        m.SubmitDelta,
                         peer_id=self.peer_id,
                         task_id=task.task_id,
                         path=task.path,

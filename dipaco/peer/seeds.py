@@ -29,7 +29,7 @@ from dipaco.protocols import messages as m
 from dipaco.protocols.discovery import key as dht_key
 from dipaco.protocols.limits import KeyBuckets
 from dipaco.protocols.reasons import Reason
-from dipaco.protocols.wire import tensors_sha256
+from dipaco.protocols.wire import ByteBuffer, tensors_sha256
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class SeedServer:
         self.bytes_out = 0  # their tensor bytes
         self.refused: Counter[str] = Counter()  # reason -> requests answered with an Error
 
-    def handle(self, data: bytes) -> bytes:
+    def handle(self, data: ByteBuffer) -> ByteBuffer:
         nonce = ""
         try:
             nonce = auth.peek_nonce(data)

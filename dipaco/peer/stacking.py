@@ -16,7 +16,7 @@ settings; ``stackable`` says why a batch is not, and the trainer then interleave
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -52,7 +52,7 @@ class Stackable(Protocol):
     step: int
 
 
-def stackable(runs: list[Stackable], micro_batch: int, batch_size: int) -> str | None:
+def stackable(runs: Sequence[Stackable], micro_batch: int, batch_size: int) -> str | None:
     """Why ``runs`` cannot train as one stacked model, or None if they can."""
     if micro_batch < batch_size:
         return f"micro-batches of {micro_batch} (the device's memory)"
@@ -77,7 +77,7 @@ class Stack:
         model_cfg: ModelConfig,
         device: str,
         features: dict[str, Any],
-        runs: list[Stackable],
+        runs: Sequence[Stackable],
     ) -> None:
         self.runs, self.autocast = runs, features.get("autocast")
         self.paths = StackedPaths(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dipaco.data.shards import TokenShard, shard_name, window_batches
-from dipaco.errors import DataError
+from dipaco.errors import ConfigError, DataError
 from dipaco.faults import fault_point
 from dipaco.model.optim import (
     InnerSettings,
@@ -69,6 +69,12 @@ class TaskRun:
     def finished(self) -> bool:
         return self.step >= self.task.inner_steps
 
+    def taken_delta(self) -> Tensors:
+        """``delta``, once ``PathTrainer.deltas`` took it (``finish``, ``finish_behind``)."""
+        if self.delta is None:
+            raise RuntimeError(f"the deltas of {self.task.task_id} were not taken")
+        return self.delta
+
 
 def on_stream(stream: Any) -> AbstractContextManager:
     """Issue the block's kernels on ``stream`` (a CUDA stream), or as usual when it is None."""
@@ -113,7 +119,7 @@ class PathTrainer:
         self.model_cfg = ModelConfig(**config["model"])
         self.topology = Topology.from_dict(config["topology"])
         self.train_cfg = config["train"]
-        self.shards_dir = config.get("shards_dir")
+        self.shards_dir: str | None = config.get("shards_dir")
         self.device, self.features = device, features
         self.micro_batch = fit_micro_batch(
             self.model_cfg,
@@ -212,6 +218,8 @@ class PathTrainer:
         name = task.shard or shard_name(task.path)
         if self.shard_source is not None:
             return self.shard_source(name, task.shard_files)
+        if self.shards_dir is None:
+            raise ConfigError("the run's manifest names no shards_dir, and no shard source is set")
         return TokenShard(Path(self.shards_dir).parent / name)
 
     def step(self, run: TaskRun) -> torch.Tensor:

@@ -243,19 +243,19 @@ class Machine:
     def close(self) -> None:
         """Stop every live worker: SIGINT (it hands its task back), then SIGKILL after
         ``STOP_SECONDS``."""
-        live = [w for w in self.workers if w.proc is not None and w.proc.poll() is None]
-        for w in live:
+        live = [(w, w.proc) for w in self.workers if w.proc is not None and w.proc.poll() is None]
+        for _, proc in live:
             try:
-                w.proc.send_signal(signal.SIGINT)  # type: ignore[union-attr]
+                proc.send_signal(signal.SIGINT)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + STOP_SECONDS
-        for w in live:
+        for w, proc in live:
             try:
-                w.proc.wait(max(0.0, deadline - time.monotonic()))  # type: ignore[union-attr]
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                w.proc.kill()  # type: ignore[union-attr]
-                w.proc.wait()  # type: ignore[union-attr]
+                proc.kill()
+                proc.wait()
             if w.state == "running":
                 w.state = "stopped"
         for reader in self._readers:

@@ -50,7 +50,7 @@ from dipaco import faults
 from dipaco.errors import ConfigError, RejectedError, WireError
 from dipaco.fileio import write_private
 from dipaco.protocols.reasons import Reason
-from dipaco.protocols.wire import loads_checked
+from dipaco.protocols.wire import ByteBuffer, loads_checked
 
 KEY_PREFIX = "ed25519:"
 REQUEST_MAGIC, REPLY_MAGIC = b"DPQ1", b"DPR1"
@@ -208,7 +208,7 @@ def _reply_text(key: str, nonce: str, digest: str) -> bytes:
 _THREADED_HASH_BYTES = 1 << 20
 
 
-def body_digest(body: bytes | bytearray | memoryview) -> str:
+def body_digest(body: ByteBuffer) -> str:
     """The envelope's hash of a body: BLAKE3, hex."""
     threads = blake3.blake3.AUTO if len(body) >= _THREADED_HASH_BYTES else 1
     return blake3.blake3(body, max_threads=threads).hexdigest()
@@ -233,7 +233,7 @@ def _pack(
     return out
 
 
-def _split(data: bytes, magic: bytes) -> tuple[dict[str, Any], memoryview]:
+def _split(data: ByteBuffer, magic: bytes) -> tuple[dict[str, Any], memoryview]:
     if len(data) < 8 or bytes(data[:4]) != magic:
         kind = "request" if magic == REQUEST_MAGIC else "reply"
         raise RejectedError(
@@ -257,7 +257,7 @@ def _split(data: bytes, magic: bytes) -> tuple[dict[str, Any], memoryview]:
     return header, body
 
 
-def _unpack(data: bytes, magic: bytes) -> tuple[dict[str, Any], memoryview]:
+def _unpack(data: ByteBuffer, magic: bytes) -> tuple[dict[str, Any], memoryview]:
     header, body = _split(data, magic)
     _check_digest(header, body)
     return header, body
@@ -285,12 +285,12 @@ def seal_request(
     return _pack(REQUEST_MAGIC, header, body, room), nonce
 
 
-def open_request(data: bytes) -> Signed:
+def open_request(data: ByteBuffer) -> Signed:
     """The verified request; a RejectedError (unsigned, bad-envelope, bad-signature) else."""
     return open_split(*split_request(data))
 
 
-def split_request(data: bytes) -> tuple[dict[str, Any], memoryview]:
+def split_request(data: ByteBuffer) -> tuple[dict[str, Any], memoryview]:
     """A request's envelope header (its nonce, say) and body, not yet verified: for a server
     that answers even a refusal to the request's nonce, and parses the header once
     (:func:`open_split` verifies). A RejectedError (unsigned, bad-envelope) if it is not one."""
@@ -309,7 +309,7 @@ def open_split(header: dict[str, Any], body: memoryview) -> Signed:
     return Signed(header["key"], header["nonce"], float(ts), body)
 
 
-def peek_nonce(data: bytes) -> str:
+def peek_nonce(data: ByteBuffer) -> str:
     """A request's nonce before it is verified ("" if there is none), so that even a refusal
     of a request that fails its checks reaches the sender as an answer to that request."""
     try:
@@ -329,7 +329,7 @@ def seal_reply(
     return _pack(REPLY_MAGIC, header, body, room)
 
 
-def open_reply(data: bytes, nonce: str, expected_key: str | None) -> Signed:
+def open_reply(data: ByteBuffer, nonce: str, expected_key: str | None) -> Signed:
     """The verified reply to the request with ``nonce``, signed by ``expected_key`` if given.
 
     Raises WireError: a reply that fails these checks did not come from the coordinator we

@@ -65,7 +65,9 @@ def follow(
     """
     if not isinstance(statements, list) or not all(well_formed(s) for s in statements):
         raise RotationError("the key rotation statements are malformed")
-    key, retired, used = trusted, {}, []
+    key = trusted
+    retired: dict[str, int] = {}
+    used: list[dict[str, Any]] = []
     start = next((i for i, s in enumerate(statements) if s["old"] == trusted), None)
     for s in statements[start:] if start is not None else []:
         body = {k: s[k] for k in FIELDS}

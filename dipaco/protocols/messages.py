@@ -14,7 +14,7 @@ import json
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,15 +31,6 @@ REGISTRY: dict[str, type] = {}
 PROTOCOL = 2
 
 
-def message(cls: type) -> type:
-    cls = dataclass(cls)
-    REGISTRY[cls.__name__] = cls
-    return cls
-
-
-# ---- peer -> coordinator ----------------------------------------------------------------------
-
-
 # Free-form values a peer sends are kept and shown to everyone (status, dashboard): each is
 # bounded where it arrives, as JSON characters (``from_frame``, reason ``too-large``); any one
 # string is at most ``wire.MAX_TEXT`` characters in every frame.
@@ -48,6 +39,21 @@ def message(cls: type) -> type:
 def bounded(limit: int, **kwargs: Any) -> Any:
     """A dataclass field whose value, written as JSON, is at most ``limit`` characters."""
     return field(metadata={"max_json": limit}, **kwargs)
+
+
+_M = TypeVar("_M")
+
+
+# dataclass_transform: a type checker reads a @message class as the dataclass it becomes (its
+# constructor's fields), and ``bounded`` as a dataclass field.
+@typing.dataclass_transform(field_specifiers=(field, bounded))
+def message(cls: type[_M]) -> type[_M]:
+    cls = dataclass(cls)
+    REGISTRY[cls.__name__] = cls
+    return cls
+
+
+# ---- peer -> coordinator ----------------------------------------------------------------------
 
 
 @message
@@ -331,8 +337,9 @@ def to_frame(msg: Message) -> Frame:
     name = type(msg).__name__
     if REGISTRY.get(name) is not type(msg):
         raise WireError(f"{name} is not a registered message")
-    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg) if f.name != "tensors"}
-    for omittable in _omit_empty(type(msg)):  # left out when empty (older decoders lack them)
+    cls: Any = REGISTRY[name]  # a dataclass: message() made it one
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls) if f.name != "tensors"}
+    for omittable in _omit_empty(cls):  # left out when empty (older decoders lack them)
         if not fields[omittable]:
             del fields[omittable]
     return Frame(name, fields, getattr(msg, "tensors", {}))

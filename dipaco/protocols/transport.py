@@ -21,10 +21,12 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 from dipaco.errors import RejectedError, TransportError
 from dipaco.protocols import auth
 from dipaco.protocols.messages import Error, Message, decode_message, encode_message
+from dipaco.protocols.wire import ByteBuffer
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[bytes], bytes | bytearray | memoryview]  # a sealed reply, maybe a view
+# A sealed request (a view, from the local transport) -> a sealed reply, maybe a view.
+Handler = Callable[[ByteBuffer], ByteBuffer]
 BACKLOG = 1024  # connections waiting to be accepted (the kernel caps it at somaxconn)
 HANDSHAKE_SECONDS = 10.0  # a connection silent this long in its handshake is dropped
 CONNECT_SECONDS = 10.0  # a client's connect and handshake, each read of it, at most
@@ -95,7 +97,7 @@ class Transport(ABC):
     on_pin: Callable[[str], None] | None = None
 
     @abstractmethod
-    def _roundtrip(self, data: bytes) -> bytes: ...
+    def _roundtrip(self, data: ByteBuffer) -> ByteBuffer: ...
 
     def authenticate(
         self,
@@ -130,7 +132,7 @@ class LocalTransport(Transport):
     def __init__(self, handler: Handler) -> None:
         self._handler = handler
 
-    def _roundtrip(self, data: bytes) -> bytes:
+    def _roundtrip(self, data: ByteBuffer) -> ByteBuffer:
         return self._handler(data)
 
 
@@ -159,7 +161,8 @@ class LoopbackTransport(Transport):
         self._conn: Connection | None = None
         self._connect()
 
-    def _connect(self) -> None:
+    def _connect(self) -> Connection:
+        """Dial and shake hands; the connection, also kept as ``self._conn``."""
         host, _, port = self.address.rpartition(":")
         wait = self._connect_timeout
         try:
@@ -200,15 +203,15 @@ class LoopbackTransport(Transport):
                 f"{exc or type(exc).__name__} (in the handshake)"
             ) from None
         self._conn = conn
+        return conn
 
-    def _roundtrip(self, data: bytes) -> bytes:
+    def _roundtrip(self, data: ByteBuffer) -> ByteBuffer:
         with self._lock:
-            if self._conn is None:
-                self._connect()
+            conn = self._conn if self._conn is not None else self._connect()
             try:
-                self._conn.send_bytes(data)
-                if self._conn.poll(self._timeout):
-                    return self._conn.recv_bytes()
+                conn.send_bytes(data)
+                if conn.poll(self._timeout):
+                    return conn.recv_bytes()
                 problem = f"no reply within {self._timeout:.0f} s"
             except (OSError, EOFError) as exc:
                 if _stalled(exc):

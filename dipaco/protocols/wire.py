@@ -31,6 +31,9 @@ import xxhash
 from dipaco.errors import CorruptFileError, WireError
 from dipaco.fileio import Spares, write_atomic
 
+# A byte string as it travels: bytes, or a view of (or a writable copy in) a larger buffer.
+ByteBuffer = bytes | bytearray | memoryview
+
 MAGIC = b"DPCO"
 VERSION = 1
 # Every number in a header fits in 64 bits: a count, a version or a timestamp beyond it is an
@@ -133,10 +136,10 @@ def encode_parts(
         specs.append([name, _DTYPE_NAMES[tensor.dtype], list(tensor.shape)])
         host = host_array(tensor)
         if host is not None:  # no torch operation: see host_array
-            arrays.append(memoryview(host.view(np.uint8)))
+            arrays.append(host.view(np.uint8).data)
             continue
         t = tensor.detach().to("cpu").contiguous()
-        arrays.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        arrays.append(t.reshape(-1).view(torch.uint8).numpy().data)
     # What the decoder would refuse is refused here too: a frame we write is one we can read.
     _check_scalars(frame.fields, f"fields of {frame.type}")
     try:
@@ -163,9 +166,7 @@ def encode_parts(
     return _PREFIX.pack(MAGIC, VERSION, len(header)) + header, arrays
 
 
-def decode(
-    data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS, copy: bool = True
-) -> Frame:
+def decode(data: ByteBuffer, limits: Limits = DEFAULT_LIMITS, copy: bool = True) -> Frame:
     """The frame in ``data``. Each tensor is a private copy, unless ``copy`` is False: then the
     tensors are views of ``data`` (writable, and owned by the caller: a file just read)."""
     view = memoryview(data)
@@ -217,6 +218,7 @@ def decode(
                 f"truncated message: tensor {name!r} needs {nbytes} bytes, {len(view) - offset} remain"
             )
         itemsize = DTYPES[dtype].itemsize
+        raw: bytearray | memoryview
         if copy or (_address(view) + offset) % itemsize:
             raw = bytearray(view[offset : offset + nbytes])  # a private, writable copy
         else:
@@ -414,7 +416,7 @@ def _aligned_read(f: Any, size: int) -> memoryview:
         start = _PREFIX.size + _PREFIX.unpack(prefix)[2]
     buffer = torch.empty(size + 64, dtype=torch.uint8)
     pad = (-(buffer.data_ptr() + start)) % 64 if start < size else 0
-    view = memoryview(buffer.numpy())[pad : pad + size]
+    view = buffer.numpy().data[pad : pad + size]
     got = 0
     while got < size:
         n = f.readinto(view[got:])
@@ -437,5 +439,5 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         h.update(f"{name}|{_DTYPE_NAMES.get(t.dtype, str(t.dtype))}|{list(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # no copy
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")  # no copy
     return h.hexdigest()

@@ -124,8 +124,7 @@ def encode(
     if density is not None and isinstance(c, TopK) and density != c.density:
         if not 0 < density <= 1:
             raise ValueError(f"a top-k density must be in (0, 1], got {density}")
-        c = type(c)()
-        c.density = density
+        c = type(c)(density)
     wire: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         c.check_name(name)

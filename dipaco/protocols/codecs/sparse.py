@@ -55,7 +55,13 @@ class TopK(Codec):
     """
 
     bits: ClassVar[int]
-    density: ClassVar[float] = SPARSE_DENSITY
+    # The class's default; an instance made with another density keeps its own (codecs.encode,
+    # for the run's network.topk_density).
+    density: float = SPARSE_DENSITY
+
+    def __init__(self, density: float | None = None) -> None:
+        if density is not None:
+            self.density = density
 
     def wire_names(self, name: str) -> list[str]:
         return [name, name + INDEX_SUFFIX, name + SCALE_SUFFIX]
@@ -154,7 +160,7 @@ class TopK(Codec):
             wire[name], idx, wire[name + SCALE_SUFFIX], idx.shape[1], chunk, nchunks, shape
         )
 
-    def _rebuild(self, packed, idx, scale, k, chunk, nchunks, shape) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def _rebuild(self, packed, idx, scale, k, chunk, nchunks, shape) -> torch.Tensor:
         codes = unpack_codes(packed, self.bits, k)
         levels = 1 << (self.bits - 1)
         level = (codes & (levels - 1)).to(torch.float32)

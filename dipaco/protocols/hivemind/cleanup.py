@@ -129,6 +129,8 @@ class WatchedDHT(DHT):
             getattr(p2p, "_daemon_listen_maddr", None),
             getattr(p2p, "_client_listen_maddr", None),
         ):
+            if maddr is None:
+                continue
             try:
                 paths.append(maddr["unix"])
             except Exception:  # no such attribute, or not a unix socket

@@ -24,6 +24,7 @@ from dipaco.protocols.addresses import RELAYED, split_relayed
 from dipaco.protocols.hivemind.framing import TokenBucket, parse_header, pieces, size_header
 from dipaco.protocols.hivemind.server import _ByteServicer
 from dipaco.protocols.transport import Transport
+from dipaco.protocols.wire import ByteBuffer
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ FINAL_REASONS = frozenset({"too-large", "bad-header"})
 class _Node(Protocol):
     """What a transport uses of its :class:`~dipaco.protocols.hivemind.node.HivemindNode`."""
 
-    _p2p: P2P | None
+    def _live_p2p(self) -> P2P: ...
 
     def _submit(self, coro: Coroutine[Any, Any, Any], timeout: float | None) -> Any: ...
 
@@ -75,7 +76,8 @@ class HivemindTransport(Transport):
         self._to: str | None = None  # the target, named in each header, when through a relay
         try:
             direct = [m for m in target_maddrs if RELAYED not in m]
-            via = [split_relayed(m) for m in target_maddrs if RELAYED in m]
+            # split_relayed: None for exactly the addresses that name no relay
+            via = [v for v in map(split_relayed, target_maddrs) if v is not None]
             if any(target != target_peer_id for _, _, target in via):
                 raise ValueError("a relayed address names another node")
             stream_to = target_peer_id
@@ -99,12 +101,14 @@ class HivemindTransport(Transport):
     async def _dial(self) -> None:
         """Tell our p2pd where the target listens (adds the addresses to its peerstore, connects)."""
         try:
-            await self.node._p2p._client.connect(self._peer, self._maddrs)
+            await self.node._live_p2p()._client.connect(self._peer, self._maddrs)
             self._dialed = True
         except Exception as exc:  # the call below reports the failure if it matters
             log.debug("hivemind transport: dialing %s failed: %s", self.target, exc)
 
-    async def _requests(self, data: bytes, header: str) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+    async def _requests(
+        self, data: ByteBuffer, header: str
+    ) -> AsyncIterator[runtime_pb2.ExpertRequest]:
         first = True
         for piece in pieces(data):
             if self._up is not None:  # wait before a piece, so the stream ends right after the last
@@ -117,10 +121,10 @@ class HivemindTransport(Transport):
             self.bytes_sent += len(piece)
             self._moved_at = asyncio.get_running_loop().time()
 
-    async def _call(self, data: bytes, header: str) -> tuple[list[bytes], int]:
+    async def _call(self, data: ByteBuffer, header: str) -> tuple[list[bytes], int]:
         if not self._dialed:
             await self._dial()
-        stub = _ByteServicer.get_stub(self.node._p2p, self._peer)
+        stub = _ByteServicer.get_stub(self.node._live_p2p(), self._peer)
         responses = await stub.rpc_call(self._requests(data, header))
         try:
             reply_header = None
@@ -171,7 +175,7 @@ class HivemindTransport(Transport):
             raise TransportError(f"reply truncated: got {got} of {size} bytes", reason="truncated")
         return chunks, size
 
-    async def _within_budget(self, data: bytes, header: str):
+    async def _within_budget(self, data: ByteBuffer, header: str):
         """``_call``, given up when no byte has moved either way for ``timeout`` seconds: a
         stalled or hung call fails, a long transfer (a big module, a rate-capped link) does not."""
         loop = asyncio.get_running_loop()
@@ -187,7 +191,7 @@ class HivemindTransport(Transport):
             if done:
                 return task.result()
 
-    async def _call_with_timeout(self, data: bytes, header: str):
+    async def _call_with_timeout(self, data: ByteBuffer, header: str):
         try:
             return await self._within_budget(data, header)
         except (TransportError, RejectedError):
@@ -210,7 +214,7 @@ class HivemindTransport(Transport):
                 problem = f"call to {self.target} failed: {what}"
             raise TransportError(problem) from None
 
-    def _roundtrip(self, data: bytes) -> bytes:
+    def _roundtrip(self, data: ByteBuffer) -> ByteBuffer:
         header = size_header(len(data), to=self._to)
         try:
             chunks, size = self.node._submit(

@@ -23,6 +23,8 @@ import json
 import time
 from collections.abc import Iterator
 
+from dipaco.protocols.wire import ByteBuffer
+
 CHUNK = 1 << 20
 WIRE_VERSION = 2
 MAX_HEADER_CHARS = 4096
@@ -48,7 +50,7 @@ class TokenBucket:
             await asyncio.sleep(-self.tokens / self.rate)
 
 
-def pieces(data: bytes) -> Iterator[bytes]:
+def pieces(data: ByteBuffer) -> Iterator[bytes]:
     """The payload in CHUNK-sized pieces (one copy per piece: protobuf needs bytes)."""
     if len(data) <= CHUNK and isinstance(data, bytes):
         yield data

@@ -33,6 +33,7 @@ from dipaco.protocols.hivemind.cleanup import (
 from dipaco.protocols.hivemind.client import HivemindTransport
 from dipaco.protocols.hivemind.framing import size_header
 from dipaco.protocols.hivemind.server import _ByteServicer
+from dipaco.protocols.transport import Handler
 
 log = logging.getLogger(__name__)
 # hivemind's own log lines go through the root logger, formatted and filtered as ours are
@@ -165,6 +166,18 @@ class HivemindNode:
 
     # -- plumbing --
 
+    def _live_p2p(self) -> P2P:
+        """The node's P2P handle; a TransportError when it has none (it never started)."""
+        if self._p2p is None:
+            raise TransportError("the hivemind node has no P2P handle (it never started)")
+        return self._p2p
+
+    def _live_dht(self) -> WatchedDHT:
+        """The node's DHT; a TransportError when it has none (it never started)."""
+        if self._dht is None:
+            raise TransportError("the hivemind node has no DHT (it never started)")
+        return self._dht
+
     def _submit(self, coro, timeout: float | None):
         """Run a coroutine on the node's loop from another thread and wait for its result."""
         if self._loop is None or self._loop.is_closed():
@@ -194,7 +207,9 @@ class HivemindNode:
     def visible_maddrs(self) -> list[str]:
         """Full multiaddrs (with /p2p/<id>) other nodes can dial; [] for a node that does not listen."""
         try:
-            return [str(m) for m in self._submit(self._p2p.get_visible_maddrs(latest=True), 30.0)]
+            return [
+                str(m) for m in self._submit(self._live_p2p().get_visible_maddrs(latest=True), 30.0)
+            ]
         except ValueError:  # hivemind raises this when the daemon listens nowhere
             return []
 
@@ -204,7 +219,7 @@ class HivemindNode:
         Returns False when the DHT refused it (e.g. a record with a later expiration exists).
         """
         with self._dht_lock:
-            fut = self._dht.store(
+            fut = self._live_dht().store(
                 key, value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True
             )
         return bool(self._dht_result(fut, f"storing {key}"))
@@ -213,7 +228,7 @@ class HivemindNode:
         """The latest value under ``key``: the plain value, ``{subkey: value}`` for a dictionary
         value, or None when absent or expired."""
         with self._dht_lock:
-            fut = self._dht.get(key, latest=True, return_future=True)
+            fut = self._live_dht().get(key, latest=True, return_future=True)
         found = self._dht_result(fut, f"reading {key}")
         if found is None:
             return None
@@ -239,7 +254,7 @@ class HivemindNode:
 
     def serve(
         self,
-        handler: Callable[[bytes], bytes],
+        handler: Handler,
         *,
         max_request_bytes: int = 1 << 31,
         workers: int = 8,

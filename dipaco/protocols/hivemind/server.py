@@ -26,6 +26,7 @@ from hivemind.proto import runtime_pb2
 
 from dipaco.protocols.hivemind.framing import error_header, parse_header, pieces, size_header
 from dipaco.protocols.transport import Handler
+from dipaco.protocols.wire import ByteBuffer
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ DRAIN_SECONDS = 10.0  # how long a refusing server keeps reading, so its refusal
 
 
 # (target node, request) -> (reply, its SHA-256 hex): what a relay does with a request for another
-Forward = Callable[[str, bytes], Awaitable[tuple[bytes, str]]]
+Forward = Callable[[str, bytes], Awaitable[bytes]]
 
 
 class _Reject(Exception):
@@ -80,7 +81,7 @@ class _ByteServicer(ServicerBase):
             raise _Reject("truncated", f"request truncated: got {len(data)} of {size} bytes")
         return data
 
-    def _job(self, chunks: list[bytes], size: int) -> bytes | bytearray | memoryview:
+    def _job(self, chunks: list[bytes], size: int) -> ByteBuffer:
         """Runs in the pool: assemble and check the request, call the handler."""
         data = self._assemble(chunks, size)
         self._record("handler_calls", 1)
@@ -186,6 +187,7 @@ class _ByteServicer(ServicerBase):
         stream = requests.__aiter__()
         try:
             chunks, size, to = await self._receive(stream)
+            reply: ByteBuffer
             if to is not None and to != self.own_id:
                 reply = await self._relay(to, chunks, size)
             else:
