@@ -6,6 +6,7 @@ import pytest
 import torch
 from _tiny import TOPO, constant_delta, delta_message, initial_modules, tiny_coordinator
 
+from dipaco.coordinator.outer import OuterSettings
 from dipaco.errors import RejectedError
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
@@ -23,6 +24,7 @@ class Clock:
 def make(root, clock=None, rounds=2, shard_tokens=None):
     return tiny_coordinator(
         root,
+        outer=OuterSettings(rescale="sqrt"),  # the steps below are figured with sqrt(paths)
         rounds=rounds,
         step_offset=10,
         total_steps=30,
