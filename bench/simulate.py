@@ -1,6 +1,6 @@
 """Capacity planning by simulation: how many peers one scheduler and K module owners serve.
 
-Runs the real coordinator code (dipaco.sim: one scheduler, K owners, every request through the
+Runs the real coordinator code (bench/sim: one scheduler, K owners, every request through the
 real handler, on a virtual clock) with simulated peers and links, for each combination of
 ``--peers`` and ``--owners``, and prints per configuration: the rounds' median virtual wall
 time, how busy the peers were, the utilization of the scheduler's CPU and of the busiest
@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dipaco.sim import costs, simulate  # noqa: E402
+from sim import costs, simulate  # noqa: E402
 
 DOC = REPO / "docs" / "operations.md"
 HEADER = (

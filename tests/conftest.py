@@ -1,4 +1,5 @@
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -6,6 +7,9 @@ from _threads import thread_exceptions  # noqa: F401 - autouse: a thread's excep
 
 from dipaco.config import preset_config
 from dipaco.prepare.pipeline import prepare
+
+# The capacity simulator lives with its command in bench/ (bench/sim); its tests import it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The capacity simulator (dipaco.sim) runs the real coordinators to the end and blames the
+"""The capacity simulator (bench/sim) runs the real coordinators to the end and blames the
 right resource: 200 peers reach the last round with every acknowledged delta applied exactly
 once; cutting the owners' bandwidth makes rounds longer and names their NIC; slowing the
 owners' CPU names their CPU."""
@@ -8,8 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-
-from dipaco.sim import costs, simulate
+from sim import costs, simulate
 
 
 @pytest.fixture(autouse=True)

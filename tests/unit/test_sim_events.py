@@ -1,8 +1,8 @@
-"""The simulator's event loop and queues (dipaco.sim.events)."""
+"""The simulator's event loop and queues (bench/sim/events.py)."""
 
 from __future__ import annotations
 
-from dipaco.sim.events import Cpu, Loop, Pipe, transfer
+from sim.events import Cpu, Loop, Pipe, transfer
 
 
 def test_loop_runs_in_time_order_and_ties_in_order_scheduled():

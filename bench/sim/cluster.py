@@ -28,8 +28,8 @@ from dipaco.model.transformer import ModelConfig, new_dense_model
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LocalTransport
-from dipaco.sim import costs
-from dipaco.sim.events import Cpu, Loop, Pipe
+from sim import costs
+from sim.events import Cpu, Loop, Pipe
 
 TINY = ModelConfig(vocab_size=16, dim=8, n_layers=2, n_heads=2, max_seq_len=8)
 SCHEDULER = "scheduler"

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dipaco.sim import costs
-from dipaco.sim.cluster import Cluster
-from dipaco.sim.events import Busy, Loop
-from dipaco.sim.peers import Swarm
+from sim import costs
+from sim.cluster import Cluster
+from sim.events import Busy, Loop
+from sim.peers import Swarm
 
 SATURATED = 0.8  # a resource busy this much of the time is the bottleneck
 

@@ -26,9 +26,9 @@ from dipaco.peer.push import REPORT_WAIT
 from dipaco.protocols import auth, codecs
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
-from dipaco.sim import costs
-from dipaco.sim.cluster import Cluster, Node
-from dipaco.sim.events import Loop, Pipe, transfer
+from sim import costs
+from sim.cluster import Cluster, Node
+from sim.events import Loop, Pipe, transfer
 
 
 @dataclass
