@@ -66,13 +66,13 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
         task = core._task(req.peer_id, req.task_id, req.ticket)
         path = task.path
         if req.path != path:
-            core._reject(
+            core.refusals.refuse(
                 req.peer_id,
                 Reason.WRONG_PATH,
                 f"task {req.task_id} is for path {path}, not {req.path}",
             )
         if req.tokens <= 0:
-            core._reject(
+            core.refusals.refuse(
                 req.peer_id, Reason.BAD_TOKENS, f"token count must be positive, got {req.tokens}"
             )
         path_mids = core.topology.path_modules(path)
@@ -124,8 +124,7 @@ def admit(
                     core.inflight.pop(key, None)
                 core.step_cond.notify_all()
     # the modules stepped under this delta eight times: the run is racing ahead of it
-    core._reject(req.peer_id, Reason.STALE, f"the modules of path {task.path} keep moving")
-    raise AssertionError("unreachable: _reject raises")
+    core.refusals.refuse(req.peer_id, Reason.STALE, f"the modules of path {task.path} keep moving")
 
 
 def reserve(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]) -> Plan:
@@ -141,7 +140,7 @@ def reserve(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]) ->
         if not taken:
             break
         if any(core.inflight[k] != req.task_id for k in taken):
-            core._reject(
+            core.refusals.refuse(
                 req.peer_id,
                 Reason.DUPLICATE,
                 f"path {task.path} is being reported for {taken[0][0]} version {taken[0][1]} "
@@ -157,7 +156,7 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
     path, plan = task.path, Plan()
     for mid in mids:
         if mid in core.handing:
-            core._reject(
+            core.refusals.refuse(
                 req.peer_id, Reason.HANDOVER, f"{mid} is moving to another owner; retry shortly"
             )
     for mid in mids:
@@ -167,7 +166,7 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
         # round before the peer fetched it, that newer version.
         newer = type(base) is int and issued is not None and issued < base <= task.round
         if issued is None or not (base == issued or newer) or base > record.version:
-            core._reject(
+            core.refusals.refuse(
                 req.peer_id,
                 Reason.WRONG_BASE,
                 f"delta for {mid} claims base {base}, the task was issued against {issued}"
@@ -191,7 +190,7 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
         if lateness > core.policy.max_staleness:
             if core.is_scheduler:  # the task can never be applied: free its path
                 core.scheduler.release(req.task_id, req.peer_id)
-            core._reject(
+            core.refusals.refuse(
                 req.peer_id,
                 Reason.STALE,
                 f"delta for {mid} is against version {base}, module is at "
@@ -214,7 +213,7 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
         plan.keys.append((mid, rnd, path))
     finished = [mid for mid in plan.dropped if core.store.modules[mid].version >= core.rounds]
     if finished and not plan.store and not plan.already:
-        core._reject(
+        core.refusals.refuse(
             req.peer_id,
             Reason.FINISHED,
             f"{finished[0]} has made all its {core.rounds} rounds; late deltas are not applied",
@@ -259,7 +258,7 @@ def write(
                 core.norm_file.save()
     except OSError as exc:  # a full disk refuses the delta; what was stored is acked on the retry
         full = exc.errno == errno.ENOSPC
-        core._reject(req.peer_id, Reason.DISK_FULL if full else Reason.IO_ERROR, str(exc))
+        core.refusals.refuse(req.peer_id, Reason.DISK_FULL if full else Reason.IO_ERROR, str(exc))
     finally:
         for file, _ in staged.values():  # not committed: never acknowledged, never applied
             with contextlib.suppress(FileNotFoundError):
@@ -322,27 +321,27 @@ def split_delta(
     for key, tensor in req.tensors.items():
         mid, _, name = key.partition("/")
         if mid in path_mids and mid not in wire:
-            core._reject(
+            core.refusals.refuse(
                 req.peer_id,
                 Reason.NOT_OWNER,
                 f"{mid} is owned by {core.owners.get(mid)!r}, not by {core.owner_id!r}; "
                 "ask the scheduler for the current owners",
             )
         if mid not in wire:
-            core._reject(
+            core.refusals.refuse(
                 req.peer_id,
                 Reason.UNKNOWN_MODULE,
                 f"tensor {key} is for a module outside path {req.path}",
             )
         wire[mid][name] = tensor
     if req.codec not in codecs.CODECS:
-        core._reject(req.peer_id, Reason.BAD_CODEC, f"unknown codec {req.codec!r}")
+        core.refusals.refuse(req.peer_id, Reason.BAD_CODEC, f"unknown codec {req.codec!r}")
     deltas = {}
     for mid in mids:
         params = core.store.params(mid)
         got = wire[mid]
         if not got:
-            core._reject(
+            core.refusals.refuse(
                 req.peer_id,
                 Reason.WRONG_TENSORS,
                 f"the delta lacks module {mid} of path {req.path}, which this coordinator owns",
@@ -350,7 +349,7 @@ def split_delta(
         if req.codec == "lossless":
             if set(got) != set(params):
                 missing, extra = sorted(set(params) - set(got)), sorted(set(got) - set(params))
-                core._reject(
+                core.refusals.refuse(
                     req.peer_id,
                     Reason.WRONG_TENSORS,
                     f"delta for {mid}: missing {missing[:3]}, unexpected {extra[:3]}",
@@ -358,14 +357,14 @@ def split_delta(
             for name, tensor in got.items():
                 ref = params[name]
                 if tensor.shape != ref.shape:
-                    core._reject(
+                    core.refusals.refuse(
                         req.peer_id,
                         Reason.WRONG_SHAPE,
                         f"{mid}/{name}: got shape {tuple(tensor.shape)}, "
                         f"expected {tuple(ref.shape)}",
                     )
                 if tensor.dtype != ref.dtype:
-                    core._reject(
+                    core.refusals.refuse(
                         req.peer_id,
                         Reason.WRONG_DTYPE,
                         f"{mid}/{name}: got {tensor.dtype}, expected {ref.dtype} "
@@ -376,10 +375,10 @@ def split_delta(
             try:
                 decoded = codecs.decode(req.codec, got, params)
             except WireError as exc:
-                core._reject(req.peer_id, Reason.BAD_ENCODING, f"delta for {mid}: {exc}")
+                core.refusals.refuse(req.peer_id, Reason.BAD_ENCODING, f"delta for {mid}: {exc}")
         bad = nonfinite(decoded)  # the module at once, in NumPy (validation.nonfinite)
         if bad is not None:
-            core._reject(req.peer_id, Reason.NON_FINITE, f"{mid}/{bad} contains NaN or inf")
+            core.refusals.refuse(req.peer_id, Reason.NON_FINITE, f"{mid}/{bad} contains NaN or inf")
         deltas[mid] = decoded
     return deltas
 
@@ -404,7 +403,7 @@ def check_content(
         judged = {mid: core.norms.judge(mid, norm) for mid, norm in measured.items()}
     for mid, j in judged.items():
         if j.action == "reject":
-            core._reject(
+            core.refusals.refuse(
                 req.peer_id,
                 Reason.HUGE_NORM,
                 f"delta for {mid} has norm {j.norm:.4g}, {j.why}",
@@ -487,14 +486,14 @@ def check_heldout(
             }
         )
     if verdict.refuse == "worse-heldout":
-        core._reject(
+        core.refusals.refuse(
             req.peer_id,
             Reason.WORSE_HELDOUT,
             f"path {path}'s held-out loss would go from {before:.4f} to {after:.4f} "
             f"(tolerance {core.validation.heldout_tolerance:g})",
         )
     if verdict.refuse == "low-score":
-        core._reject(
+        core.refusals.refuse(
             req.peer_id,
             Reason.LOW_SCORE,
             f"this key's deltas have made their paths worse (score {verdict.score:.4f} "

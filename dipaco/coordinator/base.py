@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -24,13 +24,14 @@ from dipaco.coordinator.access import AccessPolicy
 from dipaco.coordinator.durable import GroupWriter
 from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.records import PeerInfo, Phase, ReportedModule
+from dipaco.coordinator.refusals import Refusals
 from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
 from dipaco.coordinator.serial import Serial
 from dipaco.coordinator.statetext import trained_by_texts
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.tickets import SchedulerKeys
 from dipaco.coordinator.validation import KeyScores, NormTracker
-from dipaco.errors import ConfigError, CorruptFileError, RejectedError
+from dipaco.errors import ConfigError, CorruptFileError
 from dipaco.model.topology import Topology
 from dipaco.protocols import auth
 
@@ -189,8 +190,6 @@ class CoordinatorBase:
             self.root / "coordinator.json",
             self.store.spares,
         )
-        self.rejections: Counter[str] = Counter()
-        self.rejections_by_peer: dict[str, Counter[str]] = defaultdict(Counter)
         self.peers: dict[str, PeerInfo] = {}
         self.epoch = 0
         self.finished_event = threading.Event()
@@ -218,6 +217,8 @@ class CoordinatorBase:
             metrics=self.metrics,
             clock=clock,
         )
+        # Every refusal, counted once (refusals.py).
+        self.refusals = Refusals(self.lock, self.access, _CALLER.get)
         self.guard = auth.ReplayGuard(self.security.clock_skew_seconds)
         self.owner_keys: dict[str, str] = {owner_id: self.identity.public_key}
         self.max_request_bytes = 64 << 20  # set from the modules' size by start()
@@ -368,22 +369,19 @@ class CoordinatorBase:
         else:
             self.work_cond.notify()
 
-    def _reject(self, peer_id: str, reason: str, message: str):
-        with self.lock:  # admission refuses outside the lock too
-            self._count(peer_id, reason)
-        exc = RejectedError(message, reason=reason)
-        exc.counted = True  # handle() must not count it again
-        raise exc
-
     @property
     def _caller(self) -> str | None:
         """The key of the request being handled (:func:`acting_for`), if any."""
         return _CALLER.get()
 
-    def _count(self, peer_id: str, reason: str) -> None:
-        self.rejections[reason] += 1
-        self.rejections_by_peer[peer_id][reason] += 1
-        self.access.offence(self._caller, reason)
+    @property
+    def rejections(self) -> Counter[str]:
+        """Refusals by reason (``refusals.by_reason``; read it, count through ``refusals``)."""
+        return self.refusals.by_reason
+
+    @property
+    def rejections_by_peer(self) -> dict[str, Counter[str]]:
+        return self.refusals.by_peer
 
     def _seen(self, peer_id: str, **info: Any) -> None:
         peer = self.peers.setdefault(peer_id, PeerInfo())

@@ -59,7 +59,7 @@ def owner_report(core: CoordinatorBase, req: m.OwnerReport) -> m.ReportAck:
     owner_proof(core, req.owner_id, req.proof, "report", req.modules)
     for mid in req.modules:
         if core.owners.get(mid) != req.owner_id:
-            core._reject(
+            core.refusals.refuse(
                 req.owner_id,
                 Reason.NOT_OWNER,
                 f"{req.owner_id} reports {mid}, which it does not own",
@@ -67,7 +67,7 @@ def owner_report(core: CoordinatorBase, req: m.OwnerReport) -> m.ReportAck:
     reported = {mid: ReportedModule.of(info) for mid, info in req.modules.items()}
     for mid, module in reported.items():
         if module is None:
-            core._reject(
+            core.refusals.refuse(
                 req.owner_id,
                 Reason.BAD_MESSAGE,
                 f"report for {mid} is not {{version, hash, pending paths}}",
@@ -91,7 +91,7 @@ def hand_over(core: CoordinatorBase, req: m.HandOver) -> m.ModuleState:
     modules, tensors = {}, {}
     for mid in req.modules:
         if not core.owns(mid):
-            core._reject(
+            core.refusals.refuse(
                 req.owner_id,
                 Reason.NOT_OWNER,
                 f"{mid} is owned by {core.owners.get(mid)!r}, not by this coordinator",
@@ -125,9 +125,13 @@ def confirm_ownership(core: CoordinatorBase, req: m.ConfirmOwnership) -> m.Ok:
     owner_proof(core, req.owner_id, req.proof, "confirm", req.hashes)
     for mid, digest in req.hashes.items():
         if core.handing.get(mid, ("",))[0] != req.owner_id:
-            core._reject(req.owner_id, Reason.NOT_OWNER, f"{mid} was not being handed to you")
+            core.refusals.refuse(
+                req.owner_id, Reason.NOT_OWNER, f"{mid} was not being handed to you"
+            )
         if core.store.modules[mid].hash != digest:
-            core._reject(req.owner_id, Reason.HASH_MISMATCH, f"{mid}: adopted a different version")
+            core.refusals.refuse(
+                req.owner_id, Reason.HASH_MISMATCH, f"{mid}: adopted a different version"
+            )
     for mid in req.hashes:
         record = core.store.modules.pop(mid)
         del core.handing[mid]
@@ -167,14 +171,16 @@ def owner_proof(
     """The request comes from a module owner the operator allowed, and it signed ``payload``."""
     key = core._caller
     if key is None or not core.access.is_owner(key):
-        core._reject(
+        core.refusals.refuse(
             owner_id,
             Reason.NOT_AN_OWNER,
             "this key may not own modules; the scheduler's operator allows owners with: "
             f"dipaco-coordinator allow --owner {key}",
         )
     if not tickets.check(key, proof, purpose, owner_id, payload):
-        core._reject(owner_id, Reason.BAD_PROOF, f"the {purpose} is not signed by the sender's key")
+        core.refusals.refuse(
+            owner_id, Reason.BAD_PROOF, f"the {purpose} is not signed by the sender's key"
+        )
     if core.owner_keys.get(owner_id) != key:
         core.owner_keys[owner_id] = key
 

@@ -169,7 +169,7 @@ def follow(core: CoordinatorBase, scheduler: Transport) -> bool:
         scheduler.authenticate(identity, trusted, on_pin)
         who = f"key:{auth.fingerprint(seen)}" if seen else "scheduler"
         with core.lock:
-            core._count(who, Reason.BAD_ROTATION)
+            core.refusals.count(who, Reason.BAD_ROTATION)
             core._save_state()
         log.error("refused the scheduler's new key: %s (%s)", exc, Reason.BAD_ROTATION)
         core.metrics({"event": "key_rotation_refused", "reason": str(exc)})

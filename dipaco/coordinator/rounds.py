@@ -278,7 +278,7 @@ def task_done(core: CoordinatorBase, req: m.TaskDone) -> m.Ok:
         # A task is done when its deltas are, not when its peer says so: a TaskDone
         # without them would take the path out of the round and stall its modules.
         # The lease stays: it expires, or the round's deadline re-issues it.
-        core._reject(
+        core.refusals.refuse(
             req.peer_id,
             Reason.NOT_ACKED,
             f"task {req.task_id}: no acknowledged delta for {', '.join(missing)} yet",

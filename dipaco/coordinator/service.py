@@ -79,7 +79,7 @@ def handle_in_slot(core: CoordinatorBase, data: bytes, slot: RequestSlot) -> byt
     except DipacoError as exc:
         if not exc.counted:
             with core.lock, acting_for(key):
-                core._count(who, exc.reason)
+                core.refusals.count(who, exc.reason)
         log.info("rejected %s: %s (%s)", who, exc, exc.reason)
         reply = m.Error(reason=exc.reason, message=str(exc))
     room = auth.ENVELOPE_ROOM  # sealed in place: a large reply's body is never copied
@@ -106,7 +106,7 @@ def act_for(core: CoordinatorBase, key: str, req: m.Message) -> m.Message:
         if not exc.counted:
             who = getattr(req, "peer_id", None) or f"key:{auth.fingerprint(key)}"
             with core.lock, acting_for(key):
-                core._count(who, exc.reason)
+                core.refusals.count(who, exc.reason)
             exc.counted = True
         raise
 
@@ -115,7 +115,7 @@ def refuse(core: CoordinatorBase, who: str, reason: str, message: str) -> None:
     """Count a refusal a transport made before the core saw the request (a malformed
     Flower reply, say), as :meth:`handle` counts its own."""
     with core.lock:
-        core._count(who, reason)
+        core.refusals.count(who, reason)
     log.info("rejected %s: %s (%s)", who, message, reason)
 
 

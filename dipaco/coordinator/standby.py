@@ -34,11 +34,11 @@ FILES = (STATE, "access.json", "peers.json", "key_rotations.json", "decided_phas
 def standby_sync(core: CoordinatorBase, req: m.StandbySync) -> m.StandbyState:
     """The state files, to a standby that signs with this scheduler's key."""
     if not core.is_scheduler:
-        core._reject(
+        core.refusals.refuse(
             req.standby_id, Reason.NOT_STANDBY, "this coordinator does not lease tasks: no standby"
         )
     if core._caller != core.identity.public_key:
-        core._reject(
+        core.refusals.refuse(
             req.standby_id,
             Reason.NOT_STANDBY,
             "a standby scheduler signs with the scheduler's own key (copy coordinator/signing.key "

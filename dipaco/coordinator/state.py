@@ -43,9 +43,7 @@ def start(
         _check_state(state_file, saved, core.topology.module_ids())
         core.epoch = saved.get("epoch", 0) + 1
         core.scheduler.epoch = core.epoch
-        core.rejections.update(saved.get("rejections", {}))
-        for who, counts in saved.get("rejections_by_peer", {}).items():
-            core.rejections_by_peer[who].update(counts)
+        core.refusals.load_state_dict(saved)
     if core.is_scheduler:
         core.owners = saved.get("owners") or dict.fromkeys(
             core.topology.module_ids(), core.owner_id
@@ -132,7 +130,7 @@ def save_counts(core: CoordinatorBase) -> None:
 def report_repairs(core: CoordinatorBase) -> None:
     """Log and count what the store repaired on start: corrupt files, rolled-back heads."""
     for file in core.store.quarantined:
-        core.rejections[Reason.CORRUPT_FILE] += 1
+        core.refusals.by_reason[Reason.CORRUPT_FILE] += 1  # no request was refused: no peer
         core.metrics({"event": "file_quarantined", "file": file})
     for mid, (bad, used) in core.store.rolled_back.items():
         core.metrics({"event": "rolled_back", "module": mid, "bad": bad, "version": used})
@@ -165,8 +163,7 @@ def _common(core: CoordinatorBase) -> dict[str, Any]:
     """What coordinator.json holds apart from the scheduler's long sections."""
     state: dict[str, Any] = {
         "epoch": core.epoch,
-        "rejections": dict(core.rejections),
-        "rejections_by_peer": {p: dict(c) for p, c in core.rejections_by_peer.items()},
+        **core.refusals.state_dict(),
         "run_id": core.run_id,
         "owner_id": core.owner_id,
     }

@@ -60,8 +60,7 @@ def status(core: CoordinatorBase, req: m.GetStatus | None = None) -> m.Status:
             "machines": machines(peers),
             "owners": owner_rows(core, now),
             "evaluation": core.eval_note,
-            "rejections": dict(core.rejections),
-            "rejections_by_peer": {p: dict(c) for p, c in core.rejections_by_peer.items()},
+            **core.refusals.state_dict(),
             "access": core.access.summary(),
             "key_scores": {auth.fingerprint(k): v for k, v in core.key_scores.summary().items()},
         }

@@ -87,7 +87,7 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
     if fresh and core._caller is not None and not core.access.is_owner(core._caller):
         held = sum(len(core.scheduler.leases_of(p)) for p in core.access.ids_of(core._caller))
         if held >= core.security.max_tasks_per_key:
-            core._reject(
+            core.refusals.refuse(
                 req.peer_id,
                 Reason.QUOTA,
                 f"this key already holds {held} live tasks "
@@ -167,7 +167,9 @@ def fetch_releases(core: CoordinatorBase, req: m.FetchReleases) -> m.Modules:
     modules it does not own are left out (the caller asks their owners)."""
     unknown = sorted(set(req.modules) - set(core.topology.module_ids()))
     if unknown:
-        core._reject(req.peer_id, Reason.BAD_MESSAGE, f"this run has no modules {unknown[:8]}")
+        core.refusals.refuse(
+            req.peer_id, Reason.BAD_MESSAGE, f"this run has no modules {unknown[:8]}"
+        )
     versions, hashes, tensors, signatures = {}, {}, {}, {}
     for mid in dict.fromkeys(req.modules):
         if not core.owns(mid):
@@ -210,12 +212,12 @@ def fetch_file(core: CoordinatorBase, req: m.FetchFile) -> m.FileChunk:
     core._seen(req.peer_id)
     path = core.files.get(req.name)
     if path is None:
-        core._reject(
+        core.refusals.refuse(
             req.peer_id, Reason.UNKNOWN_FILE, f"{req.name!r} is not one of the run's files"
         )
     size = path.stat().st_size
     if req.offset < 0 or req.offset > size or not 0 < req.length <= FILE_CHUNK:
-        core._reject(
+        core.refusals.refuse(
             req.peer_id,
             Reason.BAD_RANGE,
             f"{req.name}: range {req.offset}+{req.length} outside 0..{size} "
@@ -240,7 +242,7 @@ def task_of(core: CoordinatorBase, peer_id: str, task_id: str, ticket: str) -> T
     A task whose lease was released or expired acts for nothing any more."""
     ended = core.scheduler.ended if core.is_scheduler else core.void
     if task_id in ended:
-        core._reject(
+        core.refusals.refuse(
             peer_id,
             Reason.LEASE_ENDED,
             f"task {task_id} was released or its lease expired; claim a new task",
@@ -249,18 +251,24 @@ def task_of(core: CoordinatorBase, peer_id: str, task_id: str, ticket: str) -> T
         payload = core.keys.read(ticket)
         task = None if payload is None else Task.of_ticket(payload)
         if task is None:
-            core._reject(peer_id, Reason.BAD_TICKET, f"task {task_id}: ticket does not verify")
+            core.refusals.refuse(
+                peer_id, Reason.BAD_TICKET, f"task {task_id}: ticket does not verify"
+            )
         if task.task_id != task_id:
-            core._reject(
+            core.refusals.refuse(
                 peer_id, Reason.BAD_TICKET, f"the ticket is for another task than {task_id}"
             )
         if task.peer != peer_id or (
             core._caller is not None and task.key not in (None, core._caller)
         ):
-            core._reject(peer_id, Reason.NOT_YOUR_TASK, f"task {task_id} is leased to another peer")
+            core.refusals.refuse(
+                peer_id, Reason.NOT_YOUR_TASK, f"task {task_id} is leased to another peer"
+            )
         return task
     if not core.is_scheduler:
-        core._reject(peer_id, Reason.BAD_TICKET, f"task {task_id}: owners need the task's ticket")
+        core.refusals.refuse(
+            peer_id, Reason.BAD_TICKET, f"task {task_id}: owners need the task's ticket"
+        )
     lease = issued_to(core, task_id, peer_id)
     return lease_task(core, lease)
 
@@ -361,7 +369,7 @@ def wait_for_work(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
 
 def need_scheduler(core: CoordinatorBase, who: str) -> None:
     if not core.is_scheduler:
-        core._reject(
+        core.refusals.refuse(
             who, Reason.NOT_SCHEDULER, "this coordinator owns modules but does not lease tasks"
         )
 
@@ -369,11 +377,13 @@ def need_scheduler(core: CoordinatorBase, who: str) -> None:
 def issued_to(core: CoordinatorBase, task_id: str, peer_id: str) -> Lease:
     lease = core.scheduler.issued.get(task_id)
     if lease is None:
-        core._reject(
+        core.refusals.refuse(
             peer_id, Reason.UNKNOWN_TASK, f"task {task_id} was not issued by this coordinator"
         )
     if lease.peer_id != peer_id:
-        core._reject(peer_id, Reason.NOT_YOUR_TASK, f"task {task_id} is leased to another peer")
+        core.refusals.refuse(
+            peer_id, Reason.NOT_YOUR_TASK, f"task {task_id} is leased to another peer"
+        )
     return lease
 
 
