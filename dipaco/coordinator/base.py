@@ -14,6 +14,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from dipaco.config import SchedulerSection, SecuritySection, ValidationSection
 from dipaco.coordinator.access import AccessPolicy
 from dipaco.coordinator.durable import GroupWriter
-from dipaco.coordinator.outer import OuterSettings
+from dipaco.coordinator.outer import OuterSettings, for_sharing
 from dipaco.coordinator.records import PeerInfo, Phase, ReportedModule
 from dipaco.coordinator.refusals import Refusals
 from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
@@ -34,6 +35,7 @@ from dipaco.coordinator.validation import KeyScores, NormTracker
 from dipaco.errors import ConfigError, CorruptFileError
 from dipaco.model.topology import Topology
 from dipaco.protocols import auth
+from dipaco.protocols.reasons import Reason
 
 log = logging.getLogger(__name__)
 
@@ -338,6 +340,40 @@ class CoordinatorBase:
             return set(self.store.modules[mid].ahead)
         info = self.remote.get(mid)
         return set(info.ahead) if info else set()
+
+    def phase_of(self, base_round: int) -> int:
+        """The routing phase whose shards a task of this base round trains on."""
+        return sum(1 for r in self.phase_rounds if r <= base_round)
+
+    def weight(self, path: int, base_round: int) -> float | None:
+        """A path's outer-step weight for a task of ``base_round``: its shard's tokens in the
+        routing phase it trains on (paper eq. 2-3); None without shard sizes."""
+        phase = self.phases.get(self.phase_of(base_round))
+        tokens = (phase.tokens if phase else None) or self.shard_tokens
+        return float(tokens[path]) if tokens else None
+
+    def need_scheduler(self, who: str) -> None:
+        """Refuse ``who``'s request unless this coordinator leases tasks."""
+        if not self.is_scheduler:
+            self.refusals.refuse(
+                who, Reason.NOT_SCHEDULER, "this coordinator owns modules but does not lease tasks"
+            )
+
+    def outer_settings_of(self, mid: str) -> OuterSettings:
+        """The outer step of ``mid``: ``outer`` at the module's lr by its sharing count (if
+        ``lr_by_sharing`` names one), except that with ``checked_mean`` (the "auto" aggregation
+        of an open run with the held-out check on) a module whose every path this coordinator
+        scores takes the plain mean: each delta was judged on its own already, and the mean
+        costs honest runs nothing (docs/security.md has both measured)."""
+        paths = self.topology.paths_through(mid)
+        settings = for_sharing(self.outer, len(paths))
+        if (
+            self.checked_mean
+            and self.heldout_loss is not None
+            and all(self.owns(x) for p in paths for x in self.topology.path_modules(p))
+        ):
+            return replace(settings, aggregation="mean")
+        return settings
 
     def path_round(self, path: int) -> int:
         return min(self.version(mid) or 0 for mid in self.topology.path_modules(path))

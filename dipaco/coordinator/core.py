@@ -58,10 +58,8 @@ class Coordinator(CoordinatorBase):
     save_counts = state.save_counts
 
     # phases.py
-    phase_of = phases.phase_of
     schedule_phase = phases.schedule_phase
     add_phase = phases.add_phase
-    _weight = phases.weight
 
     # rounds.py
     open_paths = rounds.open_paths
@@ -72,7 +70,6 @@ class Coordinator(CoordinatorBase):
     step_due = rounds.step_due
     _maybe_step = rounds.maybe_step
     _after_change = rounds.after_change
-    outer_settings_of = rounds.outer_settings_of
     task_done = rounds.task_done
     _task_done = rounds.record_done
 
@@ -88,7 +85,6 @@ class Coordinator(CoordinatorBase):
     keep_alive = tasks.keep_alive
     run_file = tasks.run_file
     _task = tasks.task_of
-    _need_scheduler = tasks.need_scheduler
     _expired = tasks.expired
 
     # admission.py

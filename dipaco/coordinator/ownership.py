@@ -55,7 +55,7 @@ def get_owners(core: CoordinatorBase, req: m.GetOwners) -> m.Owners:
 
 
 def owner_report(core: CoordinatorBase, req: m.OwnerReport) -> m.ReportAck:
-    core._need_scheduler(req.owner_id)
+    core.need_scheduler(req.owner_id)
     owner_proof(core, req.owner_id, req.proof, "report", req.modules)
     for mid in req.modules:
         if core.owners.get(mid) != req.owner_id:
@@ -86,7 +86,7 @@ def owner_report(core: CoordinatorBase, req: m.OwnerReport) -> m.ReportAck:
 
 
 def hand_over(core: CoordinatorBase, req: m.HandOver) -> m.ModuleState:
-    core._need_scheduler(req.owner_id)
+    core.need_scheduler(req.owner_id)
     owner_proof(core, req.owner_id, req.proof, "handover", req.modules)
     modules, tensors = {}, {}
     for mid in req.modules:
@@ -121,7 +121,7 @@ def hand_over(core: CoordinatorBase, req: m.HandOver) -> m.ModuleState:
 
 
 def confirm_ownership(core: CoordinatorBase, req: m.ConfirmOwnership) -> m.Ok:
-    core._need_scheduler(req.owner_id)
+    core.need_scheduler(req.owner_id)
     owner_proof(core, req.owner_id, req.proof, "confirm", req.hashes)
     for mid, digest in req.hashes.items():
         if core.handing.get(mid, ("",))[0] != req.owner_id:

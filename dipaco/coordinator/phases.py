@@ -18,11 +18,6 @@ from dipaco.fileio import file_info, write_json_atomic
 log = logging.getLogger(__name__)
 
 
-def phase_of(core: CoordinatorBase, base_round: int) -> int:
-    """The routing phase whose shards a task of this base round trains on."""
-    return sum(1 for r in core.phase_rounds if r <= base_round)
-
-
 def schedule_phase(core: CoordinatorBase) -> tuple[int, int] | None:
     """Decide a routing phase now: (its number, the first base round that trains on it).
 
@@ -56,9 +51,3 @@ def add_phase(
         core.files.update(files)
         core.phases[phase] = Phase(prefix, tokens, infos)
         core.metrics({"event": "phase_ready", "phase": phase, "shard_tokens": tokens})
-
-
-def weight(core: CoordinatorBase, path: int, base_round: int) -> float | None:
-    phase = core.phases.get(core.phase_of(base_round))
-    tokens = (phase.tokens if phase else None) or core.shard_tokens
-    return float(tokens[path]) if tokens else None

@@ -10,10 +10,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import replace
 
 from dipaco.coordinator.base import CoordinatorBase
-from dipaco.coordinator.outer import OuterSettings, for_sharing
 from dipaco.coordinator.records import PeerInfo, Task
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
@@ -246,25 +244,8 @@ def after_change(core: CoordinatorBase) -> None:
             core.after_round.then(core.finished_event.set)
 
 
-def outer_settings_of(core: CoordinatorBase, mid: str) -> OuterSettings:
-    """The outer step of ``mid``: ``core.outer`` at the module's lr by its sharing count (if
-    ``lr_by_sharing`` names one), except that with ``checked_mean`` (the "auto" aggregation of
-    an open run with the held-out check on) a module whose every path this coordinator scores
-    takes the plain mean: each delta was judged on its own already, and the mean costs honest
-    runs nothing (docs/security.md has both measured)."""
-    paths = core.topology.paths_through(mid)
-    settings = for_sharing(core.outer, len(paths))
-    if (
-        core.checked_mean
-        and core.heldout_loss is not None
-        and all(core.owns(x) for p in paths for x in core.topology.path_modules(p))
-    ):
-        return replace(settings, aggregation="mean")
-    return settings
-
-
 def task_done(core: CoordinatorBase, req: m.TaskDone) -> m.Ok:
-    core._need_scheduler(req.peer_id)
+    core.need_scheduler(req.peer_id)
     core._seen(req.peer_id)
     task = core._task(req.peer_id, req.task_id, req.ticket)
     if (task.path, task.round) in core.done:

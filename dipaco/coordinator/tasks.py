@@ -71,7 +71,7 @@ def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
 
 
 def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
-    need_scheduler(core, req.peer_id)
+    core.need_scheduler(req.peer_id)
     core._seen(req.peer_id)
     if core.finished:
         return m.NoTask(reason="run finished", retry_after=0.0, finished=True)
@@ -188,7 +188,7 @@ def release_signature(core: CoordinatorBase, mid: str, version: int, digest: str
 
 
 def heartbeat(core: CoordinatorBase, req: m.Heartbeat) -> m.HeartbeatAck:
-    need_scheduler(core, req.peer_id)
+    core.need_scheduler(req.peer_id)
     core._seen(req.peer_id, step=req.step)
     if req.task_id is None:
         return m.HeartbeatAck(lease_ok=False, deadline_in=0.0)
@@ -199,7 +199,7 @@ def heartbeat(core: CoordinatorBase, req: m.Heartbeat) -> m.HeartbeatAck:
 
 
 def release(core: CoordinatorBase, req: m.ReleaseTask) -> m.Ok:
-    need_scheduler(core, req.peer_id)
+    core.need_scheduler(req.peer_id)
     core._seen(req.peer_id)
     if core.scheduler.release(req.task_id, req.peer_id):
         core.metrics({"event": "task_released", "task": req.task_id, "peer": req.peer_id})
@@ -279,7 +279,7 @@ def lease_task(core: CoordinatorBase, lease: Lease, key: str | None = None) -> T
     train = core.peer_config.get("train", {})
     return Task.of_lease(
         lease,
-        core._weight(lease.path, lease.round),
+        core.weight(lease.path, lease.round),
         key,
         full_steps=core.inner_steps,
         tokens_per_step=train.get("batch_size", 0) * train.get("seq_len", 0),
@@ -365,13 +365,6 @@ def wait_for_work(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
         return None
     finally:
         core.long_polls -= 1
-
-
-def need_scheduler(core: CoordinatorBase, who: str) -> None:
-    if not core.is_scheduler:
-        core.refusals.refuse(
-            who, Reason.NOT_SCHEDULER, "this coordinator owns modules but does not lease tasks"
-        )
 
 
 def issued_to(core: CoordinatorBase, task_id: str, peer_id: str) -> Lease:
