@@ -90,7 +90,7 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
             core._task_done(task, req.peer_id, req.tokens, req.losses)
     closed = [mid for mid in mids if core._maybe_step(mid)]  # outside the lock
     with core.lock:
-        core._save_state()
+        core.save_state()
         core._after_change()
     return m.DeltaAck(
         accepted=stored + plan.already,

@@ -341,6 +341,36 @@ class CoordinatorBase:
         info = self.remote.get(mid)
         return set(info.ahead) if info else set()
 
+    def save_state(self, required: bool = False) -> None:
+        """Write coordinator.json. Outside ``start`` a failure (a full disk) is logged, not
+        raised: the file holds counters and ownership, which the next save brings up to date,
+        and raising would drop the reply to a request whose deltas are already durable.
+
+        Inside a request this only marks the file changed: the service writes it (one write
+        for many concurrent requests, durable.py) after the operation, outside the lock,
+        before the reply goes out. ``required`` (the start: the epoch must be on disk) writes
+        it now and raises what fails."""
+        try:
+            if required:
+                self.state_file.write_now()
+            else:
+                self.state_file.save()
+        except OSError as exc:
+            if required:
+                raise
+            log.error("cannot save %s: %s", self.root / "coordinator.json", exc)
+
+    def flush_state(self) -> None:
+        """Write what the request marked (coordinator.json, the norm statistics), if anything."""
+        try:
+            self.state_file.flush()
+        except OSError as exc:
+            log.error("cannot save %s: %s", self.root / "coordinator.json", exc)
+        try:
+            self.norm_file.flush()
+        except OSError as exc:
+            log.error("cannot save %s: %s", self.norms.path, exc)
+
     def phase_of(self, base_round: int) -> int:
         """The routing phase whose shards a task of this base round trains on."""
         return sum(1 for r in self.phase_rounds if r <= base_round)

@@ -26,7 +26,7 @@ coordinator as their first argument and are bound here as its methods:
 - ``standby.py``: the state a standby scheduler copies (StandbySync);
 - ``status.py``: the status snapshot.
 
-A part calls another only through the coordinator (``core._save_state()``), so the parts import
+A part calls another only through the coordinator (``core._maybe_step(mid)``), so the parts import
 none of one another.
 """
 
@@ -52,9 +52,7 @@ class Coordinator(CoordinatorBase):
     # state.py
     start = state.start
     standby_sync = standby.standby_sync
-    _save_state = state.save_state
     _state_bytes = state.state_bytes
-    flush_state = state.flush_state
     save_counts = state.save_counts
 
     # phases.py

@@ -80,40 +80,9 @@ def start(
         core._maybe_step(mid)
     report_repairs(core)
     core.last_round = core.round
-    save_state(core, required=True)  # the epoch must be on disk: task ids are never reused
+    core.save_state(required=True)  # the epoch must be on disk: task ids are never reused
     if core.finished:
         core.finished_event.set()
-
-
-def save_state(core: CoordinatorBase, required: bool = False) -> None:
-    """Write coordinator.json. Outside ``start`` a failure (a full disk) is logged, not
-    raised: the file holds counters and ownership, which the next save brings up to date,
-    and raising would drop the reply to a request whose deltas are already durable.
-
-    Inside a request this only marks the file changed: the service writes it (one write for
-    many concurrent requests, durable.py) after the operation, outside the lock, before the
-    reply goes out."""
-    try:
-        if required:
-            write_state(core)
-        else:
-            core.state_file.save()
-    except OSError as exc:
-        if required:
-            raise
-        log.error("cannot save %s: %s", core.root / "coordinator.json", exc)
-
-
-def flush_state(core: CoordinatorBase) -> None:
-    """Write what the request marked (coordinator.json, the norm statistics), if anything."""
-    try:
-        core.state_file.flush()
-    except OSError as exc:
-        log.error("cannot save %s: %s", core.root / "coordinator.json", exc)
-    try:
-        core.norm_file.flush()
-    except OSError as exc:
-        log.error("cannot save %s: %s", core.norms.path, exc)
 
 
 def save_counts(core: CoordinatorBase) -> None:
@@ -124,7 +93,7 @@ def save_counts(core: CoordinatorBase) -> None:
     except OSError as exc:  # the next start redoes the step from its deltas
         log.error("cannot write the last outer step: %s", exc)
     with core.lock:
-        save_state(core)
+        core.save_state()
 
 
 def report_repairs(core: CoordinatorBase) -> None:
@@ -136,11 +105,6 @@ def report_repairs(core: CoordinatorBase) -> None:
         core.metrics({"event": "rolled_back", "module": mid, "bad": bad, "version": used})
     core.store.quarantined.clear()
     core.store.rolled_back.clear()
-
-
-def write_state(core: CoordinatorBase) -> None:
-    """Write coordinator.json now (at the start: the epoch must be on disk)."""
-    core.state_file.write_now()
 
 
 def state_bytes(core: CoordinatorBase) -> bytes:
@@ -194,7 +158,7 @@ def snapshot_state(core: CoordinatorBase) -> dict[str, Any]:
 
 
 def _check_state(path: Path, saved: Any, module_ids: list[str]) -> None:
-    """CorruptFileError unless coordinator.json has the shape ``_save_state`` writes.
+    """CorruptFileError unless coordinator.json has the shape ``save_state`` writes.
 
     Checked before any of it is used: a damaged file must stop the restart with a clear error,
     not crash half-way or quietly hand modules to owners that never asked for them.
