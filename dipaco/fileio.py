@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeGuard
 
 from dipaco.faults import fault_point
 
@@ -424,7 +424,7 @@ class AtomicFile:
             self.abort()
 
 
-def finite_number(value: Any) -> bool:
+def finite_number(value: Any) -> TypeGuard[float]:
     """A number read from a file (int or float, not bool) that is finite as a float: what a
     duration, a weight or a scale must be. An integer beyond a float's range (10**400, which
     JSON allows) is not one, and ``math.isfinite`` would raise on it."""

@@ -165,7 +165,7 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
         # The task's base; or, for an ahead task (overlap) whose module reached the task's
         # round before the peer fetched it, that newer version.
         newer = type(base) is int and issued is not None and issued < base <= task.round
-        if issued is None or not (base == issued or newer) or base > record.version:
+        if issued is None or base is None or not (base == issued or newer) or base > record.version:
             core.refusals.refuse(
                 req.peer_id,
                 Reason.WRONG_BASE,

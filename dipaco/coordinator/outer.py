@@ -308,7 +308,8 @@ def apply_round(
     weights = _weights(deltas, s)
     lists = [[_float32(d[k]) for k in names] for d, _ in deltas]
     if out is None:  # fresh results: the same operations, into new buffers
-        out = tuple({n: torch.empty(params[n].shape) for n in names} for _ in range(2))
+        fresh = [{n: torch.empty(params[n].shape) for n in names} for _ in range(2)]
+        out = (fresh[0], fresh[1])
     new = [out[0][n] for n in names]
     b = [out[1][n] for n in names]
     theta = [params[n] for n in names]

@@ -64,14 +64,16 @@ def owner_report(core: CoordinatorBase, req: m.OwnerReport) -> m.ReportAck:
                 Reason.NOT_OWNER,
                 f"{req.owner_id} reports {mid}, which it does not own",
             )
-    reported = {mid: ReportedModule.of(info) for mid, info in req.modules.items()}
-    for mid, module in reported.items():
+    reported: dict[str, ReportedModule] = {}
+    for mid, info in req.modules.items():
+        module = ReportedModule.of(info)
         if module is None:
             core.refusals.refuse(
                 req.owner_id,
                 Reason.BAD_MESSAGE,
                 f"report for {mid} is not {{version, hash, pending paths}}",
             )
+        reported[mid] = module
     core.remote.update(reported)
     core.owner_seen[req.owner_id] = core.clock()
     if req.addresses:

@@ -59,9 +59,10 @@ def _path_rounds(core: CoordinatorBase) -> list[tuple[int, int, bool]]:
     out = []
     for p in range(core.topology.num_paths):
         mids = core.topology.path_modules(p)
-        if any(version[mid] is None for mid in mids):
+        known = [x for mid in mids if (x := version[mid]) is not None]
+        if len(known) < len(mids):
             continue
-        v = min(version[mid] for mid in mids)
+        v = min(known)
         waiting = [mid for mid in mids if version[mid] == v]
         out.append((p, v, (p, v) in core.done or all(p in done[mid] for mid in waiting)))
     return out

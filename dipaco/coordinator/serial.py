@@ -40,14 +40,14 @@ class Serial:
         self._running = False
 
     def submit(self, fn: Callable[[], None], on_skip: Callable[[], None] | None = None) -> None:
-        skipped = []
+        skipped: list[Callable[[], None]] = []
         with self._lock:
             self._queue.append((fn, on_skip))
             if on_skip is not None and self.max_waiting is not None:
-                waiting = [item for item in self._queue if item[1] is not None]
-                for item in waiting[: max(0, len(waiting) - self.max_waiting)]:
+                waiting = [(item, skip) for item in self._queue if (skip := item[1]) is not None]
+                for item, skip in waiting[: max(0, len(waiting) - self.max_waiting)]:
                     self._queue.remove(item)
-                    skipped.append(item[1])
+                    skipped.append(skip)
             if not self._running:
                 self._running = True
                 threading.Thread(target=self._work, name=self.name, daemon=True).start()

@@ -48,7 +48,7 @@ def start(
         core.owners = saved.get("owners") or dict.fromkeys(
             core.topology.module_ids(), core.owner_id
         )
-        core.remote = {mid: ReportedModule.of(v) for mid, v in saved.get("remote", {}).items()}
+        core.remote = _remote(state_file, saved.get("remote", {}))
         core.addresses.update(saved.get("addresses", {}))
         core.owner_keys.update(saved.get("owner_keys", {}))
         core.scheduler.ended.update(saved.get("ended", {}))
@@ -208,6 +208,20 @@ def _check_state(path: Path, saved: Any, module_ids: list[str]) -> None:
         problem = _scheduler_problem(saved.get("scheduler", {}))
     if problem is not None:
         raise CorruptFileError(f"{path}: damaged coordinator state: {problem}")
+
+
+def _remote(path: Path, saved: dict[str, Any]) -> dict[str, ReportedModule]:
+    """The state file's other owners' modules (``remote``), which _check_state has passed."""
+    remote = {}
+    for mid, v in saved.items():
+        module = ReportedModule.of(v)
+        if module is None:  # _check_state refuses such a file first
+            raise CorruptFileError(
+                f"{path}: damaged coordinator state: 'remote' {mid} is not "
+                "{version, hash, pending paths}"
+            )
+        remote[mid] = module
+    return remote
 
 
 def _count(v: Any) -> bool:

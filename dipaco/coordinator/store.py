@@ -196,7 +196,7 @@ class ModuleStore:
         # into (see spare_buffers). Off, every step allocates its results afresh: half the
         # memory, and on 2 CPU cores about three times slower for large modules (page faults).
         self.reuse_buffers = True
-        self._spare: dict[str, tuple[Tensors, Tensors | None]] = {}
+        self._spare: dict[str, tuple[Tensors, Tensors]] = {}
         self._syncing: dict[str, _Job] = {}  # module -> the sync of its last step's files
         # Modules of at least this many bytes have their steps written in the background (the
         # coordinator's choice, rounds.py); smaller ones write in milliseconds, in line.
@@ -449,7 +449,7 @@ class ModuleStore:
         """Make the committed step the module's state (under the coordinator's lock)."""
         mid, old = result.plan.mid, result.plan.record
         self.modules[mid] = result.record
-        if self.reuse_buffers:
+        if self.reuse_buffers and old.momentum is not None:  # a first step's has none
             self._spare[mid] = (old.params, old.momentum)
         # The step's deltas are let go with the old record: count what is still held (also
         # what left with a module handed over since the last step).
@@ -500,6 +500,8 @@ def persist_step(
     then sync the files. Each step's files are therefore on disk before the next step deletes
     its fallback."""
     folder, v = root / "modules" / mid, new.version
+    # ``new`` is run_step's record, whose momentum apply_round has just made: never None.
+    assert new.momentum is not None
     write_tensor_file(
         folder / f"v{v}.dpt",
         Frame("ModuleRelease", {"module": mid, "version": v}, new.params),
@@ -537,7 +539,7 @@ def persist_step(
 
 
 def spare_buffers(
-    spare: tuple[Tensors, Tensors | None] | None, like: Tensors
+    spare: tuple[Tensors, Tensors] | None, like: Tensors
 ) -> tuple[Tensors, Tensors] | None:
     """The previous version's tensors, to be overwritten, if nothing else can see them.
 
@@ -546,7 +548,7 @@ def spare_buffers(
     storage (a reply being encoded, an evaluation holding it). Anything less: None, and the
     step allocates its results afresh.
     """
-    if spare is None or spare[1] is None:
+    if spare is None:
         return None
     try:
         for tensors in spare:

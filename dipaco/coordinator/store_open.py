@@ -13,7 +13,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -98,7 +98,7 @@ def _version_of(name: str) -> int:
     return int(match.group(1)) if match else -1
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -269,7 +269,8 @@ class StoreOpener:
         one found only at the step would stop the module for good. A corrupt or truncated one
         is quarantined rather than stopping the start: its path is then open again, so the
         task is trained once more (or its peer's retry is stored afresh)."""
-        pending, late = {}, {}
+        pending: dict[int, PendingDelta] = {}
+        late: dict[int, PendingDelta] = {}
         for f in sorted((self.root / "deltas" / mid / f"v{version}").glob("P*.dpt")):
             try:
                 path, delta = self._read_pending(f, version, params)

@@ -85,12 +85,12 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
     # A path-parallel peer names the tasks it holds already: it asks for one more.
     fresh = all(lease.task_id in req.holding for lease in core.scheduler.leases_of(req.peer_id))
     if fresh and core._caller is not None and not core.access.is_owner(core._caller):
-        held = sum(len(core.scheduler.leases_of(p)) for p in core.access.ids_of(core._caller))
-        if held >= core.security.max_tasks_per_key:
+        live = sum(len(core.scheduler.leases_of(p)) for p in core.access.ids_of(core._caller))
+        if live >= core.security.max_tasks_per_key:
             core.refusals.refuse(
                 req.peer_id,
                 Reason.QUOTA,
-                f"this key already holds {held} live tasks "
+                f"this key already holds {live} live tasks "
                 f"(at most {core.security.max_tasks_per_key})",
             )
     lease = lease_open_or_ahead(core, req)
@@ -107,9 +107,7 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
     core.pollers.pop(core._caller or req.peer_id, None)
     if fresh:
         if not lease.hedge_of:  # a copy keeps the base of the task it copies
-            lease.module_versions = {
-                mid: core.version(mid) for mid in core.topology.path_modules(lease.path)
-            }
+            lease.module_versions = base_versions(core, lease.path)
         # The lease must be on disk before the offer goes out, so that a peer never trains a
         # task a restarted coordinator does not know: marked here, written (group commit,
         # durable.py) before the reply leaves the service; written now outside a request.
@@ -319,6 +317,19 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
                 }
             )
     return lease
+
+
+def base_versions(core: CoordinatorBase, path: int) -> dict[str, int]:
+    """The versions of ``path``'s modules now: the base a fresh task of it trains from. Each
+    is known: a path is offered, open or ahead, only when all its modules' versions are
+    (rounds.path_rounds); RuntimeError names the module otherwise."""
+    versions = {}
+    for mid in core.topology.path_modules(path):
+        version = core.version(mid)
+        if version is None:
+            raise RuntimeError(f"path {path} was leased while module {mid}'s version is unknown")
+        versions[mid] = version
+    return versions
 
 
 def retry_after(core: CoordinatorBase, who: str) -> float:

@@ -40,10 +40,13 @@ def _host_flat(tensors: Tensors) -> np.ndarray | None:
     """Every tensor's values in one flat NumPy array (a copy), or None where one is not a
     plain CPU array (wire.host_array): the whole module in a few NumPy calls rather than
     torch operations per tensor, each a hand-off of the interpreter's lock under load."""
-    arrays = [host_array(t) for t in tensors.values()]
-    if not arrays or any(a is None for a in arrays):
-        return None
-    return np.concatenate(arrays)
+    arrays: list[np.ndarray] = []
+    for t in tensors.values():
+        a = host_array(t)
+        if a is None:
+            return None
+        arrays.append(a)
+    return np.concatenate(arrays) if arrays else None
 
 
 def delta_norm(delta: Tensors) -> float:
@@ -279,7 +282,7 @@ class NormTracker:
         if not math.isfinite(norm):
             return Judgment("reject", norm, math.inf, "the norm is not finite")
         if self.max_norm is not None and norm > self.max_norm:
-            action = "clip" if self.mode == "clip" else "reject"
+            action: Literal["clip", "reject"] = "clip" if self.mode == "clip" else "reject"
             return Judgment(action, norm, self.max_norm, f"above max_norm {self.max_norm:.4g}")
         bound = self.bound(mid) if self.mode != "off" else None
         if bound is not None and norm > bound:
