@@ -449,8 +449,10 @@ class ModuleStore:
         """Make the committed step the module's state (under the coordinator's lock)."""
         mid, old = result.plan.mid, result.plan.record
         self.modules[mid] = result.record
-        if self.reuse_buffers and old.momentum is not None:  # a first step's has none
+        if self.reuse_buffers and old.momentum is not None:
             self._spare[mid] = (old.params, old.momentum)
+        else:  # a first step's old version has no momentum: nothing to reuse
+            self._spare.pop(mid, None)
         # The step's deltas are let go with the old record: count what is still held (also
         # what left with a module handed over since the last step).
         self.held = sum(
