@@ -90,7 +90,7 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
             core._task_done(task, req.peer_id, req.tokens, req.losses)
     closed = [mid for mid in mids if core._maybe_step(mid)]  # outside the lock
     with core.lock:
-        core.save_state()
+        core.journal.save()
         core._after_change()
     return m.DeltaAck(
         accepted=stored + plan.already,
@@ -255,7 +255,7 @@ def write(
             for mid in (s.mid for s in plan.store):  # only now durable: the norms count it
                 core.norms.record(mid, norms[mid])
             if plan.store:
-                core.norm_file.save()
+                core.journal.norms.save()
     except OSError as exc:  # a full disk refuses the delta; what was stored is acked on the retry
         full = exc.errno == errno.ENOSPC
         core.refusals.refuse(req.peer_id, Reason.DISK_FULL if full else Reason.IO_ERROR, str(exc))

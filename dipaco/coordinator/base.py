@@ -22,7 +22,7 @@ import torch
 
 from dipaco.config import SchedulerSection, SecuritySection, ValidationSection
 from dipaco.coordinator.access import AccessPolicy
-from dipaco.coordinator.durable import GroupWriter
+from dipaco.coordinator.durable import GroupWriter, Journal
 from dipaco.coordinator.outer import OuterSettings, for_sharing
 from dipaco.coordinator.records import PeerInfo, Phase, ReportedModule
 from dipaco.coordinator.refusals import Refusals
@@ -185,13 +185,6 @@ class CoordinatorBase:
         self.stepping: set[str] = set()
         self.inflight: dict[tuple[str, int, int], str] = {}
         self.clock = clock
-        # coordinator.json and validation.json: group commit (durable.py)
-        self.state_file = GroupWriter(
-            self.lock,
-            lambda: self._state_bytes(),
-            self.root / "coordinator.json",
-            self.store.spares,
-        )
         self.peers: dict[str, PeerInfo] = {}
         self.epoch = 0
         self.finished_event = threading.Event()
@@ -296,12 +289,17 @@ class CoordinatorBase:
             max_norm=v.max_norm,
             window=v.norm_window,
         )
-        self.norm_file = GroupWriter(
-            self.lock,
-            self.norms.snapshot_bytes,
-            self.root / "validation.json",
-            self.store.spares,
-        )
+        # coordinator.json and validation.json: group commit (durable.py)
+        self.journal = Journal(
+            GroupWriter(
+                self.lock, lambda: self._state_bytes(), self.root / "coordinator.json",
+                self.store.spares,
+            ),
+            GroupWriter(
+                self.lock, self.norms.snapshot_bytes, self.root / "validation.json",
+                self.store.spares,
+            ),
+        )  # fmt: skip
         self.heldout_loss = heldout_loss
         self.key_scores = KeyScores(self.root / "key_scores.json", v.heldout_tolerance)
         # "auto" aggregation with the held-out check: the modules whose every delta is scored
@@ -340,36 +338,6 @@ class CoordinatorBase:
             return set(self.store.modules[mid].ahead)
         info = self.remote.get(mid)
         return set(info.ahead) if info else set()
-
-    def save_state(self, required: bool = False) -> None:
-        """Write coordinator.json. Outside ``start`` a failure (a full disk) is logged, not
-        raised: the file holds counters and ownership, which the next save brings up to date,
-        and raising would drop the reply to a request whose deltas are already durable.
-
-        Inside a request this only marks the file changed: the service writes it (one write
-        for many concurrent requests, durable.py) after the operation, outside the lock,
-        before the reply goes out. ``required`` (the start: the epoch must be on disk) writes
-        it now and raises what fails."""
-        try:
-            if required:
-                self.state_file.write_now()
-            else:
-                self.state_file.save()
-        except OSError as exc:
-            if required:
-                raise
-            log.error("cannot save %s: %s", self.root / "coordinator.json", exc)
-
-    def flush_state(self) -> None:
-        """Write what the request marked (coordinator.json, the norm statistics), if anything."""
-        try:
-            self.state_file.flush()
-        except OSError as exc:
-            log.error("cannot save %s: %s", self.root / "coordinator.json", exc)
-        try:
-            self.norm_file.flush()
-        except OSError as exc:
-            log.error("cannot save %s: %s", self.norms.path, exc)
 
     def phase_of(self, base_round: int) -> int:
         """The routing phase whose shards a task of this base round trains on."""

@@ -16,6 +16,7 @@ snapshot has replaced it already, so the file never goes back in time.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from dipaco.fileio import AtomicFile, Spares
+
+log = logging.getLogger(__name__)
 
 _DEFERRED: ContextVar[bool] = ContextVar("dipaco_deferred_writes", default=False)
 
@@ -127,3 +130,33 @@ class GroupWriter:
         self.writes += 1
         with self._cv:
             self._written = max(self._written, covered)
+
+
+class Journal:
+    """The coordinator's state files, a part of it: ``state`` (coordinator.json) and ``norms``
+    (validation.json), each a :class:`GroupWriter`. Any part marks a change (``save``); the
+    service writes what a request marked once, before its reply (``flush``)."""
+
+    def __init__(self, state: GroupWriter, norms: GroupWriter) -> None:
+        self.state, self.norms = state, norms
+
+    def save(self, required: bool = False) -> None:
+        """Save coordinator.json. Outside ``start`` a failure (a full disk) is logged, not
+        raised: the file holds counters and ownership, which the next save brings up to date,
+        and raising would drop the reply to a request whose deltas are already durable. Inside
+        a request this only marks the file changed (``flush`` writes it, outside the lock).
+        ``required`` (the start: the epoch must be on disk) writes it now and raises."""
+        try:
+            self.state.write_now() if required else self.state.save()
+        except OSError as exc:
+            if required:
+                raise
+            log.error("cannot save %s: %s", self.state.path, exc)
+
+    def flush(self) -> None:
+        """Write what the request marked (coordinator.json, the norm statistics), if anything."""
+        for writer in (self.state, self.norms):
+            try:
+                writer.flush()
+            except OSError as exc:
+                log.error("cannot save %s: %s", writer.path, exc)

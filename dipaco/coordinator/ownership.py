@@ -41,7 +41,7 @@ def adopt(core: CoordinatorBase, state: m.ModuleState) -> dict[str, str]:
             core.store.adopt(mid, info["version"], params, momentum, deltas)
             core.owners[mid] = core.owner_id
             hashes[mid] = info["hash"]
-        core.save_state()
+        core.journal.save()
         core.changed.set()
     return hashes
 
@@ -78,7 +78,7 @@ def owner_report(core: CoordinatorBase, req: m.OwnerReport) -> m.ReportAck:
     core.owner_seen[req.owner_id] = core.clock()
     if req.addresses:
         core.addresses[req.owner_id] = list(req.addresses)
-    core.save_state()
+    core.journal.save()
     core._after_change()
     return m.ReportAck(
         overdue=[list(pr) for pr in sorted(core.overdue)],
@@ -143,7 +143,7 @@ def confirm_ownership(core: CoordinatorBase, req: m.ConfirmOwnership) -> m.Ok:
         )
         log.info("module %s now owned by %s", mid, req.owner_id)
         core.metrics({"event": "owner_changed", "module": mid, "owner": req.owner_id})
-    core.save_state()
+    core.journal.save()
     return m.Ok()
 
 

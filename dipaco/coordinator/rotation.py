@@ -170,7 +170,7 @@ def follow(core: CoordinatorBase, scheduler: Transport) -> bool:
         who = f"key:{auth.fingerprint(seen)}" if seen else "scheduler"
         with core.lock:
             core.refusals.count(who, Reason.BAD_ROTATION)
-            core.save_state()
+            core.journal.save()
         log.error("refused the scheduler's new key: %s (%s)", exc, Reason.BAD_ROTATION)
         core.metrics({"event": "key_rotation_refused", "reason": str(exc)})
         return False
@@ -182,7 +182,7 @@ def follow(core: CoordinatorBase, scheduler: Transport) -> bool:
         return True
     with core.lock:
         accept(core, key, retired, [*core.keys.rotations, *used])
-        core.save_state()
+        core.journal.save()
     log.warning("the scheduler's key is now %s (rotated from %s)", key, start_key)
     core.metrics({"event": "scheduler_key_rotated", "key": key, "from": start_key})
     return True

@@ -112,7 +112,7 @@ def tick_now(core: CoordinatorBase, step: bool = True) -> None:
     for lease in gone:
         core._expired(lease)
     if gone:
-        core.save_state()  # their tickets are void, and stay so after a restart
+        core.journal.save()  # their tickets are void, and stay so after a restart
     now = core.clock()
     for mid, (owner, since) in list(core.handing.items()):
         if now - since > 120:  # the new owner never confirmed: keep the module
@@ -125,7 +125,7 @@ def tick_now(core: CoordinatorBase, step: bool = True) -> None:
         current = core.round  # every module's versions: once, not once per skipped path
         core.overdue = {(p, r) for p, r in core.overdue | late if r >= current}
         if late & core.overdue:
-            core.save_state()  # the skip survives a restart: the round does not wait again
+            core.journal.save()  # the skip survives a restart: the round does not wait again
     if step:
         step_due(core)
 
@@ -141,7 +141,7 @@ def step_due(core: CoordinatorBase) -> None:
         stepped |= maybe_step(core, mid)
     if stepped:
         with core.lock:
-            core.save_state()
+            core.journal.save()
             after_change(core)
 
 

@@ -154,5 +154,5 @@ def run_op(core: CoordinatorBase, key: str, req: m.Message, op: str) -> m.Messag
                 reply = getattr(core, op)(req)
         core.step_due()  # the outer steps a deadline made due: outside the lock
     finally:  # what the request changed is on disk before its reply (or refusal) goes out
-        core.flush_state()
+        core.journal.flush()
     return reply

@@ -80,7 +80,7 @@ def start(
         core._maybe_step(mid)
     report_repairs(core)
     core.last_round = core.round
-    core.save_state(required=True)  # the epoch must be on disk: task ids are never reused
+    core.journal.save(required=True)  # the epoch must be on disk: task ids are never reused
     if core.finished:
         core.finished_event.set()
 
@@ -93,7 +93,7 @@ def save_counts(core: CoordinatorBase) -> None:
     except OSError as exc:  # the next start redoes the step from its deltas
         log.error("cannot write the last outer step: %s", exc)
     with core.lock:
-        core.save_state()
+        core.journal.save()
 
 
 def report_repairs(core: CoordinatorBase) -> None:
@@ -158,7 +158,7 @@ def snapshot_state(core: CoordinatorBase) -> dict[str, Any]:
 
 
 def _check_state(path: Path, saved: Any, module_ids: list[str]) -> None:
-    """CorruptFileError unless coordinator.json has the shape ``save_state`` writes.
+    """CorruptFileError unless coordinator.json has the shape the journal writes (state_bytes).
 
     Checked before any of it is used: a damaged file must stop the restart with a clear error,
     not crash half-way or quietly hand modules to owners that never asked for them.

@@ -189,12 +189,11 @@ class ModuleStore:
         self.root = Path(root)
         self.modules: dict[str, ModuleRecord] = {}
         self.opener = StoreOpener(self.root)
-        # what opening the store repaired (the coordinator logs and counts it, then clears it)
-        self.quarantined = self.opener.quarantined
+        self.quarantined = self.opener.quarantined  # repairs: logged, counted, then cleared
         self.rolled_back = self.opener.rolled_back
         # The version before the head, per module, whose buffers the next outer step writes
-        # into (see spare_buffers). Off, every step allocates its results afresh: half the
-        # memory, and on 2 CPU cores about three times slower for large modules (page faults).
+        # into (spare_buffers). Off: every step allocates afresh, half the memory, about three
+        # times slower for large modules on 2 CPU cores (page faults).
         self.reuse_buffers = True
         self._spare: dict[str, tuple[Tensors, Tensors]] = {}
         self._syncing: dict[str, _Job] = {}  # module -> the sync of its last step's files
@@ -449,12 +448,11 @@ class ModuleStore:
         """Make the committed step the module's state (under the coordinator's lock)."""
         mid, old = result.plan.mid, result.plan.record
         self.modules[mid] = result.record
+        self._spare.pop(mid, None)  # a first step's old version has no momentum to reuse
         if self.reuse_buffers and old.momentum is not None:
             self._spare[mid] = (old.params, old.momentum)
-        else:  # a first step's old version has no momentum: nothing to reuse
-            self._spare.pop(mid, None)
-        # The step's deltas are let go with the old record: count what is still held (also
-        # what left with a module handed over since the last step).
+        # The step's deltas go with the old record: count what is still held (also what left
+        # with a module handed over since the last step).
         self.held = sum(
             d.held_bytes
             for r in self.modules.values()

@@ -51,7 +51,7 @@ def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
                 core.metrics({"event": "task_dropped", "task": lease.task_id, "peer": req.peer_id})
                 forgot = True
     if forgot:  # on disk before the Welcome: a restarted scheduler must not send it ahead again
-        core.save_state()
+        core.journal.save()
     return m.Welcome(
         run_id=core.run_id,
         config=core.peer_config,
@@ -111,7 +111,7 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
         # The lease must be on disk before the offer goes out, so that a peer never trains a
         # task a restarted coordinator does not know: marked here, written (group commit,
         # durable.py) before the reply leaves the service; written now outside a request.
-        core.save_state()
+        core.journal.save()
         core.metrics(
             {
                 "event": "task_issued",
@@ -201,7 +201,7 @@ def release(core: CoordinatorBase, req: m.ReleaseTask) -> m.Ok:
     core._seen(req.peer_id)
     if core.scheduler.release(req.task_id, req.peer_id):
         core.metrics({"event": "task_released", "task": req.task_id, "peer": req.peer_id})
-        core.save_state()  # the ticket is void, and stays so after a restart
+        core.journal.save()  # the ticket is void, and stays so after a restart
         core._work_changed()  # its path is free: a waiting claim may take it
     return m.Ok()
 
