@@ -147,7 +147,10 @@ class Journal:
         a request this only marks the file changed (``flush`` writes it, outside the lock).
         ``required`` (the start: the epoch must be on disk) writes it now and raises."""
         try:
-            self.state.write_now() if required else self.state.save()
+            if required:
+                self.state.write_now()
+            else:
+                self.state.save()
         except OSError as exc:
             if required:
                 raise

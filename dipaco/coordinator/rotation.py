@@ -133,7 +133,7 @@ def load(core: CoordinatorBase, saved: list[dict[str, Any]]) -> None:
 def use_identity(core: CoordinatorBase, identity: auth.Identity) -> None:
     """The scheduler signs with ``identity`` from now on (a rotation finished on start)."""
     core.identity = identity
-    core.keys.current = identity.public_key
+    core.keys.use(identity.public_key)
     core.owner_keys[core.owner_id] = identity.public_key
     core.peer_config["coordinator_key"] = identity.public_key
     core.access.self_keys.add(identity.public_key)

@@ -110,6 +110,11 @@ class SchedulerKeys:
         self.rotations = rotations
         self.current = key
 
+    def use(self, key: str) -> None:
+        """The scheduler signs with ``key`` from now on (its own rotation, finished on start:
+        the statements that retire the old key are read next, with ``accept``)."""
+        self.current = key
+
     def read(self, ticket: str) -> dict[str, Any] | None:
         """The payload of ``ticket`` if one of these keys signed it for its epoch."""
         return read_ticket_from(self.trusted(), ticket)
