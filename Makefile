@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check dipaco tests bench
 	$(VENV)/bin/ruff format --check dipaco tests bench
 	$(VENV)/bin/lint-imports  # docs/design.md, "Layout": floors, never-rules ([tool.importlinter])
-	$(VENV)/bin/mypy  # protocols/ and peer/ type-checked ([tool.mypy]: its files, its strictness)
+	$(VENV)/bin/mypy  # protocols/, peer/ and coordinator/ type-checked ([tool.mypy]: its files, its strictness)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix dipaco tests bench

@@ -19,7 +19,9 @@ from typing import NamedTuple
 
 import torch
 
+from dipaco.coordinator import rounds
 from dipaco.coordinator.base import CoordinatorBase, RequestSlot, request_slot
+from dipaco.coordinator.leased import task_of
 from dipaco.coordinator.records import Task
 from dipaco.coordinator.store import delta_meta
 from dipaco.coordinator.validation import delta_norm, nonfinite
@@ -63,7 +65,7 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
     docs/design.md holds: a delta is durable before it is acknowledged, and never applied twice)."""
     with core.lock:
         core._seen(req.peer_id)
-        task = core._task(req.peer_id, req.task_id, req.ticket)
+        task = task_of(core, req.peer_id, req.task_id, req.ticket)
         path = task.path
         if req.path != path:
             core.refusals.refuse(
@@ -87,11 +89,11 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
     stored = [s.mid for s in plan.store]
     with core.lock:
         if stored and covers_path and core.is_scheduler:
-            core._task_done(task, req.peer_id, req.tokens, req.losses)
-    closed = [mid for mid in mids if core._maybe_step(mid)]  # outside the lock
+            rounds.record_done(core, task, req.peer_id, req.tokens, req.losses)
+    closed = [mid for mid in mids if rounds.maybe_step(core, mid)]  # outside the lock
     with core.lock:
         core.journal.save()
-        core._after_change()
+        rounds.after_change(core)
     return m.DeltaAck(
         accepted=stored + plan.already,
         closed=closed,
@@ -306,12 +308,6 @@ def delta_weight(core: CoordinatorBase, task: Task, tokens: int) -> float:
         return weight or float(tokens)
     trained = min(tokens, task.tokens)
     return weight * trained / task.tokens if weight else float(trained)
-
-
-def voter_of(core: CoordinatorBase, req: m.SubmitDelta) -> str:
-    """Whose vote a delta is in a robust combiner: the key that signed it (a peer id for an
-    unsigned local transport). One key holding many paths of a module is one vote."""
-    return core._caller or req.peer_id
 
 
 def split_delta(

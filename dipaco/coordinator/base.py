@@ -22,7 +22,7 @@ import torch
 
 from dipaco.config import SchedulerSection, SecuritySection, ValidationSection
 from dipaco.coordinator.access import AccessPolicy
-from dipaco.coordinator.durable import GroupWriter, Journal
+from dipaco.coordinator.durable import Journal
 from dipaco.coordinator.outer import OuterSettings, for_sharing
 from dipaco.coordinator.records import PeerInfo, Phase, ReportedModule
 from dipaco.coordinator.refusals import Refusals
@@ -35,6 +35,7 @@ from dipaco.coordinator.validation import KeyScores, NormTracker
 from dipaco.errors import ConfigError, CorruptFileError
 from dipaco.model.topology import Topology
 from dipaco.protocols import auth
+from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,8 @@ def acting_for(key: str | None) -> Iterator[None]:
 
 
 class CoordinatorBase:
+    journal: Journal  # coordinator.json reads every part: made by core.Coordinator.__init__
+
     def __init__(
         self,
         root: str | Path,
@@ -289,17 +292,6 @@ class CoordinatorBase:
             max_norm=v.max_norm,
             window=v.norm_window,
         )
-        # coordinator.json and validation.json: group commit (durable.py)
-        self.journal = Journal(
-            GroupWriter(
-                self.lock, lambda: self._state_bytes(), self.root / "coordinator.json",
-                self.store.spares,
-            ),
-            GroupWriter(
-                self.lock, self.norms.snapshot_bytes, self.root / "validation.json",
-                self.store.spares,
-            ),
-        )  # fmt: skip
         self.heldout_loss = heldout_loss
         self.key_scores = KeyScores(self.root / "key_scores.json", v.heldout_tolerance)
         # "auto" aggregation with the held-out check: the modules whose every delta is scored
@@ -349,6 +341,11 @@ class CoordinatorBase:
         phase = self.phases.get(self.phase_of(base_round))
         tokens = (phase.tokens if phase else None) or self.shard_tokens
         return float(tokens[path]) if tokens else None
+
+    def voter_of(self, req: m.SubmitDelta) -> str:
+        """Whose vote a delta is in a robust combiner: the key that signed it (a peer id for an
+        unsigned local transport). One key holding many paths of a module is one vote."""
+        return self._caller or req.peer_id
 
     def need_scheduler(self, who: str) -> None:
         """Refuse ``who``'s request unless this coordinator leases tasks."""

@@ -16,8 +16,9 @@ The class holds the operations; each part of the work is a file of functions tha
 coordinator as their first argument and are bound here as its methods:
 
 - ``base.py``: the state and the queries every part asks (versions, rounds, ownership);
-- ``service.py``: the bytes layer (envelope, key admission, dispatch, refusal counting);
-- ``tasks.py``: hello, claim, fetch, heartbeat, release, run files, the task behind a request;
+- ``service.py``: the bytes layer (envelope, key admission, dispatch by ``OPS``, refusal counting);
+- ``tasks.py``: hello, claim, fetch, heartbeat, release, run files;
+- ``leased.py``: the task behind a request (its ticket or lease), a lease's end;
 - ``admission.py``: a delta's admission (SubmitDelta);
 - ``rounds.py``: open paths, quorum and outer steps, the ticker, finished tasks and rounds;
 - ``ownership.py``: owners' reports and the hand-over of modules;
@@ -26,11 +27,15 @@ coordinator as their first argument and are bound here as its methods:
 - ``standby.py``: the state a standby scheduler copies (StandbySync);
 - ``status.py``: the status snapshot.
 
-A part calls another only through the coordinator (``core._maybe_step(mid)``), so the parts import
-none of one another.
+A part calls another directly (``rounds.maybe_step(core, mid)``), through an import graph
+without circles (import-linter checks); the service maps each request to the part's function
+that answers it (``service.OPS``). The type checker (``make lint``) checks every part against the
+coordinator's fields.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from dipaco.coordinator import (
     admission,
@@ -44,15 +49,29 @@ from dipaco.coordinator import (
     tasks,
 )
 from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.durable import GroupWriter, Journal
 
 
 class Coordinator(CoordinatorBase):
     """One coordinator of a run: the scheduler, a module owner, or both (the default)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # coordinator.json and validation.json: group commit (durable.py)
+        self.journal = Journal(
+            GroupWriter(
+                self.lock, lambda: state.state_bytes(self), self.root / "coordinator.json",
+                self.store.spares,
+            ),
+            GroupWriter(
+                self.lock, self.norms.snapshot_bytes, self.root / "validation.json",
+                self.store.spares,
+            ),
+        )  # fmt: skip
+
     # state.py
     start = state.start
     standby_sync = standby.standby_sync
-    _state_bytes = state.state_bytes
     save_counts = state.save_counts
 
     # phases.py
@@ -61,33 +80,23 @@ class Coordinator(CoordinatorBase):
 
     # rounds.py
     open_paths = rounds.open_paths
-    ahead_paths = rounds.ahead_paths
     free_paths = rounds.free_paths
     tick = rounds.tick
-    _tick = rounds.tick_now
-    step_due = rounds.step_due
-    _maybe_step = rounds.maybe_step
-    _after_change = rounds.after_change
     task_done = rounds.task_done
-    _task_done = rounds.record_done
 
     # tasks.py
     hello = tasks.hello
     claim = tasks.claim
     fetch = tasks.fetch
     fetch_releases = tasks.fetch_releases
-    release_signature = tasks.release_signature
     heartbeat = tasks.heartbeat
     release = tasks.release
     fetch_file = tasks.fetch_file
     keep_alive = tasks.keep_alive
     run_file = tasks.run_file
-    _task = tasks.task_of
-    _expired = tasks.expired
 
     # admission.py
     submit = admission.submit
-    voter_of = admission.voter_of
 
     # ownership.py
     adopt = ownership.adopt

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dipaco.coordinator import tickets
+from dipaco.coordinator import rounds, tickets
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.records import ReportedModule
 from dipaco.coordinator.store import delta_meta
@@ -79,7 +79,7 @@ def owner_report(core: CoordinatorBase, req: m.OwnerReport) -> m.ReportAck:
     if req.addresses:
         core.addresses[req.owner_id] = list(req.addresses)
     core.journal.save()
-    core._after_change()
+    rounds.after_change(core)
     return m.ReportAck(
         overdue=[list(pr) for pr in sorted(core.overdue)],
         ended=dict(core.scheduler.ended),

@@ -12,6 +12,7 @@ import math
 import time
 
 from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.leased import expired, task_of
 from dipaco.coordinator.records import PeerInfo, Task
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
@@ -110,7 +111,7 @@ def tick_now(core: CoordinatorBase, step: bool = True) -> None:
     the steps it makes due are the ticker's)."""
     gone = core.scheduler.expire()
     for lease in gone:
-        core._expired(lease)
+        expired(core, lease)
     if gone:
         core.journal.save()  # their tickets are void, and stay so after a restart
     now = core.clock()
@@ -248,7 +249,7 @@ def after_change(core: CoordinatorBase) -> None:
 def task_done(core: CoordinatorBase, req: m.TaskDone) -> m.Ok:
     core.need_scheduler(req.peer_id)
     core._seen(req.peer_id)
-    task = core._task(req.peer_id, req.task_id, req.ticket)
+    task = task_of(core, req.peer_id, req.task_id, req.ticket)
     if (task.path, task.round) in core.done:
         return m.Ok()
     missing = unacked(core, task)
@@ -288,7 +289,7 @@ def await_reports(
         end = time.monotonic() + min(req.wait, REPORT_WAIT_SECONDS)
         while missing and not core.finished and (left := end - time.monotonic()) > 0:
             core.step_cond.wait(left)
-            task = core._task(req.peer_id, req.task_id, req.ticket)
+            task = task_of(core, req.peer_id, req.task_id, req.ticket)
             if (task.path, task.round) in core.done:
                 break
             missing = unacked(core, task)

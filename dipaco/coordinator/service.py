@@ -2,13 +2,17 @@
 replays, admits the key (bans, rate limits, size), decodes the message, runs the operation under
 the coordinator's lock for that caller, and counts every refusal once.
 
-Functions of the coordinator (bound as its methods in core.py).
+Functions of the coordinator (bound as its methods in core.py); ``OPS`` maps each request to
+the part's function that answers it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+from dipaco.coordinator import admission, ownership, rounds, standby, status, tasks
 from dipaco.coordinator.base import (
     CoordinatorBase,
     RequestSlot,
@@ -24,22 +28,37 @@ from dipaco.protocols.reasons import Reason
 log = logging.getLogger(__name__)
 
 
-OPS = {
-    m.Hello: "hello",
-    m.ClaimTask: "claim",
-    m.FetchModules: "fetch",
-    m.Heartbeat: "heartbeat",
-    m.SubmitDelta: "submit",
-    m.ReleaseTask: "release",
-    m.GetStatus: "status",
-    m.TaskDone: "task_done",
-    m.GetOwners: "get_owners",
-    m.FetchReleases: "fetch_releases",
-    m.FetchFile: "fetch_file",
-    m.OwnerReport: "owner_report",
-    m.HandOver: "hand_over",
-    m.ConfirmOwnership: "confirm_ownership",
-    m.StandbySync: "standby_sync",
+class Op(NamedTuple):
+    """An operation: its function, whether the service runs it under the coordinator's lock
+    (``submit`` takes the lock itself, for its short state transitions only: a delta's decoding,
+    checks and durable write run while other requests are served), and whether it runs in a
+    request slot (``core.request_slots``: a few threads at once). A module fetch, a shard
+    file's and a delta's admission are slotted; the admission gives its slot back before it
+    waits for a module's outer step or makes one (admission.py). Every request opens its
+    envelope and is decoded in one (handle); the others give it back then. Nothing waits for
+    another request while it holds a slot: a claim's long poll holds none."""
+
+    run: Callable[[Any, Any], m.Message]
+    locked: bool = True
+    slotted: bool = False
+
+
+OPS: dict[type[m.Message], Op] = {
+    m.Hello: Op(tasks.hello),
+    m.ClaimTask: Op(tasks.claim),
+    m.FetchModules: Op(tasks.fetch, slotted=True),
+    m.Heartbeat: Op(tasks.heartbeat),
+    m.SubmitDelta: Op(admission.submit, locked=False, slotted=True),
+    m.ReleaseTask: Op(tasks.release),
+    m.GetStatus: Op(status.status),
+    m.TaskDone: Op(rounds.task_done),
+    m.GetOwners: Op(ownership.get_owners),
+    m.FetchReleases: Op(tasks.fetch_releases),
+    m.FetchFile: Op(tasks.fetch_file, slotted=True),
+    m.OwnerReport: Op(ownership.owner_report),
+    m.HandOver: Op(ownership.hand_over),
+    m.ConfirmOwnership: Op(ownership.confirm_ownership),
+    m.StandbySync: Op(standby.standby_sync),
 }
 
 
@@ -72,7 +91,8 @@ def handle_in_slot(core: CoordinatorBase, data: bytes, slot: RequestSlot) -> byt
                 reason=Reason.TOO_LARGE,
             )
         req = m.decode_message(signed.body)
-        if OPS.get(type(req)) not in SLOTTED:
+        op = OPS.get(type(req))
+        if op is None or not op.slotted:
             slot.give()
         who = getattr(req, "peer_id", None) or getattr(req, "owner_id", None) or who
         reply = perform(core, key, req)
@@ -119,40 +139,30 @@ def refuse(core: CoordinatorBase, who: str, reason: str, message: str) -> None:
     log.info("rejected %s: %s (%s)", who, message, reason)
 
 
-# Operations that take the coordinator's lock themselves, for their short state transitions
-# only: a delta's decoding, checks and durable write run while other requests are served.
-SELF_LOCKING = {"submit"}
-# Operations that run in a request slot (``core.request_slots``: a few threads at once): a
-# module fetch, a shard file's, and a delta's admission, which gives its slot back before it
-# waits for a module's outer step or makes one (admission.py). Every request opens its envelope
-# and is decoded in one (handle); the others give it back then. Nothing waits for another
-# request while it holds a slot: a claim's long poll holds none.
-SLOTTED = {"fetch", "fetch_file", "submit"}
-
-
 def perform(core: CoordinatorBase, key: str, req: m.Message) -> m.Message:
     op = OPS.get(type(req))
     if op is None:
         raise RejectedError(f"{type(req).__name__} is not a request", reason=Reason.BAD_MESSAGE)
-    if op not in SLOTTED:
+    if not op.slotted:
         return run_op(core, key, req, op)
     with holding_slot(core.request_slots) as slot:  # handle's, or act_for's own
         slot.take()
         return run_op(core, key, req, op)
 
 
-def run_op(core: CoordinatorBase, key: str, req: m.Message, op: str) -> m.Message:
+def run_op(core: CoordinatorBase, key: str, req: m.Message, op: Op) -> m.Message:
     name = getattr(req, "peer_id", None) or getattr(req, "owner_id", None)
     try:
         with acting_for(key), deferring():
             with core.lock:
                 if name:
                     core.access.bind(name, key)
-                core._tick(step=False)
-                reply = getattr(core, op)(req) if op not in SELF_LOCKING else None
-            if reply is None:
-                reply = getattr(core, op)(req)
-        core.step_due()  # the outer steps a deadline made due: outside the lock
+                rounds.tick_now(core, step=False)
+                if op.locked:
+                    reply = op.run(core, req)
+            if not op.locked:
+                reply = op.run(core, req)
+        rounds.step_due(core)  # the outer steps a deadline made due: outside the lock
     finally:  # what the request changed is on disk before its reply (or refusal) goes out
         core.journal.flush()
     return reply

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from dipaco.coordinator import state
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.errors import WireError
 from dipaco.fileio import write_atomic
@@ -47,7 +48,7 @@ def standby_sync(core: CoordinatorBase, req: m.StandbySync) -> m.StandbyState:
     if req.standby_id not in core.standbys:
         core.metrics({"event": "standby_following", "standby": req.standby_id})
     core.standbys[req.standby_id] = core.clock()
-    files = {STATE: core._state_bytes()}
+    files = {STATE: state.state_bytes(core)}
     for name in FILES[1:]:
         path = core.root / name
         if path.exists():

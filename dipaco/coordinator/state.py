@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dipaco.coordinator import rotation
+from dipaco.coordinator import rotation, rounds
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.records import ReportedModule
 from dipaco.coordinator.statetext import dumps, json_object, trained_by_text
@@ -77,7 +77,7 @@ def start(
     core.max_request_bytes = 2 * owned_bytes + (16 << 20)
     for mid in mine:
         # A crash may have left a module with every delta on disk but its step not committed.
-        core._maybe_step(mid)
+        rounds.maybe_step(core, mid)
     report_repairs(core)
     core.last_round = core.round
     core.journal.save(required=True)  # the epoch must be on disk: task ids are never reused

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from dipaco.coordinator import tickets
+from dipaco.coordinator import rounds, tickets
 from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.leased import lease_task, task_of
 from dipaco.coordinator.leases import Lease
-from dipaco.coordinator.records import Task
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
@@ -154,7 +154,7 @@ def fetch(core: CoordinatorBase, req: m.FetchModules) -> m.Modules:
             continue
         record = core.store.modules[mid]
         versions[mid], hashes[mid] = record.version, record.hash
-        signatures[mid] = core.release_signature(mid, record.version, record.hash)
+        signatures[mid] = release_signature(core, mid, record.version, record.hash)
         if req.have.get(mid) != record.version:
             tensors.update({f"{mid}/{k}": v for k, v in record.params.items()})
     return m.Modules(versions=versions, hashes=hashes, tensors=tensors, signatures=signatures)
@@ -174,7 +174,7 @@ def fetch_releases(core: CoordinatorBase, req: m.FetchReleases) -> m.Modules:
             continue
         record = core.store.modules[mid]
         versions[mid], hashes[mid] = record.version, record.hash
-        signatures[mid] = core.release_signature(mid, record.version, record.hash)
+        signatures[mid] = release_signature(core, mid, record.version, record.hash)
         tensors.update({f"{mid}/{k}": v for k, v in record.params.items()})
     return m.Modules(versions=versions, hashes=hashes, tensors=tensors, signatures=signatures)
 
@@ -235,60 +235,11 @@ def fetch_file(core: CoordinatorBase, req: m.FetchFile) -> m.FileChunk:
     )
 
 
-def task_of(core: CoordinatorBase, peer_id: str, task_id: str, ticket: str) -> Task:
-    """The task a request acts for: from its ticket, or (scheduler) from the lease table.
-    A task whose lease was released or expired acts for nothing any more."""
-    ended = core.scheduler.ended if core.is_scheduler else core.void
-    if task_id in ended:
-        core.refusals.refuse(
-            peer_id,
-            Reason.LEASE_ENDED,
-            f"task {task_id} was released or its lease expired; claim a new task",
-        )
-    if ticket:
-        payload = core.keys.read(ticket)
-        task = None if payload is None else Task.of_ticket(payload)
-        if task is None:
-            core.refusals.refuse(
-                peer_id, Reason.BAD_TICKET, f"task {task_id}: ticket does not verify"
-            )
-        if task.task_id != task_id:
-            core.refusals.refuse(
-                peer_id, Reason.BAD_TICKET, f"the ticket is for another task than {task_id}"
-            )
-        if task.peer != peer_id or (
-            core._caller is not None and task.key not in (None, core._caller)
-        ):
-            core.refusals.refuse(
-                peer_id, Reason.NOT_YOUR_TASK, f"task {task_id} is leased to another peer"
-            )
-        return task
-    if not core.is_scheduler:
-        core.refusals.refuse(
-            peer_id, Reason.BAD_TICKET, f"task {task_id}: owners need the task's ticket"
-        )
-    lease = issued_to(core, task_id, peer_id)
-    return lease_task(core, lease)
-
-
-def lease_task(core: CoordinatorBase, lease: Lease, key: str | None = None) -> Task:
-    """The task a lease is, weighed by its shard and by the share of H it was given (a slow
-    peer's shorter task weighs in proportion to the tokens it trains)."""
-    train = core.peer_config.get("train", {})
-    return Task.of_lease(
-        lease,
-        core.weight(lease.path, lease.round),
-        key,
-        full_steps=core.inner_steps,
-        tokens_per_step=train.get("batch_size", 0) * train.get("seq_len", 0),
-    )
-
-
 def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
     """Lease an open path; with overlap, else the next round of a path the peer trained
     (rounds.ahead_paths) rather than wait for this round to close; with hedging, else a copy
     of a straggler's task (Scheduler.hedge). None if none of these."""
-    open_paths = core.open_paths()
+    open_paths = rounds.open_paths(core)
     lease = core.scheduler.claim(
         req.peer_id,
         open_paths,
@@ -300,7 +251,7 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
     if lease is None and core.policy.overlap:
         lease = core.scheduler.claim(
             req.peer_id,
-            core.ahead_paths(req.peer_id),
+            rounds.ahead_paths(core, req.peer_id),
             req.prefer_path,
             core.inner_steps,
             req.holding,
@@ -376,37 +327,6 @@ def wait_for_work(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
         return None
     finally:
         core.long_polls -= 1
-
-
-def issued_to(core: CoordinatorBase, task_id: str, peer_id: str) -> Lease:
-    lease = core.scheduler.issued.get(task_id)
-    if lease is None:
-        core.refusals.refuse(
-            peer_id, Reason.UNKNOWN_TASK, f"task {task_id} was not issued by this coordinator"
-        )
-    if lease.peer_id != peer_id:
-        core.refusals.refuse(
-            peer_id, Reason.NOT_YOUR_TASK, f"task {task_id} is leased to another peer"
-        )
-    return lease
-
-
-def expired(core: CoordinatorBase, lease: Lease) -> None:
-    log.warning(
-        "lease %s of peer %s expired; path P%d is open again",
-        lease.task_id,
-        lease.peer_id,
-        lease.path,
-    )
-    core.metrics(
-        {
-            "event": "lease_expired",
-            "task": lease.task_id,
-            "peer": lease.peer_id,
-            "path": lease.path,
-        }
-    )
-    core._work_changed()
 
 
 def keep_alive(core: CoordinatorBase, held: list[tuple[str, str]]) -> None:

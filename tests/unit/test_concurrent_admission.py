@@ -18,7 +18,7 @@ from _tiny import constant_delta, delta_message, tiny_coordinator
 from dipaco.coordinator import store as store_module
 from dipaco.coordinator.durable import GroupWriter, deferring
 from dipaco.coordinator.outer import OuterSettings
-from dipaco.coordinator.state import snapshot_state
+from dipaco.coordinator.state import snapshot_state, state_bytes
 from dipaco.coordinator.store import ModuleStore
 from dipaco.errors import ConfigError
 from dipaco.fileio import compact_json_bytes
@@ -282,7 +282,7 @@ def test_coordinator_json_keeps_each_entrys_encoding_and_writes_the_same_bytes(t
 
     def same() -> None:
         with co.lock:
-            assert co._state_bytes() == compact_json_bytes(snapshot_state(co))
+            assert state_bytes(co) == compact_json_bytes(snapshot_state(co))
             assert co.norms.snapshot_bytes() == compact_json_bytes(co.norms.snapshot())
 
     same()
