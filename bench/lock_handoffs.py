@@ -4,7 +4,7 @@ Every torch operation lets the interpreter's lock go and takes it back; in a pro
 threads run Python (a coordinator's request threads under load), taking it back waits for one of
 them to let it go, up to the switch interval (5 ms). This times, per module delta, what
 admission does with the tensors (the finiteness check, the norm, the staged file's encoding):
-the coordinator's way (``validation.nonfinite``, ``validation.delta_norm``, ``wire.encode_parts``
+the coordinator's way (``validation.delta_norm``, also its finiteness check, ``wire.encode_parts``
 through NumPy views, ``wire.host_array``) and, as the baseline in the same run, the same work as
 torch operations per tensor (what admission did before), first alone, then with ``--busy``
 threads running Python beside it. It prints milliseconds per delta for both and their ratio
@@ -44,10 +44,11 @@ def torch_way(delta: dict[str, torch.Tensor]) -> float:
 
 
 def numpy_way(delta: dict[str, torch.Tensor]) -> float:
-    """The coordinator's way: a few NumPy calls per module, one view per tensor."""
-    if nonfinite(delta) is not None:
-        raise ValueError("non-finite")
+    """The coordinator's way: a few NumPy calls per module, one view per tensor; the norm is
+    the finiteness check (``nonfinite`` only names the tensor of a refused delta)."""
     norm = delta_norm(delta)
+    if not math.isfinite(norm):
+        raise ValueError(f"{nonfinite(delta)} is not finite")
     encode_parts(Frame("Delta", {}, delta))
     return norm
 

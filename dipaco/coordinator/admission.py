@@ -112,13 +112,13 @@ def admit(
 ) -> Plan:
     """Decode, check, reserve and durably store the delta; its plan once committed."""
     slot.take()
-    deltas = split_delta(core, req, path_mids, mids)  # decoding and finiteness: no lock
+    deltas, measured = split_delta(core, req, path_mids, mids)  # decoding, norms: no lock
     weight = delta_weight(core, task, req.tokens)
     for _attempt in range(8):
         with core.lock:
             plan = reserve(core, req, task, mids)
         try:
-            if write(core, req, plan, dict(deltas), weight, slot):
+            if write(core, req, plan, dict(deltas), measured, weight, slot):
                 return plan
         finally:
             with core.lock:
@@ -228,6 +228,7 @@ def write(
     req: m.SubmitDelta,
     plan: Plan,
     deltas: dict[str, dict[str, torch.Tensor]],
+    measured: dict[str, float],
     weight: float,
     slot: RequestSlot,
 ) -> bool:
@@ -238,7 +239,8 @@ def write(
     staged, folders = {}, set()
     try:
         slot.take()
-        norms, trust = check_content(core, req, req.path, deltas, [s.mid for s in plan.store])
+        mids = [s.mid for s in plan.store]
+        norms, trust = check_content(core, req, req.path, deltas, mids, measured)
         for mid, base, stale, _, rnd in plan.store:
             damped = weight * trust * core.policy.stale_damping**stale
             meta = delta_meta(
@@ -312,7 +314,10 @@ def delta_weight(core: CoordinatorBase, task: Task, tokens: int) -> float:
 
 def split_delta(
     core: CoordinatorBase, req: m.SubmitDelta, path_mids: list[str], mids: list[str]
-) -> dict[str, dict[str, torch.Tensor]]:
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
+    """This owner's modules of the delta, decoded and checked (names, shapes, dtypes, codec,
+    finiteness), and each module's norm (validation.delta_norm: measured once, here; the norm
+    is not finite exactly when a value is not)."""
     wire: dict[str, dict[str, torch.Tensor]] = {mid: {} for mid in mids}
     for key, tensor in req.tensors.items():
         mid, _, name = key.partition("/")
@@ -332,7 +337,7 @@ def split_delta(
         wire[mid][name] = tensor
     if req.codec not in codecs.CODECS:
         core.refusals.refuse(req.peer_id, Reason.BAD_CODEC, f"unknown codec {req.codec!r}")
-    deltas = {}
+    deltas, norms = {}, {}
     for mid in mids:
         params = core.store.params(mid)
         got = wire[mid]
@@ -372,11 +377,12 @@ def split_delta(
                 decoded = codecs.decode(req.codec, got, params)
             except WireError as exc:
                 core.refusals.refuse(req.peer_id, Reason.BAD_ENCODING, f"delta for {mid}: {exc}")
-        bad = nonfinite(decoded)  # the module at once, in NumPy (validation.nonfinite)
-        if bad is not None:
+        norms[mid] = delta_norm(decoded)  # the module at once, in NumPy
+        if not math.isfinite(norms[mid]):
+            bad = nonfinite(decoded) or "a tensor"
             core.refusals.refuse(req.peer_id, Reason.NON_FINITE, f"{mid}/{bad} contains NaN or inf")
         deltas[mid] = decoded
-    return deltas
+    return deltas, norms
 
 
 def check_content(
@@ -385,6 +391,7 @@ def check_content(
     path: int,
     deltas: dict[str, dict[str, torch.Tensor]],
     mids: list[str],
+    measured: dict[str, float],
 ) -> tuple[dict[str, float], float]:
     """Judge the deltas about to be stored by their norms (and, optionally, held-out loss).
 
@@ -394,9 +401,8 @@ def check_content(
     the statistics once the delta is durable, and the factor of the delta's weight (its
     key's trust; 1 without the held-out check).
     """
-    measured = {mid: delta_norm(deltas[mid]) for mid in mids}  # the arithmetic: no lock
-    with core.lock:
-        judged = {mid: core.norms.judge(mid, norm) for mid, norm in measured.items()}
+    with core.lock:  # the norms were measured once, in split_delta
+        judged = {mid: core.norms.judge(mid, measured[mid]) for mid in mids}
     for mid, j in judged.items():
         if j.action == "reject":
             core.refusals.refuse(

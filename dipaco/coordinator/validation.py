@@ -50,12 +50,16 @@ def _host_flat(tensors: Tensors) -> np.ndarray | None:
 
 
 def delta_norm(delta: Tensors) -> float:
-    """The L2 norm of a module's whole delta (every tensor together), in float64."""
+    """The L2 norm of a module's whole delta (every tensor together), accumulated in float64:
+    NaN or infinite exactly when a value is (a float32's square cannot overflow a float64), so
+    the norm is also the delta's finiteness check. One copy of the module (the concatenation);
+    the float64 products are formed in NumPy's small buffers, not as a second, double-sized
+    copy."""
     flat = _host_flat(delta)
     if flat is not None:  # not np.dot: BLAS's threads would spin on the other cores
-        flat = flat.astype(np.float64)
-        np.square(flat, out=flat)
-        return math.sqrt(float(flat.sum()))
+        if flat.dtype.kind != "f":
+            flat = flat.astype(np.float64)
+        return math.sqrt(float(np.einsum("i,i->", flat, flat, dtype=np.float64)))
     return math.sqrt(sum(float((t.double() ** 2).sum()) for t in delta.values()))
 
 

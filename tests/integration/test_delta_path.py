@@ -1,12 +1,21 @@
 """One large delta on its way in, over a real hivemind stream to a coordinator: how many times
-its bytes are hashed (docs/architecture.md, "One delta's path", holds the figures; this test
-holds the code to them). A hash pass is one hash object (BLAKE3, SHA-256, XXH3) fed at least
-half the delta's bytes, at either end.
+its bytes are hashed and copied whole, how often the coordinator's lock is taken for it
+(docs/architecture.md, "What one delta costs on its way in", holds the figures; these tests hold
+the code to them). A hash pass is one hash object (BLAKE3, SHA-256, XXH3) fed at least half the
+delta's bytes, at either end; a whole copy is an allocation of at least half its bytes, at
+either end, by anyone (our code, torch, NumPy, hivemind, asyncio), counted by a malloc wrapper
+(_alloc_count.c, compiled here and preloaded into a child process that sends the delta).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,12 +31,16 @@ from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.hivemind.node import HivemindNode
 
-# Paths of about 1.6 M parameters: a delta of about 6 MB, far above every header and reply.
+# Paths of about 2 M parameters: a delta of about 8.5 MB, far above every header and reply.
 CFG = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, max_seq_len=16)
 TOPO = Topology.parse("2x2", 2)
 
 # The figures docs/architecture.md states, for a delta that comes in through hivemind.
 HASH_PASSES = {"blake3": 2}  # the envelope: sealed by the peer, opened by the coordinator
+# The peer's encoded frame, and the coordinator's body joined from the stream's pieces.
+WHOLE_COPIES = 2
+LOCK_TAKEN = 16  # the coordinator's lock, for one delta that closes no round
+HERE = Path(__file__).resolve().parent
 
 
 class Counted:
@@ -68,7 +81,7 @@ def hashes(monkeypatch):
     return log
 
 
-def test_a_large_delta_is_hashed_and_copied_whole_as_few_times_as_stated(tmp_path, hashes):
+def test_a_large_delta_is_hashed_as_few_times_as_stated(tmp_path, hashes):
     modules = TOPO.init_modules(new_dense_model(CFG, 0).state_dict())
     co = Coordinator(
         tmp_path / "run", TOPO, rounds=2, inner_steps=5, step_offset=0, total_steps=100, seed=0,
@@ -100,3 +113,30 @@ def test_a_large_delta_is_hashed_and_copied_whole_as_few_times_as_stated(tmp_pat
         if h.bytes >= size // 2:
             passes[h.kind] = passes.get(h.kind, 0) + 1
     assert passes == HASH_PASSES
+
+
+def test_a_large_delta_is_copied_whole_as_few_times_as_stated(tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "the allocation counter needs a C compiler (cc or gcc) on PATH"
+    lib = tmp_path / "alloc_count.so"
+    subprocess.run(
+        [cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(HERE / "_alloc_count.c"), "-ldl"],
+        check=True,
+    )
+    # Allocations from 64 KiB on, to see the pieces too; a whole copy is half the delta or more.
+    out = subprocess.run(
+        [sys.executable, str(HERE / "_delta_path_child.py"), str(tmp_path / "run"), "65536"],
+        env={**os.environ, "LD_PRELOAD": str(lib)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    size, sizes = seen["size"], seen["allocations"]
+    assert seen["reply"] == "DeltaAck" and size > 5_000_000
+    assert sizes, "the counter saw no allocation: was it preloaded?"
+    whole = sorted(round(n / size, 3) for n in sizes if n >= size // 2)
+    assert len(whole) == WHOLE_COPIES, (whole, f"{sum(sizes) / size:.1f} delta sizes in all")
+    assert seen["lock"] <= LOCK_TAKEN, seen["lock"]
+    assert "coordinator/admission.py" in seen["files"], seen["files"]
