@@ -114,11 +114,12 @@ def admit(
     slot.take()
     deltas, measured = split_delta(core, req, path_mids, mids)  # decoding, norms: no lock
     weight = delta_weight(core, task, req.tokens)
+    checked: dict[tuple[str, ...], Checked] = {}  # judged once; a retry reuses the verdicts
     for _attempt in range(8):
         with core.lock:
             plan = reserve(core, req, task, mids)
         try:
-            if write(core, req, plan, dict(deltas), measured, weight, slot):
+            if write(core, req, plan, deltas, measured, checked, weight, slot):
                 return plan
         finally:
             with core.lock:
@@ -127,6 +128,15 @@ def admit(
                 core.step_cond.notify_all()
     # the modules stepped under this delta eight times: the run is racing ahead of it
     core.refusals.refuse(req.peer_id, Reason.STALE, f"the modules of path {task.path} keep moving")
+
+
+class Checked(NamedTuple):
+    """A delta's modules as judged (clipped where the norm check clips), their norms as they
+    will be stored, and the factor of its weight (its key's trust)."""
+
+    deltas: dict[str, dict[str, torch.Tensor]]
+    norms: dict[str, float]
+    trust: float
 
 
 def reserve(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]) -> Plan:
@@ -229,18 +239,24 @@ def write(
     plan: Plan,
     deltas: dict[str, dict[str, torch.Tensor]],
     measured: dict[str, float],
+    checked: dict[tuple[str, ...], Checked],
     weight: float,
     slot: RequestSlot,
 ) -> bool:
-    """Judge the planned deltas, write them durably (outside the lock, in the request's
-    ``slot``), then commit them (under the lock, the slot given back: the commit may wait for
-    a module's step). False, with nothing committed, if a module stepped meanwhile: the caller
-    plans again, for the delta is now late."""
+    """Judge the planned deltas (once: ``checked`` keeps the verdicts for a retry), write them
+    durably (outside the lock, in the request's ``slot``), then commit them (under the lock, the
+    slot given back: the commit may wait for a module's step). False, with nothing committed, if
+    a module stepped meanwhile: the caller plans again, for the delta is now late."""
     staged, folders = {}, set()
     try:
         slot.take()
-        mids = [s.mid for s in plan.store]
-        norms, trust = check_content(core, req, req.path, deltas, mids, measured)
+        mids = tuple(s.mid for s in plan.store)
+        if mids not in checked:
+            judged = dict(deltas)  # check_content replaces a clipped module's delta here
+            checked[mids] = Checked(
+                judged, *check_content(core, req, req.path, judged, list(mids), measured)
+            )
+        deltas, norms, trust = checked[mids]
         for mid, base, stale, _, rnd in plan.store:
             damped = weight * trust * core.policy.stale_damping**stale
             meta = delta_meta(

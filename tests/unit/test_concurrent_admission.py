@@ -15,6 +15,7 @@ import pytest
 import torch
 from _tiny import constant_delta, delta_message, tiny_coordinator
 
+from dipaco.coordinator import admission
 from dipaco.coordinator import store as store_module
 from dipaco.coordinator.durable import GroupWriter, deferring
 from dipaco.coordinator.outer import OuterSettings
@@ -314,3 +315,41 @@ def test_coordinator_json_keeps_each_entrys_encoding_and_writes_the_same_bytes(t
     saved = json.loads((tmp_path / "coordinator.json").read_text())
     assert len(saved["scheduler"]["issued"]) == len(co.scheduler.issued) > 0
     assert saved["scheduler"]["clock"] == now[0]
+
+
+def test_a_delta_planned_again_is_judged_once_and_acknowledged(tmp_path, monkeypatch):
+    """A module that steps while a delta is being written makes its admission plan again
+    (admission.write returns False); the norm and held-out verdicts are kept, not redone."""
+    co = tiny_coordinator(tmp_path)
+    tr = LocalTransport(co.handle)
+    tasks = claim_all(tr)
+    judged = []
+    check_content = admission.check_content
+
+    def counted(*args):
+        judged.append(args[4])
+        return check_content(*args)
+
+    monkeypatch.setattr(admission, "check_content", counted)
+    staged, moved = [], []
+    stage, version = co.store.stage_delta, co.store.version
+
+    def stage_delta(*args, **kwargs):
+        staged.append(args[0])
+        return stage(*args, **kwargs)
+
+    def seen_moved(mid):  # the first check after the writes sees a module one version on
+        if staged and not moved:
+            moved.append(mid)
+            return version(mid) + 1
+        return version(mid)
+
+    monkeypatch.setattr(co.store, "stage_delta", stage_delta)
+    monkeypatch.setattr(co.store, "version", seen_moved)
+    ack = submit(co, tr, tasks[0])
+    path = sorted(co.topology.path_modules(0))
+    assert isinstance(ack, m.DeltaAck) and sorted(ack.accepted) == path
+    assert moved and sorted(staged) == sorted(path * 2)  # planned and written twice
+    assert [sorted(mids) for mids in judged] == [path]  # judged once
+    for mid in path:
+        assert list(co.store.modules[mid].pending) == [0]
