@@ -165,7 +165,7 @@ def serve_hivemind(args: argparse.Namespace, prep, metrics: MetricsLog, node) ->
         coordinator.fetch_remote = remote_fetcher(coordinator, run_dir, node)
         # The node answers from 8 handler threads: at most 4 long polls at once (3 claims
         # waiting for a path, and a TaskDone waiting for an owner's report).
-        coordinator.long_poll_slots = 4
+        coordinator.polls.limit(4)
         node.serve(
             coordinator.handle,
             workers=8,

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -24,6 +24,7 @@ from dipaco.config import SchedulerSection, SecuritySection, ValidationSection
 from dipaco.coordinator.access import AccessPolicy
 from dipaco.coordinator.durable import Journal
 from dipaco.coordinator.outer import OuterSettings, for_sharing
+from dipaco.coordinator.polls import LongPolls
 from dipaco.coordinator.records import PeerInfo, Phase, ReportedModule
 from dipaco.coordinator.refusals import Refusals
 from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
@@ -182,9 +183,8 @@ class CoordinatorBase:
         # delta between its checks and its commit, so that two of one path never race.
         self.lock = threading.RLock()
         self.step_cond = threading.Condition(self.lock)
-        # Long polls wait on their own condition, woken one at a time (tasks.wait_for_work): a
-        # change that opens nothing wakes one claim, not every waiting one.
-        self.work_cond = threading.Condition(self.lock)
+        # Claims and TaskDones that wait, and who polled in vain lately (polls.py).
+        self.polls = LongPolls(self.lock)
         self.stepping: set[str] = set()
         self.inflight: dict[tuple[str, int, int], str] = {}
         self.clock = clock
@@ -234,15 +234,6 @@ class CoordinatorBase:
         self.eval_note = eval_note  # why there is no per-round validation, if there is none
         self.owner_seen: dict[str, float] = {}  # other owners: when they last reported
         self.standbys: dict[str, float] = {}  # standby schedulers: when they last synced
-        # Long polls (ClaimTask.wait, TaskDone.wait): how many wait now, and how many may (a
-        # transport with few handler threads lowers it). Claims take all but one: the last is
-        # kept for a TaskDone waiting for an owner's report, so that idle peers' claims never
-        # turn a finished task's TaskDone into a refusal and a retry seconds later.
-        self.long_polls = 0
-        self.long_poll_slots = 256
-        # Who claimed in vain lately (a key, or a peer id without one) -> when: NoTask's
-        # retry_after grows with their number, so idle polls stay within POLLS_PER_SECOND.
-        self.pollers: OrderedDict[str, float] = OrderedDict()
         # Requests do their CPU and disk work (the envelope, decoding, a delta's checks and
         # write, a module fetch) at most this many at once (service.py); the others queue,
         # each woken once. One runs Python while
@@ -250,7 +241,6 @@ class CoordinatorBase:
         # lock back and forth: with 64 peers at once, over a thousand thread switches per
         # delta, which doubled the coordinator's CPU per delta (bench/soak.py).
         self.request_slots = threading.BoundedSemaphore(request_slots())
-        self.work_generation = 0
         self.path_rounds_cache: tuple[tuple, list[tuple[int, int, bool]]] | None = None
         self.handing: dict[str, tuple[str, float]] = {}  # module -> (new owner, since)
         self.done: set[tuple[int, int]] = set()  # (path, round) whose task every owner acked
@@ -393,12 +383,8 @@ class CoordinatorBase:
         """Something that may open a path happened (the caller holds the lock): wake the
         deltas waiting for a step to end, and one claim that waits for a path (the one that
         leases a path wakes the next: tasks.wait_for_work); every claim once the run ends."""
-        self.work_generation += 1
         self.step_cond.notify_all()
-        if self.finished:
-            self.work_cond.notify_all()
-        else:
-            self.work_cond.notify()
+        self.polls.changed(everyone=self.finished)
 
     @property
     def _caller(self) -> str | None:

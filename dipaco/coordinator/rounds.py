@@ -18,7 +18,7 @@ from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
 
 # The longest a TaskDone waits for another owner's report of the task's deltas (TaskDone.wait):
-# as long as a claim's long poll (tasks.LONG_POLL_SECONDS), within every transport's timeout.
+# as long as a claim's long poll (polls.LONG_POLL_SECONDS), within every transport's timeout.
 REPORT_WAIT_SECONDS = 2.0
 
 log = logging.getLogger(__name__)
@@ -282,10 +282,9 @@ def await_reports(
     threads are few, and idle peers' claims would otherwise take them all); then the task,
     looked up again after each wake (its lease may have ended meanwhile), and what is still
     missing (``missing`` as the caller found it, if it never waited)."""
-    if core.long_polls >= core.long_poll_slots:
-        return task, missing
-    core.long_polls += 1
-    try:
+    with core.polls.slot() as waiting:
+        if not waiting:
+            return task, missing
         end = time.monotonic() + min(req.wait, REPORT_WAIT_SECONDS)
         while missing and not core.finished and (left := end - time.monotonic()) > 0:
             core.step_cond.wait(left)
@@ -294,8 +293,6 @@ def await_reports(
                 break
             missing = unacked(core, task)
         return task, missing
-    finally:
-        core.long_polls -= 1
 
 
 def unacked(core: CoordinatorBase, task: Task) -> list[str]:

@@ -21,15 +21,6 @@ from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
 
 FILE_CHUNK = 4 << 20
-LONG_POLL_SECONDS = 2.0  # the longest a claim waits for a path to open (ClaimTask.wait)
-LOOK_AGAIN_SECONDS = 1.0  # a waiting claim looks for a path this often, woken or not
-# Idle polls back off under load: a NoTask says to come back after RETRY_AFTER seconds, or after
-# as many as keep the claims answered NoTask near POLLS_PER_SECOND in all (the pollers seen in
-# the last POLL_WINDOW seconds, each counted once), never more than MAX_RETRY_AFTER.
-RETRY_AFTER = 0.5
-POLLS_PER_SECOND = 100.0
-MAX_RETRY_AFTER = 30.0
-POLL_WINDOW = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +92,10 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
     if lease is None:
         return m.NoTask(
             reason="every open path is leased or waiting for its modules",
-            retry_after=retry_after(core, core._caller or req.peer_id),
+            retry_after=core.polls.retry_after(core._caller or req.peer_id),
             finished=False,
         )
-    core.pollers.pop(core._caller or req.peer_id, None)
+    core.polls.served(core._caller or req.peer_id)
     if fresh:
         if not lease.hedge_of:  # a copy keeps the base of the task it copies
             lease.module_versions = base_versions(core, lease.path)
@@ -283,50 +274,23 @@ def base_versions(core: CoordinatorBase, path: int) -> dict[str, int]:
     return versions
 
 
-def retry_after(core: CoordinatorBase, who: str) -> float:
-    """When ``who`` (a key; one key with many peer ids polls as one) should claim again after
-    a NoTask: RETRY_AFTER, or longer when so many poll that their claims would take more than
-    POLLS_PER_SECOND. Each idle claim costs the scheduler a request's envelope and a look at
-    the paths; with 1,000 idle peers every 0.5 s that was most of a core (docs/operations.md,
-    capacity planning), and a round's paths are picked up within this delay of opening."""
-    now = time.monotonic()
-    pollers = core.pollers
-    pollers[who] = now
-    pollers.move_to_end(who)
-    while pollers and next(iter(pollers.values())) < now - POLL_WINDOW:
-        pollers.popitem(last=False)
-    return min(MAX_RETRY_AFTER, max(RETRY_AFTER, len(pollers) / POLLS_PER_SECOND))
-
-
 def wait_for_work(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None:
     """A long poll: wait, without the lock, for a path to open (an outer step, a report, a
-    lease ended: every change notifies ``work_cond``), up to ``req.wait`` seconds (at most
-    LONG_POLL_SECONDS), and lease it. Only ``core.long_poll_slots`` - 1 claims wait at once
+    lease ended: every change wakes one, polls.LongPolls.changed), up to ``req.wait`` seconds
+    (at most polls.LONG_POLL_SECONDS), and lease it. Only ``core.polls.slots`` - 1 claims wait at once
     (a hivemind server's handler threads are few; the last slot is kept for TaskDone's long
     poll, rounds.await_reports); the others get their NoTask at once.
 
     A change wakes one waiting claim; one that leases a path wakes the next (a round's close
     opens many paths, an admitted delta most often none). Every waiting claim also looks
-    again every LOOK_AGAIN_SECONDS, so a claim woken for a path it may not take (another
+    again every polls.LOOK_AGAIN_SECONDS, so a claim woken for a path it may not take (another
     peer's preference) delays the others by at most that."""
-    if core.long_polls >= core.long_poll_slots - 1:
-        return None
-    core.long_polls += 1
-    try:
-        end = time.monotonic() + min(req.wait, LONG_POLL_SECONDS)
-        seen = core.work_generation
-        while not core.finished and (left := end - time.monotonic()) > 0:
-            core.work_cond.wait(min(left, LOOK_AGAIN_SECONDS))
-            if core.work_generation == seen:  # nothing changed: no path opened
-                continue
-            seen = core.work_generation
-            lease = lease_open_or_ahead(core, req)
-            if lease is not None:
-                core.work_cond.notify()  # another path may be open: the next claim looks
-                return lease
-        return None
-    finally:
-        core.long_polls -= 1
+    with core.polls.slot(keep=1) as waiting:
+        if not waiting:
+            return None
+        return core.polls.wait_for_change(
+            req.wait, lambda: core.finished, lambda: lease_open_or_ahead(core, req)
+        )
 
 
 def keep_alive(core: CoordinatorBase, held: list[tuple[str, str]]) -> None:

@@ -71,7 +71,7 @@ class ClaimTask:
     # scheduler leases it another path rather than give one of these back.
     holding: list[str] = field(default_factory=list)
     # Seconds the peer would rather wait for a path to open than get a NoTask now (a long
-    # poll); the scheduler waits at most LONG_POLL_SECONDS, and only while it has a slot free.
+    # poll); the scheduler waits at most polls.LONG_POLL_SECONDS, and only while it has a slot free.
     wait: float = 0.0
 
 

@@ -171,9 +171,9 @@ def test_deltas_are_written_two_at_a_time_and_long_polls_hold_no_slot(tmp_path, 
     for t in polls:
         t.start()
     deadline = time.monotonic() + 10
-    while co.long_polls < 2 and time.monotonic() < deadline:
+    while co.polls.waiting < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert co.long_polls == 2
+    assert co.polls.waiting == 2
     free = [co.request_slots.acquire(blocking=False) for _ in range(2)]
     assert free == [True, True]  # the waiting claims hold no slot
     for _ in free:

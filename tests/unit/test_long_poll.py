@@ -10,7 +10,7 @@ import time
 from _tiny import constant_delta, delta_message, tiny_coordinator
 from _waiting import wait_for
 
-from dipaco.coordinator import tasks
+from dipaco.coordinator import polls, tasks
 from dipaco.protocols import messages as m
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
@@ -31,8 +31,8 @@ SOON = 10.0
 
 
 def only_wake_ups_answer(monkeypatch):
-    monkeypatch.setattr(tasks, "LONG_POLL_SECONDS", NEVER_ON_ITS_OWN)
-    monkeypatch.setattr(tasks, "LOOK_AGAIN_SECONDS", NEVER_ON_ITS_OWN)
+    monkeypatch.setattr(polls, "LONG_POLL_SECONDS", NEVER_ON_ITS_OWN)
+    monkeypatch.setattr(polls, "LOOK_AGAIN_SECONDS", NEVER_ON_ITS_OWN)
 
 
 def claim_in_background(co, name, wait):
@@ -67,7 +67,7 @@ def test_a_waiting_claim_gets_the_next_rounds_path_as_soon_as_it_opens(tmp_path,
     now = peer(co, "late").request(m.ClaimTask(peer_id="late"))
     assert isinstance(now, m.NoTask) and now.retry_after > 0 and not now.finished
     thread, out = claim_in_background(co, "late", wait=NEVER_ON_ITS_OWN)
-    wait_for(lambda: co.long_polls == 1, 30, "the claim to wait")
+    wait_for(lambda: co.polls.waiting == 1, 30, "the claim to wait")
     assert out == []  # waiting, not polling
     for p, task in enumerate(tasks):
         peer(co, f"p{p}").request(delta_message(task, f"p{p}", constant_delta(co, task)))
@@ -77,20 +77,20 @@ def test_a_waiting_claim_gets_the_next_rounds_path_as_soon_as_it_opens(tmp_path,
     assert isinstance(reply, m.TaskOffer) and reply.module_versions == {
         mid: 1 for mid in reply.module_versions
     }
-    assert answered - closed < SOON and co.long_polls == 0
+    assert answered - closed < SOON and co.polls.waiting == 0
 
 
 def test_a_wait_is_bounded_and_only_so_many_claims_wait(tmp_path, monkeypatch):
     co = tiny_coordinator(tmp_path)
     lease_every_path(co)
-    co.long_poll_slots = 2  # one for claims; the last is kept for a TaskDone's wait
+    co.polls.limit(2)  # one for claims; the last is kept for a TaskDone's wait
     began = time.monotonic()
     big = peer(co, "c").request(m.ClaimTask(peer_id="c", wait=3600.0))  # capped: LONG_POLL_SECONDS
     assert isinstance(big, m.NoTask)
-    assert tasks.LONG_POLL_SECONDS <= time.monotonic() - began < 60
+    assert polls.LONG_POLL_SECONDS <= time.monotonic() - began < 60
     only_wake_ups_answer(monkeypatch)
     first, first_out = claim_in_background(co, "a", wait=3.0)
-    wait_for(lambda: co.long_polls == 1, 30, "the first claim to wait")
+    wait_for(lambda: co.polls.waiting == 1, 30, "the first claim to wait")
     second, second_out = claim_in_background(co, "b", wait=NEVER_ON_ITS_OWN)
     second.join(NEVER_ON_ITS_OWN)
     assert isinstance(second_out[0][0], m.NoTask) and second_out[0][1] < SOON  # no slot: at once
@@ -104,7 +104,7 @@ def test_a_released_lease_wakes_a_waiting_claim_with_its_path(tmp_path, monkeypa
     co = tiny_coordinator(tmp_path)
     tasks = lease_every_path(co)
     thread, out = claim_in_background(co, "late", wait=NEVER_ON_ITS_OWN)
-    wait_for(lambda: co.long_polls == 1, 30, "the claim to wait")
+    wait_for(lambda: co.polls.waiting == 1, 30, "the claim to wait")
     peer(co, "p2").request(m.ReleaseTask(peer_id="p2", task_id=tasks[2].task_id))
     released = time.monotonic()
     thread.join(NEVER_ON_ITS_OWN)
@@ -116,8 +116,8 @@ def test_a_closing_round_wakes_every_waiting_claim_and_a_delta_that_opens_nothin
     tmp_path, monkeypatch
 ):
     # Waits long enough that only wake-ups (not a claim's own look again) lease a path in time.
-    monkeypatch.setattr(tasks, "LONG_POLL_SECONDS", 30.0)
-    monkeypatch.setattr(tasks, "LOOK_AGAIN_SECONDS", 30.0)
+    monkeypatch.setattr(polls, "LONG_POLL_SECONDS", 30.0)
+    monkeypatch.setattr(polls, "LOOK_AGAIN_SECONDS", 30.0)
     looks = []
     real = tasks.lease_open_or_ahead
 
@@ -130,8 +130,8 @@ def test_a_closing_round_wakes_every_waiting_claim_and_a_delta_that_opens_nothin
     co = tiny_coordinator(tmp_path)
     leased = lease_every_path(co)
     waiting = [claim_in_background(co, f"late{i}", wait=30.0) for i in range(4)]
-    wait_for(lambda: co.long_polls == 4, 30, "four claims to wait")
-    changes = co.work_generation
+    wait_for(lambda: co.polls.waiting == 4, 30, "four claims to wait")
+    changes = co.polls.generation
     looks.clear()  # the claims' first looks, before they waited
     for p, task in enumerate(leased):
         peer(co, f"p{p}").request(delta_message(task, f"p{p}", constant_delta(co, task)))
@@ -144,7 +144,7 @@ def test_a_closing_round_wakes_every_waiting_claim_and_a_delta_that_opens_nothin
     assert sorted(o.path for o in offers) == [0, 1, 2, 3]
     # Each change woke one claim (plus one per lease, for the next): not every waiting claim.
     assert looks.count(True) == 4
-    assert len(looks) <= (co.work_generation - changes) + 4, (len(looks), co.work_generation)
+    assert len(looks) <= (co.polls.generation - changes) + 4, (len(looks), co.polls.generation)
 
 
 def test_idle_polls_back_off_as_pollers_grow_and_one_key_counts_once(tmp_path, monkeypatch):
@@ -152,7 +152,7 @@ def test_idle_polls_back_off_as_pollers_grow_and_one_key_counts_once(tmp_path, m
     POLLS_PER_SECOND in all: 0.5 s for a few pollers, longer for many (at most
     MAX_RETRY_AFTER); a key that polls under many peer ids counts once; a poller that gets a
     task, or is silent for POLL_WINDOW, no longer counts."""
-    monkeypatch.setattr(tasks, "POLLS_PER_SECOND", 4.0)  # 4 polls a second: 40 pollers = 10 s
+    monkeypatch.setattr(polls, "POLLS_PER_SECOND", 4.0)  # 4 polls a second: 40 pollers = 10 s
     co = tiny_coordinator(tmp_path, rounds=3)
     leased = lease_every_path(co)
 
@@ -164,19 +164,19 @@ def test_idle_polls_back_off_as_pollers_grow_and_one_key_counts_once(tmp_path, m
         assert isinstance(reply, m.NoTask) and not reply.finished
         return reply.retry_after
 
-    assert idle("idle0") == tasks.RETRY_AFTER  # one poller: the usual interval
+    assert idle("idle0") == polls.RETRY_AFTER  # one poller: the usual interval
     waits = [idle(f"idle{i}") for i in range(1, 40)]
     assert waits[-1] == 40 / 4.0 and waits == sorted(waits)  # 40 pollers at 4 a second
     # One key behind 10 more peer ids is one poller more, not 10.
     assert [idle(f"sybil{i}", key="mallory") for i in range(10)][-1] == 41 / 4.0
-    assert max(idle(f"more{i}") for i in range(200)) == tasks.MAX_RETRY_AFTER  # capped
+    assert max(idle(f"more{i}") for i in range(200)) == polls.MAX_RETRY_AFTER  # capped
     # Pollers silent for the window are forgotten; the retry interval comes back down.
-    stale = time.monotonic() - tasks.POLL_WINDOW - 1
-    for who in list(co.pollers):
-        co.pollers[who] = stale
-    assert idle("fresh") == tasks.RETRY_AFTER
+    stale = time.monotonic() - polls.POLL_WINDOW - 1
+    for who in list(co.polls.pollers):
+        co.polls.pollers[who] = stale
+    assert idle("fresh") == polls.RETRY_AFTER
     # A poller that gets a task leaves the count: the round's paths open, idle0 takes one.
     for p, task in enumerate(leased):
         peer(co, f"p{p}").request(delta_message(task, f"p{p}", constant_delta(co, task)))
     assert isinstance(peer(co, "fresh").request(m.ClaimTask(peer_id="fresh")), m.TaskOffer)
-    assert KEYS["fresh"].public_key not in co.pollers
+    assert KEYS["fresh"].public_key not in co.polls.pollers

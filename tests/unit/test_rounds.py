@@ -559,7 +559,7 @@ def test_a_task_done_waits_for_the_other_owners_report_rather_than_being_refused
     assert rejected(lambda: sched.request(task_done(task, "p0"))) == "not-acked"  # no wait
     refused = primary.rejections["not-acked"]
     # Idle peers' claims hold every long-poll slot they may: the last is the TaskDone's.
-    primary.long_polls = primary.long_poll_slots - 1
+    primary.polls.waiting = primary.polls.slots - 1
     reporter = LocalTransport(primary.handle).authenticate(KEY)
     timer = threading.Timer(0.3, lambda: reporter.request(second.report()))
     began = time.monotonic()
@@ -568,8 +568,8 @@ def test_a_task_done_waits_for_the_other_owners_report_rather_than_being_refused
     timer.join()
     assert 0.3 <= time.monotonic() - began < 10  # held until the report, not for the wait
     assert primary.rejections["not-acked"] == refused and path not in primary.open_paths()
-    assert primary.long_polls == primary.long_poll_slots - 1
-    primary.long_polls = 0
+    assert primary.polls.waiting == primary.polls.slots - 1
+    primary.polls.waiting = 0
     # No report comes for the other path's task: refused once the wait is over.
     late = claim(sched, "p1", prefer=other)
     sched.request(
