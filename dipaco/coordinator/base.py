@@ -5,7 +5,6 @@ core.py) and act on this state.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -27,13 +26,14 @@ from dipaco.coordinator.outer import OuterSettings, for_sharing
 from dipaco.coordinator.polls import LongPolls
 from dipaco.coordinator.records import PeerInfo, Phase, ReportedModule
 from dipaco.coordinator.refusals import Refusals
+from dipaco.coordinator.routing_phases import RoutingPhases
 from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
 from dipaco.coordinator.serial import Serial
 from dipaco.coordinator.statetext import trained_by_texts
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.tickets import SchedulerKeys
 from dipaco.coordinator.validation import KeyScores, NormTracker
-from dipaco.errors import ConfigError, CorruptFileError
+from dipaco.errors import ConfigError
 from dipaco.model.topology import Topology
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
@@ -252,20 +252,9 @@ class CoordinatorBase:
         self.overdue: set[tuple[int, int]] = set()
         self.void: dict[str, int] = {}  # an owner's copy of the scheduler's ended leases
         self.files = files or {}
-        # Routing phases (DiPaCo Algorithm 1, line 2): tasks whose base round is at or past
-        # phase_rounds[k - 1] train on phase k's shards, and wait until that phase is ready.
-        self.phase_rounds = sorted(phase_rounds)
-        # Phases decided during the run (schedule_phase) survive a restart in this file.
-        self._decided = self.root / "decided_phases.json"
-        if self._decided.exists():
-            try:
-                decided = [int(r) for r in json.loads(self._decided.read_text())["after"]]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise CorruptFileError(f"{self._decided}: unreadable ({exc})") from exc
-            self.phase_rounds = sorted(set(self.phase_rounds) | set(decided))
-        self.phases: dict[int, Phase] = {}
-        if self.is_scheduler:
-            self.phases[0] = Phase("shards", shard_tokens)
+        # Routing phases (DiPaCo Algorithm 1, line 2; phases.py): which shards a task trains on.
+        first = Phase("shards", shard_tokens) if is_scheduler else None
+        self.phases = RoutingPhases(self.root, phase_rounds, first)
         self.last_round = 0
         self.changed = threading.Event()  # set on every change an owner must report
         self.unstepped: set[str] = set()  # modules whose outer step failed (disk): retried
@@ -321,15 +310,10 @@ class CoordinatorBase:
         info = self.remote.get(mid)
         return set(info.ahead) if info else set()
 
-    def phase_of(self, base_round: int) -> int:
-        """The routing phase whose shards a task of this base round trains on."""
-        return sum(1 for r in self.phase_rounds if r <= base_round)
-
     def weight(self, path: int, base_round: int) -> float | None:
         """A path's outer-step weight for a task of ``base_round``: its shard's tokens in the
         routing phase it trains on (paper eq. 2-3); None without shard sizes."""
-        phase = self.phases.get(self.phase_of(base_round))
-        tokens = (phase.tokens if phase else None) or self.shard_tokens
+        tokens = self.phases.tokens(base_round) or self.shard_tokens
         return float(tokens[path]) if tokens else None
 
     def voter_of(self, req: m.SubmitDelta) -> str:

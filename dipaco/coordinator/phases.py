@@ -2,18 +2,18 @@
 phase during the run (written to ``decided_phases.json`` before it is used), making a phase's
 shards available, and a path's outer-step weight (its shard's tokens in that phase).
 
-Functions of the coordinator (bound as its methods in core.py).
+``routing_phases.RoutingPhases`` is the part that owns them; ``schedule_phase`` and
+``add_phase`` here are the coordinator's operations on it (bound as its methods in core.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.records import Phase
-from dipaco.fileio import file_info, write_json_atomic
+from dipaco.fileio import file_info
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +29,9 @@ def schedule_phase(core: CoordinatorBase) -> tuple[int, int] | None:
         after = max([core.round, *versions]) + 1
         if after >= core.rounds:
             return None
-        if any(r >= after for r in core.phase_rounds):  # one is pending already
+        phase = core.phases.decide(after)
+        if phase is None:  # one is pending already
             return None
-        core.phase_rounds = sorted({*core.phase_rounds, after})
-        previous = []
-        if core._decided.exists():
-            previous = json.loads(core._decided.read_text())["after"]
-        core.root.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(core._decided, {"after": sorted({*previous, after})})
-        phase = len(core.phase_rounds)
         core.metrics({"event": "phase_decided", "phase": phase, "after_round": after})
         return phase, after
 
@@ -49,5 +43,5 @@ def add_phase(
     with core.lock:
         infos = {name: file_info(path) for name, path in files.items()}
         core.files.update(files)
-        core.phases[phase] = Phase(prefix, tokens, infos)
+        core.phases.add(phase, Phase(prefix, tokens, infos))
         core.metrics({"event": "phase_ready", "phase": phase, "shard_tokens": tokens})

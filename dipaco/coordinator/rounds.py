@@ -75,7 +75,7 @@ def open_paths(core: CoordinatorBase) -> dict[int, int]:
     they would wait for ever; the others drop its delta (admission)."""
     rounds = path_rounds(core)
     # Each round's phase is looked up once, not once per path: every claim asks this.
-    ok = {v: v < core.rounds and core.phase_of(v) in core.phases for v in {v for _, v, _ in rounds}}
+    ok = {v: v < core.rounds and core.phases.ready_for(v) for v in {v for _, v, _ in rounds}}
     return {p: v for p, v, reported in rounds if ok[v] and not reported}
 
 
@@ -93,8 +93,8 @@ def ahead_paths(core: CoordinatorBase, peer_id: str) -> dict[int, int]:
         and core.trained_by.get((p, v)) == peer_id
         and v + 1 < core.rounds
         and (p, v + 1) not in core.done
-        and core.phase_of(v + 1) in core.phases
-        and core.phase_of(v + 1) == core.phase_of(v)  # a new phase may route anew
+        and core.phases.ready_for(v + 1)
+        and core.phases.of(v + 1) == core.phases.of(v)  # a new phase may route anew
     }
 
 

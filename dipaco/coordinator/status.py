@@ -40,7 +40,7 @@ def status(core: CoordinatorBase, req: m.GetStatus | None = None) -> m.Status:
             "scheduler": core.is_scheduler,
             "round": core.round,
             "rounds": core.rounds,
-            "phase": max(core.phases, default=0),
+            "phase": max(core.phases.ready, default=0),
             "finished": core.finished,
             "modules": modules,
             "leases": {

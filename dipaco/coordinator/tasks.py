@@ -111,12 +111,12 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
                 "path": lease.path,
                 "round": lease.round,
                 "steps": lease.steps,
-                "phase": core.phase_of(lease.round),
+                "phase": core.phases.of(lease.round),
             }
         )
     core.peers[req.peer_id].task = lease.task_id
     step_offset = core.step_offset + lease.round * core.inner_steps
-    phase = core.phases[core.phase_of(lease.round)]
+    phase = core.phases.ready[core.phases.of(lease.round)]
     task = lease_task(core, lease, core._caller)
     return m.TaskOffer(
         task_id=lease.task_id,

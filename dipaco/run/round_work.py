@@ -107,7 +107,7 @@ class RoundWork:
                 if co.finished:  # the run's end is said after its last round's work
                     co.finished_event.clear()
                     co.after_round.then(co.finished_event.set)
-        for k, after in enumerate(co.phase_rounds, start=1):
+        for k, after in enumerate(co.phases.rounds, start=1):
             decided = after not in self.phase_rounds  # started when decided, a round before
             if co.round >= after - decided:
                 self.start_phase(k)
@@ -127,7 +127,7 @@ class RoundWork:
             co.after_round.submit(
                 lambda: self.after_round(rnd, own, scored), on_skip=lambda: self.skipped(rnd)
             )
-        for k, after in enumerate(co.phase_rounds, start=1):
+        for k, after in enumerate(co.phases.rounds, start=1):
             if rnd >= after:
                 self.start_phase(k)
 
@@ -220,10 +220,10 @@ class RoundWork:
     ) -> None:
         """Start a phase once the held-out loss of the current shards stops improving."""
         co = self.co
-        phase = co.phase_of(rnd)
-        if len(co.phase_rounds) >= self.prep.config.routing.discriminative_phases:
+        phase = co.phases.of(rnd)
+        if len(co.phases.rounds) >= self.prep.config.routing.discriminative_phases:
             return
-        if phase != self.prep.routing.phase or phase not in co.phases:
+        if phase != self.prep.routing.phase or phase not in co.phases.ready:
             return  # the current shards' phase is not the one trained on yet
         if losses is None:
             losses = heldout_losses(self.prep, modules, self.device)
@@ -257,7 +257,7 @@ class RoundWork:
         from starting one phase twice."""
         co = self.co
         with co.lock:
-            if phase in self.running or phase in co.phases:
+            if phase in self.running or phase in co.phases.ready:
                 return
             self.running[phase] = threading.Thread(
                 target=self.phase_work, args=(phase,), name=f"routing-phase-{phase}", daemon=True

@@ -232,7 +232,7 @@ def test_a_phase_decided_from_held_out_losses_starts_when_they_stop_falling(
     assert issued == {(r, int(r >= after)) for r in range(6)}
     # The decision survives a restart: a coordinator built again on the run knows the phase.
     again = build_coordinator(prep, MetricsLog(tmp_path / "m2.jsonl"), evaluate=False)
-    assert again.phase_rounds == [after] and again.phase_of(5) == 1 and 1 in again.phases
+    assert again.phases.rounds == [after] and again.phases.of(5) == 1 and 1 in again.phases.ready
 
 
 def test_a_plateau_phase_and_fixed_phase_rounds_are_not_both_allowed(tiny_config):
