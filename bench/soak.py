@@ -152,7 +152,7 @@ def serve(
             "rss_bytes": _rss_bytes(),
             "issued": len(co.scheduler.issued),
             "attempts": len(co.scheduler.attempts),
-            "done": len(co.done),
+            "done": len(co.book.done),
             "peers": len(co.peers),
             "cpu_s": time.process_time(),  # this process's CPU seconds, all threads
             "sys_s": os.times().system,  # of which in the kernel (file system calls, sockets)

@@ -251,8 +251,7 @@ class Cluster:
                 co = node.core
                 if isinstance(ack, m.ReportAck):
                     with co.lock:
-                        co.overdue = {(int(p), int(r)) for p, r in ack.overdue}
-                        co.void = dict(ack.ended)
+                        co.book.follow(ack.overdue, ack.ended)
                         co.gathered = set(ack.gathered)
                 co.tick()
                 cost = time.thread_time() - t + node.stepped_cost(before)

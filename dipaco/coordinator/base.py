@@ -26,10 +26,10 @@ from dipaco.coordinator.outer import OuterSettings, for_sharing
 from dipaco.coordinator.polls import LongPolls
 from dipaco.coordinator.records import PeerInfo, Phase, ReportedModule
 from dipaco.coordinator.refusals import Refusals
+from dipaco.coordinator.round_book import RoundBook
 from dipaco.coordinator.routing_phases import RoutingPhases
 from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
 from dipaco.coordinator.serial import Serial
-from dipaco.coordinator.statetext import trained_by_texts
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.tickets import SchedulerKeys
 from dipaco.coordinator.validation import KeyScores, NormTracker
@@ -241,21 +241,13 @@ class CoordinatorBase:
         # lock back and forth: with 64 peers at once, over a thousand thread switches per
         # delta, which doubled the coordinator's CPU per delta (bench/soak.py).
         self.request_slots = threading.BoundedSemaphore(request_slots())
-        self.path_rounds_cache: tuple[tuple, list[tuple[int, int, bool]]] | None = None
         self.handing: dict[str, tuple[str, float]] = {}  # module -> (new owner, since)
-        self.done: set[tuple[int, int]] = set()  # (path, round) whose task every owner acked
-        # (path, round) -> the peer whose task it was, since that peer's last Hello: overlap
-        # offers a path's next round only to the peer that holds where it ended (in memory).
-        self.trained_by: dict[tuple[int, int], str] = {}
-        self.trained_by_texts = trained_by_texts()  # its entries' JSON, kept (statetext.py)
-        # (path, round) whose task ran past the deadline: rounds may close without them.
-        self.overdue: set[tuple[int, int]] = set()
-        self.void: dict[str, int] = {}  # an owner's copy of the scheduler's ended leases
+        # Done, overdue and trained path-rounds, the last round announced (round_book.py).
+        self.book = RoundBook()
         self.files = files or {}
         # Routing phases (DiPaCo Algorithm 1, line 2; phases.py): which shards a task trains on.
         first = Phase("shards", shard_tokens) if is_scheduler else None
         self.phases = RoutingPhases(self.root, phase_rounds, first)
-        self.last_round = 0
         self.changed = threading.Event()  # set on every change an owner must report
         self.unstepped: set[str] = set()  # modules whose outer step failed (disk): retried
         # Trust in a delta's content (validation.py): its norm against the module's recent ones,

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 def task_of(core: CoordinatorBase, peer_id: str, task_id: str, ticket: str) -> Task:
     """The task a request acts for: from its ticket, or (scheduler) from the lease table.
     A task whose lease was released or expired acts for nothing any more."""
-    ended = core.scheduler.ended if core.is_scheduler else core.void
+    ended = core.scheduler.ended if core.is_scheduler else core.book.void
     if task_id in ended:
         core.refusals.refuse(
             peer_id,

@@ -144,8 +144,7 @@ class Reporter(threading.Thread):
             self.watch.ok()
             self.sent += 1
             with co.lock:
-                co.overdue = {(int(p), int(r)) for p, r in ack.overdue}
-                co.void = dict(ack.ended)  # the scheduler's void tickets: refused here too
+                co.book.follow(ack.overdue, ack.ended)  # void tickets: refused here too
                 co.gathered = set(ack.gathered)  # the scheduler holds these at their final version
             co.tick()
 

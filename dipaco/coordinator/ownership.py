@@ -81,7 +81,7 @@ def owner_report(core: CoordinatorBase, req: m.OwnerReport) -> m.ReportAck:
     core.journal.save()
     rounds.after_change(core)
     return m.ReportAck(
-        overdue=[list(pr) for pr in sorted(core.overdue)],
+        overdue=core.book.overdue_list(),
         ended=dict(core.scheduler.ended),
         gathered=sorted(core.gathered),
     )

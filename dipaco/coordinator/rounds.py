@@ -37,13 +37,8 @@ def path_rounds(core: CoordinatorBase) -> list[tuple[int, int, bool]]:
     of paths reported at it (within a version that only grows; a step makes a new version),
     whether the module is this coordinator's, and the number of tasks done (which only grows
     between the rounds that prune it, and those move versions)."""
-    key = (*(_module_key(core, mid) for mid in core.topology.module_ids()), len(core.done))
-    cached = core.path_rounds_cache
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    out = _path_rounds(core)
-    core.path_rounds_cache = (key, out)
-    return out
+    key = (*(_module_key(core, mid) for mid in core.topology.module_ids()), len(core.book.done))
+    return core.book.path_rounds(key, lambda: _path_rounds(core))
 
 
 def _module_key(core: CoordinatorBase, mid: str) -> tuple[bool, int | None, int]:
@@ -65,7 +60,7 @@ def _path_rounds(core: CoordinatorBase) -> list[tuple[int, int, bool]]:
             continue
         v = min(known)
         waiting = [mid for mid in mids if version[mid] == v]
-        out.append((p, v, (p, v) in core.done or all(p in done[mid] for mid in waiting)))
+        out.append((p, v, (p, v) in core.book.done or all(p in done[mid] for mid in waiting)))
     return out
 
 
@@ -90,9 +85,9 @@ def ahead_paths(core: CoordinatorBase, peer_id: str) -> dict[int, int]:
         p: v + 1
         for p, v, reported in path_rounds(core)
         if reported
-        and core.trained_by.get((p, v)) == peer_id
+        and core.book.trainer(p, v) == peer_id
         and v + 1 < core.rounds
-        and (p, v + 1) not in core.done
+        and (p, v + 1) not in core.book.done
         and core.phases.ready_for(v + 1)
         and core.phases.of(v + 1) == core.phases.of(v)  # a new phase may route anew
     }
@@ -120,12 +115,7 @@ def tick_now(core: CoordinatorBase, step: bool = True) -> None:
             log.warning("handover of %s to %s timed out; keeping it", mid, owner)
             del core.handing[mid]
     if core.is_scheduler:
-        # Once overdue, a (path, round) stays skipped until the round is over everywhere: a
-        # module that closed without it must not leave the path's other modules waiting.
-        late = core.scheduler.overdue() - core.overdue
-        current = core.round  # every module's versions: once, not once per skipped path
-        core.overdue = {(p, r) for p, r in core.overdue | late if r >= current}
-        if late & core.overdue:
+        if core.book.add_overdue(core.scheduler.overdue(), core.round):
             core.journal.save()  # the skip survives a restart: the round does not wait again
     if step:
         step_due(core)
@@ -134,7 +124,7 @@ def tick_now(core: CoordinatorBase, step: bool = True) -> None:
 def step_due(core: CoordinatorBase) -> None:
     """Step every module a quorum with overdue paths (or a failed step) has made due."""
     with core.lock:
-        if not core.overdue and not core.unstepped:
+        if not core.book.overdue and not core.unstepped:
             return
         mids = [mid for mid in core.owned_modules() if mid not in core.handing]
     stepped = False
@@ -218,7 +208,7 @@ def due(core: CoordinatorBase, mid: str) -> bool:
     if set(record.pending) != paths:
         missing = {(p, record.version) for p in paths - set(record.pending)}
         need = math.ceil(core.policy.quorum * len(paths))
-        if not (missing <= core.overdue and len(record.pending) >= need):
+        if not (missing <= core.book.overdue and len(record.pending) >= need):
             return False
     return True
 
@@ -229,16 +219,14 @@ def after_change(core: CoordinatorBase) -> None:
     core.changed.set()
     core._work_changed()
     try:
-        if core.round > core.last_round:
-            for rnd in range(core.last_round + 1, core.round + 1):
+        horizon = core.round - core.policy.max_staleness
+        closed = core.book.advance(core.round, horizon)
+        if closed:
+            for rnd in closed:
                 core.metrics({"event": "round", "round": rnd})
-            core.last_round = core.round
             # Tasks of rounds that no delta can join any more (even late) are forgotten, so
             # that a long run does not keep a record of every task it ever leased.
-            horizon = core.round - core.policy.max_staleness
             core.scheduler.forget_before(horizon)
-            core.done = {(p, r) for p, r in core.done if r >= horizon}
-            core.trained_by = {k: v for k, v in core.trained_by.items() if k[1] >= horizon}
             if core.on_round is not None:
                 core.on_round(core.round)
     finally:  # a round callback that fails must not leave the run's end unsaid
@@ -250,12 +238,12 @@ def task_done(core: CoordinatorBase, req: m.TaskDone) -> m.Ok:
     core.need_scheduler(req.peer_id)
     core._seen(req.peer_id)
     task = task_of(core, req.peer_id, req.task_id, req.ticket)
-    if (task.path, task.round) in core.done:
+    if (task.path, task.round) in core.book.done:
         return m.Ok()
     missing = unacked(core, task)
     if missing and req.wait > 0 and not any(core.owns(mid) for mid in missing):
         task, missing = await_reports(core, req, task, missing)
-        if (task.path, task.round) in core.done:
+        if (task.path, task.round) in core.book.done:
             return m.Ok()
     if missing:
         # A task is done when its deltas are, not when its peer says so: a TaskDone
@@ -289,7 +277,7 @@ def await_reports(
         while missing and not core.finished and (left := end - time.monotonic()) > 0:
             core.step_cond.wait(left)
             task = task_of(core, req.peer_id, req.task_id, req.ticket)
-            if (task.path, task.round) in core.done:
+            if (task.path, task.round) in core.book.done:
                 break
             missing = unacked(core, task)
         return task, missing
@@ -332,8 +320,7 @@ def unacked(core: CoordinatorBase, task: Task) -> list[str]:
 def record_done(
     core: CoordinatorBase, task: Task, peer_id: str, tokens: int, losses: list[float]
 ) -> None:
-    core.done.add((task.path, task.round))
-    core.trained_by[(task.path, task.round)] = peer_id
+    core.book.finish(task.path, task.round, peer_id)
     core.scheduler.finish(task.task_id)
     # Another live task of the path's round (a hedge's copy, or the straggler it copied) can
     # add nothing now: its lease ends, so its peer stops training it at its next heartbeat.

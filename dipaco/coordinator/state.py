@@ -20,7 +20,7 @@ import torch
 from dipaco.coordinator import rotation, rounds
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.records import ReportedModule
-from dipaco.coordinator.statetext import dumps, json_object, trained_by_text
+from dipaco.coordinator.statetext import dumps, json_object
 from dipaco.errors import CorruptFileError
 from dipaco.fileio import compact_json_bytes, finite_number
 from dipaco.protocols import keyrotation
@@ -56,10 +56,7 @@ def start(
         # peer training a task goes on with it, and a round waiting on an overdue task does
         # not wait again from zero.
         core.scheduler.restore(saved.get("scheduler", {}))
-        core.overdue = {(p, r) for p, r in saved.get("overdue", [])}
-        # Which peer trained each path's last rounds (overlap): after a restart it still goes
-        # ahead on its paths rather than wait for the round to close.
-        core.trained_by = {(p, r): peer for p, r, peer in saved.get("trained_by", [])}
+        core.book.load(saved)
     else:
         core.owners = dict.fromkeys(core.store.owned_on_disk(), core.owner_id)
     rotation.load(core, [] if core.is_scheduler else saved.get("scheduler_rotations", []))
@@ -79,7 +76,7 @@ def start(
         # A crash may have left a module with every delta on disk but its step not committed.
         rounds.maybe_step(core, mid)
     report_repairs(core)
-    core.last_round = core.round
+    core.book.started(core.round)
     core.journal.save(required=True)  # the epoch must be on disk: task ids are never reused
     if core.finished:
         core.finished_event.set()
@@ -118,7 +115,7 @@ def state_bytes(core: CoordinatorBase) -> bytes:
         if not core.is_scheduler:
             return compact_json_bytes(snapshot_state(core))
         texts = {k: dumps(v) for k, v in _common(core).items()}
-        texts["trained_by"] = trained_by_text(core.trained_by_texts, core.trained_by)
+        texts["trained_by"] = core.book.trained_by_json()
         texts["scheduler"] = core.scheduler.snapshot_text()
         return json_object(texts).encode()
 
@@ -138,7 +135,7 @@ def _common(core: CoordinatorBase) -> dict[str, Any]:
             addresses=core.addresses,
             owner_keys=core.owner_keys,
             ended=core.scheduler.ended,
-            overdue=sorted([p, r] for p, r in core.overdue),
+            overdue=core.book.overdue_list(),
         )
     elif core.keys.rotations:
         state["scheduler_rotations"] = core.keys.rotations
@@ -152,7 +149,7 @@ def snapshot_state(core: CoordinatorBase) -> dict[str, Any]:
         if core.is_scheduler:
             state.update(
                 scheduler=core.scheduler.snapshot(),
-                trained_by=sorted([p, r, peer] for (p, r), peer in core.trained_by.items()),
+                trained_by=core.book.trained_by_list(),
             )
         return state
 
@@ -240,7 +237,7 @@ def _pairs(value: Any, n: int) -> bool:
 
 
 def _trained_by(value: Any) -> bool:
-    """A list of [path, round, peer id] (``core.trained_by``)."""
+    """A list of [path, round, peer id] (``core.book.trained_by``)."""
     return isinstance(value, list) and all(
         isinstance(x, list)
         and len(x) == 3

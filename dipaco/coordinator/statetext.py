@@ -94,7 +94,7 @@ class SchedulerTexts:
 
 
 def trained_by_text(texts: EntryTexts, trained_by: dict[tuple[int, int], str]) -> str:
-    """``core.trained_by`` as coordinator.json holds it: ``[[path, round, peer]]``, sorted."""
+    """``core.book.trained_by`` as coordinator.json holds it: ``[[path, round, peer]]``, sorted."""
     return "[" + ",".join(texts.texts(sorted(trained_by.items()))) + "]"
 
 

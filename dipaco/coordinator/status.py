@@ -55,7 +55,7 @@ def status(core: CoordinatorBase, req: m.GetStatus | None = None) -> m.Status:
             },
             "expired_leases": core.scheduler.expired,
             "task_deadline": core.scheduler.task_deadline(),
-            "overdue": sorted(core.overdue),
+            "overdue": sorted(core.book.overdue),
             "peers": peers,
             "machines": machines(peers),
             "owners": owner_rows(core, now),

@@ -32,9 +32,7 @@ def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
     # A peer saying Hello has (re)started: it no longer holds where its paths ended (overlap),
     # so it can train no path ahead, nor resume such a task: its delta would repeat the move of
     # the round before. Those tasks are handed back.
-    kept = {k: p for k, p in core.trained_by.items() if p != req.peer_id}
-    forgot = len(kept) < len(core.trained_by)
-    core.trained_by = kept
+    forgot = core.book.forget_trainer(req.peer_id)
     if core.is_scheduler:
         for lease in core.scheduler.leases_of(req.peer_id):
             if any(v < lease.round for v in lease.module_versions.values()):
@@ -237,7 +235,7 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
         req.prefer_path,
         core.inner_steps,
         req.holding,
-        lambda p: core.trained_by.get((p, open_paths[p] - 1)),
+        lambda p: core.book.trainer(p, open_paths[p] - 1),
     )
     if lease is None and core.policy.overlap:
         lease = core.scheduler.claim(
@@ -248,7 +246,7 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
             req.holding,
         )
     if lease is None and core.policy.hedge and not req.holding:
-        lease = core.scheduler.hedge(req.peer_id, core.done)
+        lease = core.scheduler.hedge(req.peer_id, core.book.done)
         if lease is not None:
             core.metrics(
                 {

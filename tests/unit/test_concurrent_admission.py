@@ -302,7 +302,7 @@ def test_coordinator_json_keeps_each_entrys_encoding_and_writes_the_same_bytes(t
             now[0] += 0.5
             assert isinstance(submit(co, tr, task), m.DeltaAck)
             same()
-    assert co.scheduler.paces and co.scheduler.attempts and co.trained_by and co.norms.norms
+    assert co.scheduler.paces and co.scheduler.attempts and co.book.trained_by and co.norms.norms
     assert json.loads((tmp_path / "validation.json").read_text()) == co.norms.snapshot()
     # A remembered task changed in place (its module versions, its steps): encoded anew.
     issued = texts.issued.encoded

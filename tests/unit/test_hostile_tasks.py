@@ -39,7 +39,7 @@ def test_a_task_done_without_its_deltas_is_refused_and_the_round_still_closes(tm
         hostile.request(done(stolen, "mallory"))
     assert err.value.reason == "not-acked"
     assert co.rejections_by_peer["mallory"]["not-acked"] == 1
-    assert (0, 0) not in co.done  # path 0 is still part of round 0
+    assert (0, 0) not in co.book.done  # path 0 is still part of round 0
     # Honest peers train the other paths; path 0 comes back when mallory's lease runs out.
     for p in (1, 2, 3):
         task = claim(honest, f"h{p}", path=p)

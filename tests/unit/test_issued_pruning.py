@@ -47,7 +47,7 @@ def test_issued_tasks_are_pruned_to_the_rounds_a_delta_can_still_join(tmp_path):
     second = _round(co, tr)
     assert co.round == 2
     assert {lease.round for lease in co.scheduler.issued.values()} == {1}
-    assert {r for _, r in co.scheduler.attempts} <= {1, 2} and len(co.done) <= 8
+    assert {r for _, r in co.scheduler.attempts} <= {1, 2} and len(co.book.done) <= 8
     peer, offer = second[0]
     assert tr.request(_delta(co, offer, peer)).accepted
     # Two rounds back is beyond max_staleness: with its ticket the retry is still recognised

@@ -20,6 +20,7 @@ import pytest
 
 from dipaco.cli.common import OneLineFormatter
 from dipaco.coordinator.owner import Reporter
+from dipaco.coordinator.round_book import RoundBook
 from dipaco.errors import TransportError
 from dipaco.net.joins import dial_loopback
 from dipaco.peer.links import Patience, heartbeating
@@ -134,6 +135,7 @@ def test_the_owner_tells_a_scheduler_outage_in_a_handful_of_lines():
     class Owner:  # what the reporter reads and writes of its coordinator
         identity = None
         changed, lock = threading.Event(), threading.Lock()
+        book = RoundBook()
 
         def report(self) -> m.Message:
             return m.Ok()

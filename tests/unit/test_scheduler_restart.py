@@ -176,11 +176,11 @@ def test_an_overdue_skip_survives_a_restart(tmp_path):
     task2 = claim(co, "p2", prefer=2)
     clock.now = 26.0  # p3's task is 16 s old, past the deadline; p2's only 6 s
     peer(co, "p3").request(m.Heartbeat(peer_id="p3", task_id=late.task_id))
-    assert co.overdue == {(3, 1)}
+    assert co.book.overdue == {(3, 1)}
     assert versions(co)["S.embed"] == 1  # waits for path 2, which is not overdue
 
     co, clock = restart(tmp_path)
-    assert co.overdue == {(3, 1)}  # as saved, before any time passes
+    assert co.book.overdue == {(3, 1)}  # as saved, before any time passes
     ack = submit(co, task2, "p2")
     # Path 2 was all the round still waited for: it closes at once, without path 3.
     assert sorted(ack.closed) == ["L0.M1", "L1.M0", "S.embed", "S.head"]
