@@ -146,8 +146,7 @@ def run_case(
     }
     coordinator.voter_of = lambda req: voters.get(req.path, req.peer_id)
     # One local key sends every delta, honest and hostile: it must not be banned for them.
-    coordinator.security = coordinator.security.model_copy(update={"ban_after": 0})
-    coordinator.access.settings = coordinator.security
+    coordinator.set_security(coordinator.security.model_copy(update={"ban_after": 0}))
     stop = threading.Event()
     peer = HostilePeer(
         LocalTransport(coordinator.handle).authenticate(Identity.generate()),

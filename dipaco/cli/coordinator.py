@@ -162,7 +162,7 @@ def serve_hivemind(args: argparse.Namespace, prep, metrics: MetricsLog, node) ->
         )
         addresses = node.visible_maddrs()
         coordinator.addresses[node.peer_id] = addresses
-        coordinator.fetch_remote = remote_fetcher(coordinator, run_dir, node)
+        coordinator.set_remote_fetcher(remote_fetcher(coordinator, run_dir, node))
         # The node answers from 8 handler threads: at most 4 long polls at once (3 claims
         # waiting for a path, and a TaskDone waiting for an owner's report).
         coordinator.polls.limit(4)

@@ -144,6 +144,13 @@ class AccessPolicy:
         self._load_peers()
         self.reload()
 
+    def use(self, settings: SecuritySection) -> None:
+        """Take new settings (before the coordinator serves: the rate limit starts afresh)."""
+        self.settings = settings
+        self._buckets = KeyBuckets(
+            settings.requests_per_second, settings.burst, RATE_KEYS, clock=self.clock
+        )
+
     # ---- files --------------------------------------------------------------------------------
     def _load_peers(self) -> None:
         file = self.root / PEERS_FILE

@@ -156,7 +156,7 @@ class CoordinatorBase:
         phase_rounds: list[int] | tuple[int, ...] = (),
         validation: ValidationSection | None = None,
         heldout_loss: Callable[[int, dict[str, dict[str, torch.Tensor]]], float] | None = None,
-        eval_note: str | None = None,
+        eval_note: Callable[[], str | None] | None = None,
     ) -> None:
         self.root = Path(root)
         self.topology = topology
@@ -231,7 +231,7 @@ class CoordinatorBase:
         # scheduler: fetches other owners' current modules (module ids -> tensors) for the
         # per-round evaluation; None: not possible on this transport
         self.fetch_remote: Callable[[list[str]], dict[str, dict[str, torch.Tensor]]] | None = None
-        self.eval_note = eval_note  # why there is no per-round validation, if there is none
+        self._eval_note = eval_note  # why there is no per-round validation, if there is none
         self.owner_seen: dict[str, float] = {}  # other owners: when they last reported
         self.standbys: dict[str, float] = {}  # standby schedulers: when they last synced
         # Requests do their CPU and disk work (the envelope, decoding, a delta's checks and
@@ -307,6 +307,24 @@ class CoordinatorBase:
         routing phase it trains on (paper eq. 2-3); None without shard sizes."""
         tokens = self.phases.tokens(base_round) or self.shard_tokens
         return float(tokens[path]) if tokens else None
+
+    @property
+    def eval_note(self) -> str | None:
+        """Why there is no per-round validation, if there is none (the after-round work's)."""
+        return None if self._eval_note is None else self._eval_note()
+
+    def set_remote_fetcher(
+        self, fetch: Callable[[list[str]], dict[str, dict[str, torch.Tensor]]]
+    ) -> None:
+        """How the scheduler fetches other owners' current modules (module ids -> tensors) for
+        the per-round evaluation: the transport's, given once it serves."""
+        self.fetch_remote = fetch
+
+    def set_security(self, security: SecuritySection) -> None:
+        """New security settings for the coordinator and its access policy (a local run's task
+        quota, a bench's ban budget), before it serves."""
+        self.security = security
+        self.access.use(security)
 
     def voter_of(self, req: m.SubmitDelta) -> str:
         """Whose vote a delta is in a robust combiner: the key that signed it (a peer id for an

@@ -156,7 +156,7 @@ def build_coordinator(
         identity=identity,
         files=run_files(prep),
         heldout_loss=heldout_scorer(prep, device) if c.validation.heldout_check else None,
-        eval_note=work.first_note,
+        eval_note=lambda: work.eval_note,
     )
     work.attach(coordinator)
     coordinator.start(c.build_topology().init_modules(prep.initial_state()))

@@ -85,8 +85,8 @@ def run_local_peers(
     """
     if parallel > coordinator.security.max_tasks_per_key:
         # The local peer holds a whole batch of leases on its one key: let it.
-        coordinator.security = coordinator.security.model_copy(
-            update={"max_tasks_per_key": parallel}
+        coordinator.set_security(
+            coordinator.security.model_copy(update={"max_tasks_per_key": parallel})
         )
     threads = []
     for i in range(n_peers):

@@ -64,14 +64,15 @@ class RoundWork:
         self.said: set[str] = set()  # notes logged once
         self.module_ids = c.build_topology().module_ids()
         self.coordinator: Coordinator | None = None
+        # Why there is no per-round validation, if there is none: the coordinator's status
+        # reads it (``Coordinator(eval_note=lambda: work.eval_note)``).
+        self.eval_note: str | None = None
         if not self.validate:
-            self.first_note = (
+            self.eval_note = (
                 "no per-round validation: the coordinator was started with --no-eval"
                 if not evaluate
                 else "no per-round validation: eval.every_round is off in the run config"
             )
-        else:
-            self.first_note = None
 
     @property
     def needed(self) -> bool:
@@ -204,12 +205,12 @@ class RoundWork:
                     return None
                 log.info("per-round validation: fetching other owners' modules again (%s)", exc)
                 time.sleep(1.0)
-        co.eval_note = None
+        self.eval_note = None
         return lambda mid: remote[mid] if mid in remote else own[mid]
 
     def note(self, text: str) -> None:
         """Why there is no per-round validation: in the status, and logged once."""
-        self.co.eval_note = text
+        self.eval_note = text
         if text not in self.said:
             self.said.add(text)
             log.warning("%s", text)

@@ -33,7 +33,7 @@ def scheduler(run_copy, tiny_config, monkeypatch):
                 raise TransportError("cannot reach another-owner: connection refused")
             return {mid: co.store.params(mid) for mid in mids}
 
-        co.fetch_remote = fetch
+        co.set_remote_fetcher(fetch)
         return co, asked, root
 
     return make
