@@ -200,7 +200,7 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
         rnd = task.round
         lateness = record.version - rnd
         if lateness > core.policy.max_staleness:
-            if core.is_scheduler:  # the task can never be applied: free its path
+            if core.scheduler is not None:  # the task can never be applied: free its path
                 core.scheduler.release(req.task_id, req.peer_id)
             core.refusals.refuse(
                 req.peer_id,

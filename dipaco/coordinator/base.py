@@ -175,7 +175,9 @@ class CoordinatorBase:
             p.deadline_mads, p.deadline_slack, p.deadline_floor, p.min_observations,
             p.min_step_fraction,
         )  # fmt: skip
-        self.scheduler = Scheduler(lease_seconds, clock, deadline)
+        # The role is what a coordinator is made of: the scheduler leases tasks; an owner has
+        # none (``is_scheduler``).
+        self.scheduler = Scheduler(lease_seconds, clock, deadline) if is_scheduler else None
         # The lock serialises the short state transitions only. Decoding, checking and the durable
         # write of a delta run outside it (admission.py), and so does a module's outer step
         # (rounds.py): ``stepping`` names the modules being stepped, whose new deltas wait on
@@ -198,7 +200,7 @@ class CoordinatorBase:
         self.failure: str | None = None  # set when the run cannot go on (finished_event too)
         # Ownership: module id -> owner id. The scheduler knows every module's owner; an owner
         # that is not the scheduler lists only its own modules.
-        self.owner_id, self.is_scheduler, self.codec = owner_id, is_scheduler, codec
+        self.owner_id, self.codec = owner_id, codec
         # Our Ed25519 key signs replies, tickets, releases and the manifest; the scheduler's key
         # is the one whose tickets an owner accepts (our own, on the scheduler).
         self.identity = identity or auth.Identity.load_or_create(self.root / "signing.key")
@@ -331,12 +333,19 @@ class CoordinatorBase:
         unsigned local transport). One key holding many paths of a module is one vote."""
         return self._caller or req.peer_id
 
-    def need_scheduler(self, who: str) -> None:
-        """Refuse ``who``'s request unless this coordinator leases tasks."""
-        if not self.is_scheduler:
+    @property
+    def is_scheduler(self) -> bool:
+        """Whether this coordinator leases tasks (it has a scheduler), or only owns modules."""
+        return self.scheduler is not None
+
+    def need_scheduler(self, who: str) -> Scheduler:
+        """The scheduler, for ``who``'s request; refused unless this coordinator leases tasks."""
+        if self.scheduler is None:
             self.refusals.refuse(
                 who, Reason.NOT_SCHEDULER, "this coordinator owns modules but does not lease tasks"
             )
+        assert self.scheduler is not None  # refuse raises
+        return self.scheduler
 
     def outer_settings_of(self, mid: str) -> OuterSettings:
         """The outer step of ``mid``: ``outer`` at the module's lr by its sharing count (if

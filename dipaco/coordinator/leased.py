@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 def task_of(core: CoordinatorBase, peer_id: str, task_id: str, ticket: str) -> Task:
     """The task a request acts for: from its ticket, or (scheduler) from the lease table.
     A task whose lease was released or expired acts for nothing any more."""
-    ended = core.scheduler.ended if core.is_scheduler else core.book.void
+    ended = core.scheduler.ended if core.scheduler is not None else core.book.void
     if task_id in ended:
         core.refusals.refuse(
             peer_id,
@@ -64,7 +64,7 @@ def lease_task(core: CoordinatorBase, lease: Lease, key: str | None = None) -> T
 
 
 def issued_to(core: CoordinatorBase, task_id: str, peer_id: str) -> Lease:
-    lease = core.scheduler.issued.get(task_id)
+    lease = core.need_scheduler(peer_id).issued.get(task_id)
     if lease is None:
         core.refusals.refuse(
             peer_id, Reason.UNKNOWN_TASK, f"task {task_id} was not issued by this coordinator"

@@ -55,7 +55,7 @@ def get_owners(core: CoordinatorBase, req: m.GetOwners) -> m.Owners:
 
 
 def owner_report(core: CoordinatorBase, req: m.OwnerReport) -> m.ReportAck:
-    core.need_scheduler(req.owner_id)
+    scheduler = core.need_scheduler(req.owner_id)
     owner_proof(core, req.owner_id, req.proof, "report", req.modules)
     for mid in req.modules:
         if core.owners.get(mid) != req.owner_id:
@@ -82,7 +82,7 @@ def owner_report(core: CoordinatorBase, req: m.OwnerReport) -> m.ReportAck:
     rounds.after_change(core)
     return m.ReportAck(
         overdue=core.book.overdue_list(),
-        ended=dict(core.scheduler.ended),
+        ended=dict(scheduler.ended),
         gathered=sorted(core.gathered),
     )
 

@@ -104,7 +104,7 @@ def tick(core: CoordinatorBase) -> None:
 def tick_now(core: CoordinatorBase, step: bool = True) -> None:
     """The ticker's bookkeeping under the caller's lock (every request runs it, ``step=False``:
     the steps it makes due are the ticker's)."""
-    gone = core.scheduler.expire()
+    gone = core.scheduler.expire() if core.scheduler is not None else []
     for lease in gone:
         expired(core, lease)
     if gone:
@@ -114,7 +114,7 @@ def tick_now(core: CoordinatorBase, step: bool = True) -> None:
         if now - since > 120:  # the new owner never confirmed: keep the module
             log.warning("handover of %s to %s timed out; keeping it", mid, owner)
             del core.handing[mid]
-    if core.is_scheduler:
+    if core.scheduler is not None:
         if core.book.add_overdue(core.scheduler.overdue(), core.round):
             core.journal.save()  # the skip survives a restart: the round does not wait again
     if step:
@@ -226,7 +226,8 @@ def after_change(core: CoordinatorBase) -> None:
                 core.metrics({"event": "round", "round": rnd})
             # Tasks of rounds that no delta can join any more (even late) are forgotten, so
             # that a long run does not keep a record of every task it ever leased.
-            core.scheduler.forget_before(horizon)
+            if core.scheduler is not None:
+                core.scheduler.forget_before(horizon)
             if core.on_round is not None:
                 core.on_round(core.round)
     finally:  # a round callback that fails must not leave the run's end unsaid
@@ -320,12 +321,13 @@ def unacked(core: CoordinatorBase, task: Task) -> list[str]:
 def record_done(
     core: CoordinatorBase, task: Task, peer_id: str, tokens: int, losses: list[float]
 ) -> None:
+    scheduler = core.need_scheduler(peer_id)
     core.book.finish(task.path, task.round, peer_id)
-    core.scheduler.finish(task.task_id)
+    scheduler.finish(task.task_id)
     # Another live task of the path's round (a hedge's copy, or the straggler it copied) can
     # add nothing now: its lease ends, so its peer stops training it at its next heartbeat.
-    for other in core.scheduler.holders(task.path, task.round):
-        core.scheduler.release(other.task_id, other.peer_id)
+    for other in scheduler.holders(task.path, task.round):
+        scheduler.release(other.task_id, other.peer_id)
         core.metrics({"event": "task_dropped", "task": other.task_id, "peer": other.peer_id})
     peer = core.peers.setdefault(peer_id, PeerInfo())
     peer.tasks_done += 1
@@ -349,5 +351,5 @@ def free_paths(core: CoordinatorBase) -> set[int]:
     """The open paths no live lease holds: what an in-process adapter (Flower's ServerApp)
     may plan tasks for; the claim itself still goes through the service."""
     with core.lock:
-        leased = core.scheduler.leased_paths()
+        leased = core.need_scheduler("flower").leased_paths()
         return {p for p in open_paths(core) if p not in leased}

@@ -42,9 +42,10 @@ def start(
             raise CorruptFileError(f"{state_file}: not readable coordinator state: {exc}") from None
         _check_state(state_file, saved, core.topology.module_ids())
         core.epoch = saved.get("epoch", 0) + 1
-        core.scheduler.epoch = core.epoch
+        if core.scheduler is not None:
+            core.scheduler.epoch = core.epoch
         core.refusals.load_state_dict(saved)
-    if core.is_scheduler:
+    if core.scheduler is not None:
         core.owners = saved.get("owners") or dict.fromkeys(
             core.topology.module_ids(), core.owner_id
         )
@@ -112,7 +113,7 @@ def state_bytes(core: CoordinatorBase) -> bytes:
     path's rounds) have each entry encoded once and kept while it is unchanged (statetext.py).
     The same bytes as ``compact_json_bytes(snapshot_state(core))``."""
     with core.lock:
-        if not core.is_scheduler:
+        if core.scheduler is None:
             return compact_json_bytes(snapshot_state(core))
         texts = {k: dumps(v) for k, v in _common(core).items()}
         texts["trained_by"] = core.book.trained_by_json()
@@ -128,7 +129,7 @@ def _common(core: CoordinatorBase) -> dict[str, Any]:
         "run_id": core.run_id,
         "owner_id": core.owner_id,
     }
-    if core.is_scheduler:
+    if core.scheduler is not None:
         state.update(
             owners=core.owners,
             remote={mid: r.to_json() for mid, r in core.remote.items()},
@@ -146,7 +147,7 @@ def snapshot_state(core: CoordinatorBase) -> dict[str, Any]:
     """coordinator.json's content now, as a value (``state_bytes`` encodes the same)."""
     with core.lock:
         state = _common(core)
-        if core.is_scheduler:
+        if core.scheduler is not None:
             state.update(
                 scheduler=core.scheduler.snapshot(),
                 trained_by=core.book.trained_by_list(),

@@ -33,6 +33,8 @@ def status(core: CoordinatorBase, req: m.GetStatus | None = None) -> m.Status:
         if not core.owns(mid):
             modules[mid] = {**info.to_json(), "owner": core.owners.get(mid)}
     peers = peer_rows(core, now)
+    scheduler = core.scheduler  # None on a module owner: it leases nothing
+    leases = scheduler.leases if scheduler else {}
     return m.Status(
         state={
             "run_id": core.run_id,
@@ -51,10 +53,10 @@ def status(core: CoordinatorBase, req: m.GetStatus | None = None) -> m.Status:
                     "steps": lease.steps,
                     "deadline_in": round(lease.deadline - now, 1),
                 }
-                for t, lease in core.scheduler.leases.items()
+                for t, lease in leases.items()
             },
-            "expired_leases": core.scheduler.expired,
-            "task_deadline": core.scheduler.task_deadline(),
+            "expired_leases": scheduler.expired if scheduler else 0,
+            "task_deadline": scheduler.task_deadline() if scheduler else None,
             "overdue": sorted(core.book.overdue),
             "peers": peers,
             "machines": machines(peers),
@@ -72,19 +74,15 @@ def peer_rows(core: CoordinatorBase, now: float) -> dict[str, dict[str, Any]]:
     it holds a lease for now; ``state`` is training, idle, or gone (silent longer than a
     lease: it left, or died)."""
     owners = set(core.owners.values()) | set(core.owner_seen)
-    current = {lease.peer_id: t for t, lease in core.scheduler.leases.items()}
+    scheduler = core.scheduler
+    current = {lease.peer_id: t for t, lease in (scheduler.leases if scheduler else {}).items()}
+    lease_seconds = scheduler.lease_seconds if scheduler else core.policy.lease_seconds
     rows = {}
     for pid, info in core.peers.items():
         if pid in owners or info.device == "coordinator":  # an owner's Hello
             continue
         seen_ago = now - info.last_seen
-        state = (
-            "training"
-            if pid in current
-            else "gone"
-            if seen_ago > core.scheduler.lease_seconds
-            else "idle"
-        )
+        state = "training" if pid in current else "gone" if seen_ago > lease_seconds else "idle"
         rows[pid] = info.row() | {
             "seen_ago": round(seen_ago, 1),
             "task": current.get(pid),

@@ -33,7 +33,7 @@ def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
     # so it can train no path ahead, nor resume such a task: its delta would repeat the move of
     # the round before. Those tasks are handed back.
     forgot = core.book.forget_trainer(req.peer_id)
-    if core.is_scheduler:
+    if core.scheduler is not None:
         for lease in core.scheduler.leases_of(req.peer_id):
             if any(v < lease.round for v in lease.module_versions.values()):
                 core.scheduler.release(lease.task_id, req.peer_id)
@@ -60,21 +60,21 @@ def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
 
 
 def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
-    core.need_scheduler(req.peer_id)
+    scheduler = core.need_scheduler(req.peer_id)
     core._seen(req.peer_id)
     if core.finished:
         return m.NoTask(reason="run finished", retry_after=0.0, finished=True)
-    for held in core.scheduler.leases_of(req.peer_id):
+    for held in scheduler.leases_of(req.peer_id):
         # A peer back from a restart gets its task again, unless its round has moved on
         # without it: then the task cannot be trained from its base any more; drop it. (An
         # ahead task's modules may move on to its round: overlap.)
         if any(core.version(mid) not in (v, held.round) for mid, v in held.module_versions.items()):
-            core.scheduler.release(held.task_id, req.peer_id)
+            scheduler.release(held.task_id, req.peer_id)
             core.metrics({"event": "task_dropped", "task": held.task_id, "peer": req.peer_id})
     # A path-parallel peer names the tasks it holds already: it asks for one more.
-    fresh = all(lease.task_id in req.holding for lease in core.scheduler.leases_of(req.peer_id))
+    fresh = all(lease.task_id in req.holding for lease in scheduler.leases_of(req.peer_id))
     if fresh and core._caller is not None and not core.access.is_owner(core._caller):
-        live = sum(len(core.scheduler.leases_of(p)) for p in core.access.ids_of(core._caller))
+        live = sum(len(scheduler.leases_of(p)) for p in core.access.ids_of(core._caller))
         if live >= core.security.max_tasks_per_key:
             core.refusals.refuse(
                 req.peer_id,
@@ -124,7 +124,7 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
         inner_steps=lease.steps,
         step_offset=step_offset,
         total_steps=core.total_steps,
-        lease_seconds=core.scheduler.lease_seconds,
+        lease_seconds=scheduler.lease_seconds,
         seed=core.seed,
         ticket=tickets.sign_ticket(core.identity, task.ticket_payload()),
         owners={mid: core.owners[mid] for mid in lease.module_versions},
@@ -179,16 +179,16 @@ def heartbeat(core: CoordinatorBase, req: m.Heartbeat) -> m.HeartbeatAck:
     core._seen(req.peer_id, step=req.step)
     if req.task_id is None:
         return m.HeartbeatAck(lease_ok=False, deadline_in=0.0)
-    lease = core.scheduler.heartbeat(req.task_id, req.peer_id, req.step)
+    lease = core.need_scheduler(req.peer_id).heartbeat(req.task_id, req.peer_id, req.step)
     if lease is None:
         return m.HeartbeatAck(lease_ok=False, deadline_in=0.0)
     return m.HeartbeatAck(lease_ok=True, deadline_in=lease.deadline - core.clock())
 
 
 def release(core: CoordinatorBase, req: m.ReleaseTask) -> m.Ok:
-    core.need_scheduler(req.peer_id)
+    scheduler = core.need_scheduler(req.peer_id)
     core._seen(req.peer_id)
-    if core.scheduler.release(req.task_id, req.peer_id):
+    if scheduler.release(req.task_id, req.peer_id):
         core.metrics({"event": "task_released", "task": req.task_id, "peer": req.peer_id})
         core.journal.save()  # the ticket is void, and stays so after a restart
         core._work_changed()  # its path is free: a waiting claim may take it
@@ -228,8 +228,9 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
     """Lease an open path; with overlap, else the next round of a path the peer trained
     (rounds.ahead_paths) rather than wait for this round to close; with hedging, else a copy
     of a straggler's task (Scheduler.hedge). None if none of these."""
+    scheduler = core.need_scheduler(req.peer_id)
     open_paths = rounds.open_paths(core)
-    lease = core.scheduler.claim(
+    lease = scheduler.claim(
         req.peer_id,
         open_paths,
         req.prefer_path,
@@ -238,7 +239,7 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
         lambda p: core.book.trainer(p, open_paths[p] - 1),
     )
     if lease is None and core.policy.overlap:
-        lease = core.scheduler.claim(
+        lease = scheduler.claim(
             req.peer_id,
             rounds.ahead_paths(core, req.peer_id),
             req.prefer_path,
@@ -246,7 +247,7 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
             req.holding,
         )
     if lease is None and core.policy.hedge and not req.holding:
-        lease = core.scheduler.hedge(req.peer_id, core.book.done)
+        lease = scheduler.hedge(req.peer_id, core.book.done)
         if lease is not None:
             core.metrics(
                 {
@@ -295,8 +296,9 @@ def keep_alive(core: CoordinatorBase, held: list[tuple[str, str]]) -> None:
     """Renew the leases of ``(task id, peer id)`` pairs, as their peers' heartbeats would: for an
     in-process adapter that waits for its nodes' replies (Flower's ServerApp)."""
     with core.lock:
+        scheduler = core.need_scheduler("flower")
         for task_id, peer_id in held:
-            core.scheduler.heartbeat(task_id, peer_id)
+            scheduler.heartbeat(task_id, peer_id)
 
 
 def run_file(core: CoordinatorBase, name: str) -> bytes | None:
