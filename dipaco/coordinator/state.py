@@ -11,18 +11,28 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from dipaco.coordinator import rotation, rounds
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.records import ReportedModule
 from dipaco.coordinator.statetext import dumps, json_object
 from dipaco.errors import CorruptFileError
-from dipaco.fileio import compact_json_bytes, finite_number
+from dipaco.fileio import compact_json_bytes
 from dipaco.protocols import keyrotation
 from dipaco.protocols.reasons import Reason
 
@@ -49,7 +59,7 @@ def start(
         core.owners = saved.get("owners") or dict.fromkeys(
             core.topology.module_ids(), core.owner_id
         )
-        core.remote = _remote(state_file, saved.get("remote", {}))
+        core.remote = _remote(saved.get("remote", {}))
         core.addresses.update(saved.get("addresses", {}))
         core.owner_keys.update(saved.get("owner_keys", {}))
         core.scheduler.ended.update(saved.get("ended", {}))
@@ -155,139 +165,108 @@ def snapshot_state(core: CoordinatorBase) -> dict[str, Any]:
         return state
 
 
+# coordinator.json's shape, as the journal writes it (state_bytes): checked before any of it is
+# used, so that a damaged file stops the restart with a clear error naming the section, rather
+# than crash half-way or quietly hand modules to owners that never asked for them.
+Count = Annotated[StrictInt, Field(ge=0)]
+Seconds = FiniteFloat
+Span = Annotated[FiniteFloat, Field(ge=0)]
+PeerId = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+
+
+class _Lax(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class SavedScheduler(_Lax):
+    """``Scheduler.snapshot``: the tasks issued, the live ones, attempts, durations and paces."""
+
+    issued: list[tuple[StrictStr, Count, Count, StrictStr, Count, dict[str, Count]]] = []
+    live: dict[str, tuple[Seconds, Seconds]] = {}
+    clock: Seconds | None = None
+    attempts: list[tuple[Count, Count, Count]] = []
+    durations: list[Span] = []
+    paces: dict[str, list[Span]] = {}
+
+    @field_validator("live")
+    @classmethod
+    def _live_were_issued(cls, v: dict, info: ValidationInfo) -> dict:
+        if not set(v) <= {x[0] for x in info.data.get("issued", [])}:
+            raise ValueError("a live task that was never issued")
+        return v
+
+
+class SavedState(_Lax):
+    epoch: Count = 0
+    rejections: dict[str, Count] = {}
+    rejections_by_peer: dict[str, dict[str, Count]] = {}
+    owners: dict[str, StrictStr] | None = None
+    remote: dict[str, Any] = {}
+    addresses: dict[str, list[StrictStr]] = {}
+    owner_keys: dict[str, StrictStr] = {}
+    ended: dict[str, Count] = {}
+    overdue: list[tuple[Count, Count]] = []
+    trained_by: list[tuple[Count, Count, PeerId]] = []
+    scheduler_rotations: list[Any] = []
+    scheduler: SavedScheduler = SavedScheduler()
+
+    @field_validator("remote")
+    @classmethod
+    def _reported(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if any(ReportedModule.of(x) is None for x in v.values()):
+            raise ValueError("not {module: {version, hash, pending paths}}")
+        return v
+
+    @field_validator("scheduler_rotations")
+    @classmethod
+    def _rotations(cls, v: list[Any]) -> list[Any]:
+        if not all(keyrotation.well_formed(x) for x in v):
+            raise ValueError("not a list of key rotation statements")
+        return v
+
+
+SHAPES = {  # what a section holds, for the error
+    "epoch": "a count",
+    "rejections": "{reason: count}",
+    "rejections_by_peer": "{peer: {reason: count}}",
+    "addresses": "{owner: [address]}",
+    "owner_keys": "{owner: key}",
+    "ended": "{task: round}",
+    "overdue": "[[path, round]]",
+    "trained_by": "[[path, round, peer]]",
+    "scheduler.issued": "[[task, path, round, peer, steps, {module: version}]]",
+    "scheduler.live": "{issued task: [deadline, issued at]}",
+    "scheduler.clock": "a time in seconds",
+    "scheduler.attempts": "[[path, round, attempts]]",
+    "scheduler.durations": "a list of seconds",
+    "scheduler.paces": "{peer: [seconds per step]}",
+}
+
+
 def _check_state(path: Path, saved: Any, module_ids: list[str]) -> None:
-    """CorruptFileError unless coordinator.json has the shape the journal writes (state_bytes).
-
-    Checked before any of it is used: a damaged file must stop the restart with a clear error,
-    not crash half-way or quietly hand modules to owners that never asked for them.
-    """
-
-    def mapping(value: Any, check: Callable[[Any], bool]) -> bool:
-        return isinstance(value, dict) and all(
-            isinstance(k, str) and check(v) for k, v in value.items()
+    """CorruptFileError unless coordinator.json has the shape the journal writes (SavedState),
+    naming the section that does not (``'scheduler.issued'``)."""
+    if not isinstance(saved, dict):
+        raise CorruptFileError(f"{path}: damaged coordinator state: not a JSON object")
+    if not isinstance(saved.get("scheduler", {}), dict):
+        raise CorruptFileError(f"{path}: damaged coordinator state: 'scheduler' is not an object")
+    try:
+        state = SavedState.model_validate(saved)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = err["loc"]
+        where = f"scheduler.{loc[1]}" if loc[0] == "scheduler" and len(loc) > 1 else str(loc[0])
+        shape = f" is not {SHAPES[where]}" if where in SHAPES else ""
+        raise CorruptFileError(
+            f"{path}: damaged coordinator state: '{where}'{shape} ({err['msg'].lower()})"
+        ) from None
+    if state.owners and set(state.owners) != set(module_ids):
+        raise CorruptFileError(
+            f"{path}: damaged coordinator state: 'owners' does not map each of the run's "
+            "modules to an owner"
         )
 
-    def count(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
-    problem = None
-    if not isinstance(saved, dict):
-        problem = "not a JSON object"
-    elif not count(saved.get("epoch", 0)):
-        problem = "'epoch' is not a count"
-    elif not mapping(saved.get("rejections", {}), count) or not mapping(
-        saved.get("rejections_by_peer", {}), lambda c: mapping(c, count)
-    ):
-        problem = "'rejections' is not {reason: count}"
-    elif not mapping(saved.get("owners") or {}, lambda v: isinstance(v, str)) or (
-        saved.get("owners") and set(saved["owners"]) != set(module_ids)
-    ):
-        problem = "'owners' does not map each of the run's modules to an owner"
-    elif not mapping(saved.get("remote", {}), lambda v: ReportedModule.of(v) is not None):
-        problem = "'remote' is not {module: {version, hash, pending paths}}"
-    elif not mapping(
-        saved.get("addresses", {}),
-        lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),
-    ):
-        problem = "'addresses' is not {owner: [address]}"
-    elif not mapping(saved.get("owner_keys", {}), lambda v: isinstance(v, str)):
-        problem = "'owner_keys' is not {owner: key}"
-    elif not mapping(saved.get("ended", {}), count):
-        problem = "'ended' is not {task: round}"
-    elif not _pairs(saved.get("overdue", []), 2):
-        problem = "'overdue' is not [[path, round]]"
-    elif not _trained_by(saved.get("trained_by", [])):
-        problem = "'trained_by' is not [[path, round, peer]]"
-    elif not isinstance(saved.get("scheduler_rotations", []), list) or not all(
-        keyrotation.well_formed(x) for x in saved.get("scheduler_rotations", [])
-    ):
-        problem = "'scheduler_rotations' is not a list of key rotation statements"
-    else:
-        problem = _scheduler_problem(saved.get("scheduler", {}))
-    if problem is not None:
-        raise CorruptFileError(f"{path}: damaged coordinator state: {problem}")
-
-
-def _remote(path: Path, saved: dict[str, Any]) -> dict[str, ReportedModule]:
+def _remote(saved: dict[str, Any]) -> dict[str, ReportedModule]:
     """The state file's other owners' modules (``remote``), which _check_state has passed."""
-    remote = {}
-    for mid, v in saved.items():
-        module = ReportedModule.of(v)
-        if module is None:  # _check_state refuses such a file first
-            raise CorruptFileError(
-                f"{path}: damaged coordinator state: 'remote' {mid} is not "
-                "{version, hash, pending paths}"
-            )
-        remote[mid] = module
-    return remote
-
-
-def _count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _seconds(v: Any) -> bool:
-    return finite_number(v)
-
-
-def _pairs(value: Any, n: int) -> bool:
-    """A list of lists of ``n`` counts."""
-    return isinstance(value, list) and all(
-        isinstance(x, list) and len(x) == n and all(_count(c) for c in x) for x in value
-    )
-
-
-def _trained_by(value: Any) -> bool:
-    """A list of [path, round, peer id] (``core.book.trained_by``)."""
-    return isinstance(value, list) and all(
-        isinstance(x, list)
-        and len(x) == 3
-        and _count(x[0])
-        and _count(x[1])
-        and isinstance(x[2], str)
-        and 0 < len(x[2]) <= 256
-        for x in value
-    )
-
-
-def _scheduler_problem(saved: Any) -> str | None:
-    """What is wrong with ``coordinator.json`` ``scheduler`` (``Scheduler.snapshot``), if any."""
-
-    def issued(x: Any) -> bool:
-        return (
-            isinstance(x, list)
-            and len(x) == 6
-            and isinstance(x[0], str)
-            and _count(x[1])
-            and _count(x[2])
-            and isinstance(x[3], str)
-            and _count(x[4])
-            and isinstance(x[5], dict)
-            and all(isinstance(k, str) and _count(v) for k, v in x[5].items())
-        )
-
-    if not isinstance(saved, dict):
-        return "'scheduler' is not an object"
-    tasks = saved.get("issued", [])
-    if not isinstance(tasks, list) or not all(issued(x) for x in tasks):
-        return "'scheduler.issued' is not [[task, path, round, peer, steps, {module: version}]]"
-    live = saved.get("live", {})
-    known = {x[0] for x in tasks}
-    if not isinstance(live, dict) or not all(
-        k in known and isinstance(v, list) and len(v) == 2 and all(_seconds(t) for t in v)
-        for k, v in live.items()
-    ):
-        return "'scheduler.live' is not {issued task: [deadline, issued at]}"
-    if "clock" in saved and not _seconds(saved["clock"]):
-        return "'scheduler.clock' is not a time in seconds"
-    if not _pairs(saved.get("attempts", []), 3):
-        return "'scheduler.attempts' is not [[path, round, attempts]]"
-    durations = saved.get("durations", [])
-    if not isinstance(durations, list) or not all(_seconds(d) and d >= 0 for d in durations):
-        return "'scheduler.durations' is not a list of seconds"
-    paces = saved.get("paces", {})
-    if not isinstance(paces, dict) or not all(
-        isinstance(v, list) and all(_seconds(x) and x >= 0 for x in v) for v in paces.values()
-    ):
-        return "'scheduler.paces' is not {peer: [seconds per step]}"
-    return None
+    return {mid: module for mid, v in saved.items() if (module := ReportedModule.of(v))}
