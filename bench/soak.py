@@ -153,7 +153,7 @@ def serve(
             "issued": len(co.scheduler.issued),
             "attempts": len(co.scheduler.attempts),
             "done": len(co.book.done),
-            "peers": len(co.peers),
+            "peers": len(co.roster.peers),
             "cpu_s": time.process_time(),  # this process's CPU seconds, all threads
             "sys_s": os.times().system,  # of which in the kernel (file system calls, sockets)
             "switches": _switches(),

@@ -64,7 +64,7 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
     content checks and the durable write run outside it, many requests at once (the promise of
     docs/design.md holds: a delta is durable before it is acknowledged, and never applied twice)."""
     with core.lock:
-        core._seen(req.peer_id)
+        core.roster.seen(req.peer_id)
         task = task_of(core, req.peer_id, req.task_id, req.ticket)
         path = task.path
         if req.path != path:

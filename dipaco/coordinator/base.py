@@ -24,8 +24,9 @@ from dipaco.coordinator.access import AccessPolicy
 from dipaco.coordinator.durable import Journal
 from dipaco.coordinator.outer import OuterSettings, for_sharing
 from dipaco.coordinator.polls import LongPolls
-from dipaco.coordinator.records import PeerInfo, Phase, ReportedModule
+from dipaco.coordinator.records import Phase, ReportedModule
 from dipaco.coordinator.refusals import Refusals
+from dipaco.coordinator.roster import Roster
 from dipaco.coordinator.round_book import RoundBook
 from dipaco.coordinator.routing_phases import RoutingPhases
 from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
@@ -190,7 +191,7 @@ class CoordinatorBase:
         self.stepping: set[str] = set()
         self.inflight: dict[tuple[str, int, int], str] = {}
         self.clock = clock
-        self.peers: dict[str, PeerInfo] = {}
+        self.roster = Roster(clock)  # the peers as seen (roster.py)
         self.epoch = 0
         self.finished_event = threading.Event()
         # What follows a round and takes long (the per-round validation) runs here, outside
@@ -402,9 +403,3 @@ class CoordinatorBase:
     @property
     def rejections_by_peer(self) -> dict[str, Counter[str]]:
         return self.refusals.by_peer
-
-    def _seen(self, peer_id: str, **info: Any) -> None:
-        peer = self.peers.setdefault(peer_id, PeerInfo())
-        peer.last_seen = self.clock()
-        for name, value in info.items():
-            setattr(peer, name, value)

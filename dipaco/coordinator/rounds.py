@@ -13,7 +13,7 @@ import time
 
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.leased import expired, task_of
-from dipaco.coordinator.records import PeerInfo, Task
+from dipaco.coordinator.records import Task
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
 
@@ -237,7 +237,7 @@ def after_change(core: CoordinatorBase) -> None:
 
 def task_done(core: CoordinatorBase, req: m.TaskDone) -> m.Ok:
     core.need_scheduler(req.peer_id)
-    core._seen(req.peer_id)
+    core.roster.seen(req.peer_id)
     task = task_of(core, req.peer_id, req.task_id, req.ticket)
     if (task.path, task.round) in core.book.done:
         return m.Ok()
@@ -329,10 +329,7 @@ def record_done(
     for other in scheduler.holders(task.path, task.round):
         scheduler.release(other.task_id, other.peer_id)
         core.metrics({"event": "task_dropped", "task": other.task_id, "peer": other.peer_id})
-    peer = core.peers.setdefault(peer_id, PeerInfo())
-    peer.tasks_done += 1
-    peer.tokens += tokens
-    peer.task = None
+    core.roster.trained(peer_id, tokens)
     core.metrics(
         {
             "event": "delta",

@@ -105,10 +105,7 @@ def handle_in_slot(core: CoordinatorBase, data: bytes, slot: RequestSlot) -> byt
     room = auth.ENVELOPE_ROOM  # sealed in place: a large reply's body is never copied
     sealed = auth.seal_reply(core.identity, nonce, m.encode_message(reply, room=room), room=room)
     with core.lock:  # bytes moved, for the dashboard and `dipaco status`
-        peer = core.peers.get(who)
-        if peer is not None:
-            peer.bytes_in += len(data)
-            peer.bytes_out += len(sealed)
+        core.roster.moved(who, len(data), len(sealed))
     return sealed
 
 

@@ -78,7 +78,7 @@ def peer_rows(core: CoordinatorBase, now: float) -> dict[str, dict[str, Any]]:
     current = {lease.peer_id: t for t, lease in (scheduler.leases if scheduler else {}).items()}
     lease_seconds = scheduler.lease_seconds if scheduler else core.policy.lease_seconds
     rows = {}
-    for pid, info in core.peers.items():
+    for pid, info in core.roster.peers.items():
         if pid in owners or info.device == "coordinator":  # an owner's Hello
             continue
         seen_ago = now - info.last_seen

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
     asked_clock = bool(req.capabilities.get("clock"))  # a question, not a capability to show
     capabilities = {k: v for k, v in req.capabilities.items() if k != "clock"}
-    core._seen(req.peer_id, device=req.device, capabilities=capabilities)
+    core.roster.hello(req.peer_id, req.device, capabilities)
     # A peer saying Hello has (re)started: it no longer holds where its paths ended (overlap),
     # so it can train no path ahead, nor resume such a task: its delta would repeat the move of
     # the round before. Those tasks are handed back.
@@ -61,7 +61,7 @@ def hello(core: CoordinatorBase, req: m.Hello) -> m.Welcome:
 
 def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
     scheduler = core.need_scheduler(req.peer_id)
-    core._seen(req.peer_id)
+    core.roster.seen(req.peer_id)
     if core.finished:
         return m.NoTask(reason="run finished", retry_after=0.0, finished=True)
     for held in scheduler.leases_of(req.peer_id):
@@ -112,7 +112,7 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
                 "phase": core.phases.of(lease.round),
             }
         )
-    core.peers[req.peer_id].task = lease.task_id
+    core.roster.given(req.peer_id, lease.task_id)
     step_offset = core.step_offset + lease.round * core.inner_steps
     phase = core.phases.ready[core.phases.of(lease.round)]
     task = lease_task(core, lease, core._caller)
@@ -135,7 +135,7 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
 
 
 def fetch(core: CoordinatorBase, req: m.FetchModules) -> m.Modules:
-    core._seen(req.peer_id)
+    core.roster.seen(req.peer_id)
     task = task_of(core, req.peer_id, req.task_id, req.ticket)
     versions, hashes, tensors, signatures = {}, {}, {}, {}
     for mid in core.topology.path_modules(task.path):
@@ -176,7 +176,7 @@ def release_signature(core: CoordinatorBase, mid: str, version: int, digest: str
 
 def heartbeat(core: CoordinatorBase, req: m.Heartbeat) -> m.HeartbeatAck:
     core.need_scheduler(req.peer_id)
-    core._seen(req.peer_id, step=req.step)
+    core.roster.heartbeat(req.peer_id, req.step)
     if req.task_id is None:
         return m.HeartbeatAck(lease_ok=False, deadline_in=0.0)
     lease = core.need_scheduler(req.peer_id).heartbeat(req.task_id, req.peer_id, req.step)
@@ -187,7 +187,7 @@ def heartbeat(core: CoordinatorBase, req: m.Heartbeat) -> m.HeartbeatAck:
 
 def release(core: CoordinatorBase, req: m.ReleaseTask) -> m.Ok:
     scheduler = core.need_scheduler(req.peer_id)
-    core._seen(req.peer_id)
+    core.roster.seen(req.peer_id)
     if scheduler.release(req.task_id, req.peer_id):
         core.metrics({"event": "task_released", "task": req.task_id, "peer": req.peer_id})
         core.journal.save()  # the ticket is void, and stays so after a restart
@@ -196,7 +196,7 @@ def release(core: CoordinatorBase, req: m.ReleaseTask) -> m.Ok:
 
 
 def fetch_file(core: CoordinatorBase, req: m.FetchFile) -> m.FileChunk:
-    core._seen(req.peer_id)
+    core.roster.seen(req.peer_id)
     path = core.files.get(req.name)
     if path is None:
         core.refusals.refuse(
