@@ -1,11 +1,13 @@
 """One large delta over a real hivemind stream to a coordinator in this process, watched: run by
-tests/integration/test_delta_path.py with the allocation counter (_alloc_count.c) preloaded.
+tests/integration/test_delta_path.py with the allocation counter (_alloc_count.c) preloaded
+(``send_one_delta`` is also that test's in-process hash count).
 Prints one JSON line: the delta's size in bytes, the sizes of the allocations of at least
 ``sys.argv[2]`` bytes made while the request ran (both ends, every thread), how many times the
 coordinator's lock was taken for it, and the dipaco files whose code ran for it."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import sys
@@ -29,9 +31,6 @@ from dipaco.protocols.hivemind.node import HivemindNode  # noqa: E402
 CFG = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, max_seq_len=16)
 TOPO = Topology.parse("2x2", 2)
 
-counter = ctypes.CDLL(None)
-counter.dipaco_alloc_size.restype = ctypes.c_size_t
-counter.dipaco_alloc_count.restype = ctypes.c_long
 watching = threading.Event()
 files: set[str] = set()
 
@@ -69,10 +68,10 @@ class CountingLock:
         return getattr(self.lock, name)
 
 
-def main() -> None:
-    root, at_least = Path(sys.argv[1]), int(sys.argv[2])
-    sys.setprofile(entered)
-    threading.setprofile(entered)  # the nodes' threads start below
+def send_one_delta(root: Path, watch=contextlib.nullcontext):
+    """Claim a task of a fresh coordinator at ``root`` over a real hivemind stream and send its
+    delta (about 8.5 MB), the request alone inside ``watch()``: (coordinator, task, the
+    delta's size in bytes, the reply)."""
     modules = TOPO.init_modules(new_dense_model(CFG, 0).state_dict())
     co = Coordinator(
         root, TOPO, rounds=2, inner_steps=5, step_offset=0, total_steps=100, seed=0,
@@ -94,13 +93,33 @@ def main() -> None:
             size = sum(t.numel() * t.element_size() for t in delta.values())
             msg = delta_message(task, "alice", delta)
             link.request(m.Heartbeat(peer_id="alice", task_id=task.task_id))  # a warm stream
-            lock = CountingLock(co.lock)
-            co.lock = lock
-            watching.set()
-            counter.dipaco_alloc_arm(ctypes.c_size_t(at_least))
-            reply = link.request(msg)
+            with watch(co):
+                reply = link.request(msg)
+    return co, task, size, reply
+
+
+def main() -> None:
+    root, at_least = Path(sys.argv[1]), int(sys.argv[2])
+    counter = ctypes.CDLL(None)  # the preloaded allocation counter's functions
+    counter.dipaco_alloc_size.restype = ctypes.c_size_t
+    counter.dipaco_alloc_count.restype = ctypes.c_long
+    sys.setprofile(entered)
+    threading.setprofile(entered)  # the nodes' threads start below
+    counted: list[CountingLock] = []
+
+    @contextlib.contextmanager
+    def watch(co):
+        counted.append(CountingLock(co.lock))
+        co.lock = counted[0]
+        watching.set()
+        counter.dipaco_alloc_arm(ctypes.c_size_t(at_least))
+        try:
+            yield
+        finally:
             counter.dipaco_alloc_disarm()
             watching.clear()
+
+    _, _, size, reply = send_one_delta(root, watch)
     sys.setprofile(None)
     threading.setprofile(None)
     n = min(counter.dipaco_alloc_count(), 4096)
@@ -110,7 +129,7 @@ def main() -> None:
                 "size": size,
                 "reply": type(reply).__name__,
                 "allocations": [counter.dipaco_alloc_size(i) for i in range(n)],
-                "lock": lock.taken,
+                "lock": counted[0].taken,
                 "files": sorted(files),
             }
         )

@@ -9,6 +9,7 @@ either end, by anyone (our code, torch, NumPy, hivemind, asyncio), counted by a 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,21 +20,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 import xxhash
-from _tiny import delta_message
+from _delta_path_child import TOPO, send_one_delta
 
-from dipaco.coordinator.core import Coordinator
-from dipaco.coordinator.outer import OuterSettings
-from dipaco.model.topology import Topology
-from dipaco.model.transformer import ModelConfig, new_dense_model
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
-from dipaco.protocols.hivemind.node import HivemindNode
-
-# Paths of about 2 M parameters: a delta of about 8.5 MB, far above every header and reply.
-CFG = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, max_seq_len=16)
-TOPO = Topology.parse("2x2", 2)
 
 # The figures docs/architecture.md states, for a delta that comes in through hivemind.
 HASH_PASSES = {"blake3": 2}  # the envelope: sealed by the peer, opened by the coordinator
@@ -82,29 +73,13 @@ def hashes(monkeypatch):
 
 
 def test_a_large_delta_is_hashed_as_few_times_as_stated(tmp_path, hashes):
-    modules = TOPO.init_modules(new_dense_model(CFG, 0).state_dict())
-    co = Coordinator(
-        tmp_path / "run", TOPO, rounds=2, inner_steps=5, step_offset=0, total_steps=100, seed=0,
-        outer=OuterSettings(), lease_seconds=60.0, run_id="path", peer_config={},
-    )  # fmt: skip
-    co.start(modules)
-    with HivemindNode() as server:
-        server.serve(co.handle, max_request_bytes=co.max_request_bytes)
-        with HivemindNode(initial_peers=server.visible_maddrs(), client_mode=True) as client:
-            link = client.transport(server.peer_id, server.visible_maddrs(), timeout=60)
-            link.authenticate(auth.Identity.generate())
-            task = link.request(m.ClaimTask(peer_id="alice"))
-            assert isinstance(task, m.TaskOffer)
-            delta = {
-                f"{mid}/{k}": torch.full_like(v, 1e-3)
-                for mid in TOPO.path_modules(task.path)
-                for k, v in co.store.params(mid).items()
-            }
-            size = sum(t.numel() * t.element_size() for t in delta.values())
-            assert size > 5_000_000
-            msg = delta_message(task, "alice", delta)
-            hashes.clear()
-            reply = link.request(msg)
+    @contextlib.contextmanager
+    def watch(co):
+        hashes.clear()  # the request alone
+        yield
+
+    co, task, size, reply = send_one_delta(tmp_path / "run", watch)
+    assert size > 5_000_000
     assert not isinstance(reply, m.Error), reply
     assert task.path in co.store.modules[TOPO.path_modules(task.path)[0]].pending  # admitted
 
