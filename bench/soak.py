@@ -229,7 +229,7 @@ def serve(
         co.start(None)
         authkey = bytes.fromhex(scheduler["authkey"])  # one loopback key for the bench's servers
         server = LoopbackServer(handler, authkey)
-        co.addresses[co.owner_id] = [server.address]  # what peers learn from GetOwners
+        co.reachable_at([server.address])  # what peers learn from GetOwners
         change_access(root / "co", co.identity.public_key, allow=True, owner=True)
         take_over(
             co,

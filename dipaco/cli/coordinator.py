@@ -161,7 +161,7 @@ def serve_hivemind(args: argparse.Namespace, prep, metrics: MetricsLog, node) ->
             prep, metrics, evaluate=not args.no_eval, owner_id=node.peer_id
         )
         addresses = node.visible_maddrs()
-        coordinator.addresses[node.peer_id] = addresses
+        coordinator.reachable_at(addresses)
         coordinator.set_remote_fetcher(remote_fetcher(coordinator, run_dir, node))
         # The node answers from 8 handler threads: at most 4 long polls at once (3 claims
         # waiting for a path, and a TaskDone waiting for an owner's report).
@@ -306,7 +306,7 @@ def start_owner(args: argparse.Namespace) -> int:
             addresses = relayed_route(coordinator, node, scheduler, args.join)
         else:
             addresses = node.visible_maddrs()
-        coordinator.addresses[node.peer_id] = addresses
+        coordinator.reachable_at(addresses)
         node.serve(coordinator.handle)
         owns = [mid.strip() for mid in args.owns.split(",") if mid.strip()]
         try:

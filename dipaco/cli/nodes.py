@@ -100,9 +100,7 @@ def relayed_route(coordinator: Coordinator, node, scheduler, join: str) -> list[
     def follow(addresses: list[str]) -> None:
         new = route(addresses)
         if new:
-            with coordinator.lock:
-                coordinator.addresses[node.peer_id] = new
-            coordinator.changed.set()  # the reporter tells the new scheduler now
+            coordinator.reachable_at(new)  # the reporter tells the new scheduler now
             log.warning("reachable through the new scheduler's relay at %s", new[0])
 
     scheduler.on_follow = follow

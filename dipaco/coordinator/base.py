@@ -323,6 +323,13 @@ class CoordinatorBase:
         the per-round evaluation: the transport's, given once it serves."""
         self.fetch_remote = fetch
 
+    def reachable_at(self, addresses: list[str]) -> None:
+        """How peers reach this coordinator (its node's addresses, or a relay's): what
+        GetOwners and its reports tell them. Wakes the reporter, which tells the scheduler."""
+        with self.lock:
+            self.addresses[self.owner_id] = list(addresses)
+        self.changed.set()
+
     def set_security(self, security: SecuritySection) -> None:
         """New security settings for the coordinator and its access policy (a local run's task
         quota, a bench's ban budget), before it serves."""
