@@ -150,8 +150,9 @@ def serve(
             "event": kind,
             "round": rnd,
             "rss_bytes": _rss_bytes(),
-            "issued": len(co.scheduler.issued),
-            "attempts": len(co.scheduler.attempts),
+            # a module owner has no scheduler (core.scheduler is None): no tasks to count
+            "issued": len(co.scheduler.issued) if co.scheduler else 0,
+            "attempts": len(co.scheduler.attempts) if co.scheduler else 0,
             "done": len(co.book.done),
             "peers": len(co.roster.peers),
             "cpu_s": time.process_time(),  # this process's CPU seconds, all threads
