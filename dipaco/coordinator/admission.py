@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 
 from dipaco.coordinator import rounds
-from dipaco.coordinator.base import CoordinatorBase, RequestSlot, request_slot
+from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.gate import RequestSlot
 from dipaco.coordinator.leased import task_of
 from dipaco.coordinator.records import Task
 from dipaco.coordinator.store import delta_meta
@@ -79,7 +80,7 @@ def submit(core: CoordinatorBase, req: m.SubmitDelta) -> m.DeltaAck:
             )
         path_mids = core.topology.path_modules(path)
         mids = [mid for mid in path_mids if core.owns(mid)]
-    slot = request_slot(core.request_slots)  # held since the request was decoded (service.py)
+    slot = core.gate.slot()  # held since the request was decoded (service.py)
     try:
         plan = admit(core, req, task, path_mids, mids, slot)
     finally:

@@ -6,7 +6,6 @@ core.py) and act on this state.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -22,6 +21,7 @@ import torch
 from dipaco.config import SchedulerSection, SecuritySection, ValidationSection
 from dipaco.coordinator.access import AccessPolicy
 from dipaco.coordinator.durable import Journal
+from dipaco.coordinator.gate import Gate
 from dipaco.coordinator.outer import OuterSettings, for_sharing
 from dipaco.coordinator.polls import LongPolls
 from dipaco.coordinator.records import Phase, ReportedModule
@@ -34,7 +34,6 @@ from dipaco.coordinator.serial import Serial
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.tickets import SchedulerKeys
 from dipaco.coordinator.validation import KeyScores, NormTracker
-from dipaco.errors import ConfigError
 from dipaco.model.topology import Topology
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
@@ -45,73 +44,10 @@ log = logging.getLogger(__name__)
 # Rounds whose after-round work (validation, held-out scoring) may wait while an earlier one runs;
 # beyond that the oldest waiting round is skipped (serial.py).
 ROUND_BACKLOG = 2
-# Requests whose CPU and disk work runs at once (service.py); DIPACO_REQUEST_SLOTS overrides.
-REQUEST_SLOTS = 2
-
-
-def request_slots() -> int:
-    """How many requests work at once: ``DIPACO_REQUEST_SLOTS`` (a positive whole number), else
-    REQUEST_SLOTS."""
-    text = os.environ.get("DIPACO_REQUEST_SLOTS", "").strip()
-    if not text:
-        return REQUEST_SLOTS
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"DIPACO_REQUEST_SLOTS must be a whole number from 1 on, not {text!r}")
-    return int(text)
-
-
 # The key of the request being handled, set by the service (service.py) for the operation it
 # runs: a context variable, so each server thread sees its own request's caller. None outside a
 # request, and for in-process calls without a key (the local transport's tests, the ticker).
 _CALLER: ContextVar[str | None] = ContextVar("dipaco_caller", default=None)
-
-
-class RequestSlot:
-    """A request's hold on one of the coordinator's request slots (``request_slots``): taken
-    for the request's CPU and disk work, given back before it waits for anything another
-    request or an outer step may hold. ``take`` and ``give`` may each repeat."""
-
-    def __init__(self, slots: threading.BoundedSemaphore) -> None:
-        self.slots, self.held = slots, False
-
-    def take(self) -> None:
-        if not self.held:
-            self.slots.acquire()
-            self.held = True
-
-    def give(self) -> None:
-        if self.held:
-            self.held = False
-            self.slots.release()
-
-
-_SLOT: ContextVar[RequestSlot | None] = ContextVar("dipaco_request_slot", default=None)
-
-
-@contextmanager
-def holding_slot(slots: threading.BoundedSemaphore) -> Iterator[RequestSlot]:
-    """Run the ``with`` block as a request with its slot: the request's own if the block runs
-    within one (every part of a request holds at most one slot, or two requests could each
-    hold one and wait for another), else a new one (not yet taken). Given back at the end."""
-    current = _SLOT.get()
-    if current is not None:
-        try:
-            yield current
-        finally:
-            current.give()
-        return
-    slot = RequestSlot(slots)
-    token = _SLOT.set(slot)
-    try:
-        yield slot
-    finally:
-        _SLOT.reset(token)
-        slot.give()
-
-
-def request_slot(slots: threading.BoundedSemaphore) -> RequestSlot:
-    """The slot of the request being handled, or a new one (a caller outside any request)."""
-    return _SLOT.get() or RequestSlot(slots)
 
 
 @contextmanager
@@ -220,9 +156,15 @@ class CoordinatorBase:
         )
         # Every refusal, counted once (refusals.py).
         self.refusals = Refusals(self.lock, self.access, _CALLER.get)
-        self.guard = auth.ReplayGuard(self.security.clock_skew_seconds)
+        # Requests come in through the gate (gate.py): request slots, replay guard, size limit.
+        # Requests do their CPU and disk work (the envelope, decoding, a delta's checks and
+        # write, a module fetch) a few at once (service.py); the others queue, each woken
+        # once. One runs Python while another waits on the disk; more only hand the
+        # interpreter lock and the coordinator's lock back and forth: with 64 peers at once,
+        # over a thousand thread switches per delta, which doubled the coordinator's CPU per
+        # delta (bench/soak.py).
+        self.gate = Gate(self.security.clock_skew_seconds)
         self.owner_keys: dict[str, str] = {owner_id: self.identity.public_key}
-        self.max_request_bytes = 64 << 20  # set from the modules' size by start()
         if is_scheduler:
             self.peer_config["coordinator_key"] = self.identity.public_key
         self.owners: dict[str, str] = {}
@@ -237,13 +179,6 @@ class CoordinatorBase:
         self._eval_note = eval_note  # why there is no per-round validation, if there is none
         self.owner_seen: dict[str, float] = {}  # other owners: when they last reported
         self.standbys: dict[str, float] = {}  # standby schedulers: when they last synced
-        # Requests do their CPU and disk work (the envelope, decoding, a delta's checks and
-        # write, a module fetch) at most this many at once (service.py); the others queue,
-        # each woken once. One runs Python while
-        # another waits on the disk; more only hand the interpreter lock and the coordinator's
-        # lock back and forth: with 64 peers at once, over a thousand thread switches per
-        # delta, which doubled the coordinator's CPU per delta (bench/soak.py).
-        self.request_slots = threading.BoundedSemaphore(request_slots())
         self.handing: dict[str, tuple[str, float]] = {}  # module -> (new owner, since)
         # Done, overdue and trained path-rounds, the last round announced (round_book.py).
         self.book = RoundBook()

@@ -13,13 +13,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from dipaco.coordinator import admission, ownership, rounds, standby, status, tasks
-from dipaco.coordinator.base import (
-    CoordinatorBase,
-    RequestSlot,
-    acting_for,
-    holding_slot,
-)
+from dipaco.coordinator.base import CoordinatorBase, acting_for
 from dipaco.coordinator.durable import deferring
+from dipaco.coordinator.gate import RequestSlot
 from dipaco.errors import DipacoError, RejectedError
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
@@ -32,7 +28,7 @@ class Op(NamedTuple):
     """An operation: its function, whether the service runs it under the coordinator's lock
     (``submit`` takes the lock itself, for its short state transitions only: a delta's decoding,
     checks and durable write run while other requests are served), and whether it runs in a
-    request slot (``core.request_slots``: a few threads at once). A module fetch, a shard
+    request slot (``core.gate.slots``: a few threads at once). A module fetch, a shard
     file's and a delta's admission are slotted; the admission gives its slot back before it
     waits for a module's outer step or makes one (admission.py). Every request opens its
     envelope and is decoded in one (handle); the others give it back then. Nothing waits for
@@ -68,7 +64,7 @@ def handle(core: CoordinatorBase, data: bytes) -> bytearray | memoryview:
     Every refusal is an Error reply with its reason, counted once (per peer id when the
     message names one, else per key) and against the key's ban budget.
     """
-    with holding_slot(core.request_slots) as slot:
+    with core.gate.holding() as slot:
         return handle_in_slot(core, data, slot)
 
 
@@ -81,13 +77,13 @@ def handle_in_slot(core: CoordinatorBase, data: bytes, slot: RequestSlot) -> byt
         signed = auth.open_split(header, body)
         nonce, key, who = signed.nonce, signed.key, f"key:{auth.fingerprint(signed.key)}"
         with core.lock:  # replays first: a replayed request costs its signer nothing
-            core.guard.check(signed)
+            core.gate.guard.check(signed)
         core.access.reload()
         core.access.admit(key)
-        if len(signed.body) > core.max_request_bytes:
+        if len(signed.body) > core.gate.max_request_bytes:
             raise RejectedError(
                 f"a request of {len(signed.body)} bytes exceeds this coordinator's limit "
-                f"of {core.max_request_bytes}",
+                f"of {core.gate.max_request_bytes}",
                 reason=Reason.TOO_LARGE,
             )
         req = m.decode_message(signed.body)
@@ -142,7 +138,7 @@ def perform(core: CoordinatorBase, key: str, req: m.Message) -> m.Message:
         raise RejectedError(f"{type(req).__name__} is not a request", reason=Reason.BAD_MESSAGE)
     if not op.slotted:
         return run_op(core, key, req, op)
-    with holding_slot(core.request_slots) as slot:  # handle's, or act_for's own
+    with core.gate.holding() as slot:  # handle's, or act_for's own
         slot.take()
         return run_op(core, key, req, op)
 

@@ -82,7 +82,7 @@ def start(
     owned_bytes = sum(
         t.numel() * t.element_size() for mid in mine for t in core.store.params(mid).values()
     )
-    core.max_request_bytes = 2 * owned_bytes + (16 << 20)
+    core.gate.size_for(owned_bytes)
     for mid in mine:
         # A crash may have left a module with every delta on disk but its step not committed.
         rounds.maybe_step(core, mid)

@@ -79,7 +79,7 @@ def send_one_delta(root: Path, watch=contextlib.nullcontext):
     )  # fmt: skip
     co.start(modules)
     with HivemindNode() as server:
-        server.serve(co.handle, max_request_bytes=co.max_request_bytes)
+        server.serve(co.handle, max_request_bytes=co.gate.max_request_bytes)
         with HivemindNode(initial_peers=server.visible_maddrs(), client_mode=True) as client:
             link = client.transport(server.peer_id, server.visible_maddrs(), timeout=60)
             link.authenticate(auth.Identity.generate())

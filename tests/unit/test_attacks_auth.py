@@ -135,7 +135,7 @@ def test_an_oversized_message_is_refused_before_it_is_decoded(tmp_path):
     tr = peer(co)
     task = tr.request(m.ClaimTask(peer_id="alice"))
     msg = delta(co, task, "alice")
-    msg.tensors["S.embed/padding"] = torch.zeros(co.max_request_bytes // 4 + 1)
+    msg.tensors["S.embed/padding"] = torch.zeros(co.gate.max_request_bytes // 4 + 1)
     assert refused(lambda: tr.request(msg)) == "too-large"
     assert co.rejections_by_peer["alice"]["too-large"] == 0  # not decoded: blamed on the key
     assert co.rejections["too-large"] == 1

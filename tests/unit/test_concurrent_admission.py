@@ -174,10 +174,10 @@ def test_deltas_are_written_two_at_a_time_and_long_polls_hold_no_slot(tmp_path, 
     while co.polls.waiting < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert co.polls.waiting == 2
-    free = [co.request_slots.acquire(blocking=False) for _ in range(2)]
+    free = [co.gate.slots.acquire(blocking=False) for _ in range(2)]
     assert free == [True, True]  # the waiting claims hold no slot
     for _ in free:
-        co.request_slots.release()
+        co.gate.slots.release()
     inside, most, count = [0], [0], threading.Lock()
     stage = co.store.stage_delta
 
@@ -207,7 +207,7 @@ def test_deltas_are_written_two_at_a_time_and_long_polls_hold_no_slot(tmp_path, 
     assert all(isinstance(a, m.DeltaAck) and len(a.accepted) == 4 for a in acks.values())
     for t in polls:
         t.join(30)
-    assert co.request_slots.acquire(blocking=False) and co.request_slots.acquire(blocking=False)
+    assert co.gate.slots.acquire(blocking=False) and co.gate.slots.acquire(blocking=False)
 
 
 def test_outer_steps_write_recycled_files_and_the_store_reopens_the_same(tmp_path):
@@ -263,7 +263,7 @@ def test_deltas_admitted_for_a_transport_hold_one_slot_each(tmp_path, monkeypatc
 def test_the_number_of_request_slots_is_set_or_refused_clearly(tmp_path, monkeypatch):
     monkeypatch.setenv("DIPACO_REQUEST_SLOTS", "3")
     co = tiny_coordinator(tmp_path / "three", start=False)
-    assert [co.request_slots.acquire(blocking=False) for _ in range(4)] == [True] * 3 + [False]
+    assert [co.gate.slots.acquire(blocking=False) for _ in range(4)] == [True] * 3 + [False]
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("DIPACO_REQUEST_SLOTS", bad)
         with pytest.raises(ConfigError, match="DIPACO_REQUEST_SLOTS must be a whole number"):
