@@ -51,7 +51,7 @@ class Slot(NamedTuple):
 @dataclass
 class Plan:
     """A delta's admission planned under the lock: the modules to store it for (:class:`Slot`),
-    those that already hold it, and the reservations (``core.inflight``) that keep another
+    those that already hold it, and the reservations (``core.steps``) that keep another
     delta of the path out meanwhile."""
 
     store: list[Slot] = field(default_factory=list)
@@ -124,9 +124,7 @@ def admit(
                 return plan
         finally:
             with core.lock:
-                for key in plan.keys:
-                    core.inflight.pop(key, None)
-                core.step_cond.notify_all()
+                core.steps.release(plan.keys)
     # the modules stepped under this delta eight times: the run is racing ahead of it
     core.refusals.refuse(req.peer_id, Reason.STALE, f"the modules of path {task.path} keep moving")
 
@@ -149,19 +147,19 @@ def reserve(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]) ->
     """
     while True:
         plan = check_state(core, req, task, mids)
-        taken = [k for k in plan.keys if k in core.inflight]
-        if not taken:
+        held = core.steps.holders(plan.keys)
+        if not held:
             break
-        if any(core.inflight[k] != req.task_id for k in taken):
+        taken = list(held)
+        if any(task_id != req.task_id for task_id in held.values()):
             core.refusals.refuse(
                 req.peer_id,
                 Reason.DUPLICATE,
                 f"path {task.path} is being reported for {taken[0][0]} version {taken[0][1]} "
                 "by another task",
             )
-        core.step_cond.wait(timeout=1.0)
-    for key in plan.keys:
-        core.inflight[key] = req.task_id
+        core.steps.wait(timeout=1.0)
+    core.steps.reserve(plan.keys, req.task_id)
     return plan
 
 
@@ -266,8 +264,8 @@ def write(
             staged[mid] = (core.store.stage_delta(mid, req.task_id, meta, deltas[mid]), meta)
         slot.give()
         with core.lock:
-            while any(mid in core.stepping for mid in staged):
-                core.step_cond.wait(timeout=1.0)
+            while core.steps.any_stepping(staged):
+                core.steps.wait(timeout=1.0)
             if any(core.store.version(s.mid) != s.seen for s in plan.store):
                 return False
             folders = {

@@ -31,6 +31,7 @@ from dipaco.coordinator.round_book import RoundBook
 from dipaco.coordinator.routing_phases import RoutingPhases
 from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
 from dipaco.coordinator.serial import Serial
+from dipaco.coordinator.steps import ModuleSteps
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.tickets import SchedulerKeys
 from dipaco.coordinator.validation import KeyScores, NormTracker
@@ -117,15 +118,13 @@ class CoordinatorBase:
         self.scheduler = Scheduler(lease_seconds, clock, deadline) if is_scheduler else None
         # The lock serialises the short state transitions only. Decoding, checking and the durable
         # write of a delta run outside it (admission.py), and so does a module's outer step
-        # (rounds.py): ``stepping`` names the modules being stepped, whose new deltas wait on
-        # ``step_cond``; ``inflight`` reserves (module, base version, path) -> task id for a
-        # delta between its checks and its commit, so that two of one path never race.
+        # (rounds.py): ``steps`` (steps.py) names the modules being stepped, whose new deltas
+        # wait, and reserves (module, base version, path) for a delta between its checks and
+        # its commit, so that two of one path never race.
         self.lock = threading.RLock()
-        self.step_cond = threading.Condition(self.lock)
+        self.steps = ModuleSteps(self.lock)
         # Claims and TaskDones that wait, and who polled in vain lately (polls.py).
         self.polls = LongPolls(self.lock)
-        self.stepping: set[str] = set()
-        self.inflight: dict[tuple[str, int, int], str] = {}
         self.clock = clock
         self.roster = Roster(clock)  # the peers as seen (roster.py)
         self.epoch = 0
@@ -187,7 +186,6 @@ class CoordinatorBase:
         first = Phase("shards", shard_tokens) if is_scheduler else None
         self.phases = RoutingPhases(self.root, phase_rounds, first)
         self.changed = threading.Event()  # set on every change an owner must report
-        self.unstepped: set[str] = set()  # modules whose outer step failed (disk): retried
         # Trust in a delta's content (validation.py): its norm against the module's recent ones,
         # and (optional) the path's held-out loss with it, from ``heldout_loss(path, modules)``.
         self.validation = validation or ValidationSection()
@@ -329,7 +327,7 @@ class CoordinatorBase:
         """Something that may open a path happened (the caller holds the lock): wake the
         deltas waiting for a step to end, and one claim that waits for a path (the one that
         leases a path wakes the next: tasks.wait_for_work); every claim once the run ends."""
-        self.step_cond.notify_all()
+        self.steps.wake()
         self.polls.changed(everyone=self.finished)
 
     @property

@@ -124,7 +124,7 @@ def tick_now(core: CoordinatorBase, step: bool = True) -> None:
 def step_due(core: CoordinatorBase) -> None:
     """Step every module a quorum with overdue paths (or a failed step) has made due."""
     with core.lock:
-        if not core.book.overdue and not core.unstepped:
+        if not core.book.overdue and not core.steps.failed:
             return
         mids = [mid for mid in core.owned_modules() if mid not in core.handing]
     stepped = False
@@ -141,14 +141,14 @@ def maybe_step(core: CoordinatorBase, mid: str) -> bool:
 
     The decision and the result's installation take the coordinator's lock; the step itself
     (reading the deltas, the arithmetic, the durable writes) runs outside it, with ``mid`` in
-    ``core.stepping``, so that the other modules go on admitting deltas meanwhile. A caller
+    ``core.steps``, so that the other modules go on admitting deltas meanwhile. A caller
     that holds the lock (a test, the start) steps under it, as before.
     """
     with core.lock:
-        if mid in core.stepping or not due(core, mid):
+        if mid in core.steps.stepping or not due(core, mid):
             return False
         plan = core.store.begin_step(mid)
-        core.stepping.add(mid)
+        core.steps.begin(mid)
         settings = core.outer_settings_of(mid)
     result = None
     try:
@@ -163,19 +163,18 @@ def maybe_step(core: CoordinatorBase, mid: str) -> bool:
         )
     except OSError as exc:  # a full disk: nothing was committed; the ticker tries again
         with core.lock:
-            if mid not in core.unstepped:
+            if core.steps.fail(mid):
                 log.error("outer step of %s failed: %s; retrying every second", mid, exc)
                 core.metrics({"event": "outer_step_failed", "module": mid, "error": str(exc)})
-            core.unstepped.add(mid)
         return False
     finally:
         with core.lock:
             if result is not None:
                 core.store.finish_step(result)
-            core.stepping.discard(mid)
+            core.steps.end(mid)
             core._work_changed()
     with core.lock:
-        core.unstepped.discard(mid)
+        core.steps.stepped(mid)
         core.changed.set()
     return True
 
@@ -266,7 +265,7 @@ def await_reports(
     """A long poll for a TaskDone whose missing acknowledgements are other owners': the peer
     and the owner both tell the scheduler, and the owner's report (sent as it acknowledges)
     often comes second. Waits, without the lock, for reports (every change wakes
-    ``step_cond``) up to ``req.wait`` seconds (at most REPORT_WAIT_SECONDS), while a long-poll
+    ``core.steps``) up to ``req.wait`` seconds (at most REPORT_WAIT_SECONDS), while a long-poll
     slot is free (claims share them but leave it the last one: a hivemind server's handler
     threads are few, and idle peers' claims would otherwise take them all); then the task,
     looked up again after each wake (its lease may have ended meanwhile), and what is still
@@ -276,7 +275,7 @@ def await_reports(
             return task, missing
         end = time.monotonic() + min(req.wait, REPORT_WAIT_SECONDS)
         while missing and not core.finished and (left := end - time.monotonic()) > 0:
-            core.step_cond.wait(left)
+            core.steps.wait(left)
             task = task_of(core, req.peer_id, req.task_id, req.ticket)
             if (task.path, task.round) in core.book.done:
                 break

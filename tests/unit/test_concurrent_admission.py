@@ -65,7 +65,7 @@ def test_an_outer_step_does_not_hold_up_the_deltas_of_other_modules(tmp_path, mo
     ack = submit(co, tr, tasks[2])
     assert isinstance(ack, m.DeltaAck) and len(ack.accepted) == 4
     assert time.monotonic() - began < 10
-    assert first.is_alive() and co.store.version("L0.M0") == 0 and "L0.M0" in co.stepping
+    assert first.is_alive() and co.store.version("L0.M0") == 0 and "L0.M0" in co.steps.stepping
     release.set()
     first.join(30)
     assert "L0.M0" in acks["one"].closed and co.store.version("L0.M0") == 1
