@@ -12,19 +12,22 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dipaco.data.shards import TokenShard
-from dipaco.errors import DataError
+from dipaco.errors import DataError, TransportError
 from dipaco.fileio import plain_name_error
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import Transport
 
 log = logging.getLogger(__name__)
 CHUNK = 4 << 20
+CHUNK_TRIES = 3  # a chunk asked again after a transport error, from the same byte
+CHUNK_RETRY_SECONDS = 1.0
 DISK_MARGIN = 256 << 20  # a download never leaves less than this free
 
 
@@ -98,14 +101,7 @@ class RunFiles:
         offset = 0
         with open(tmp, "wb") as f:
             while offset < info["size"]:
-                chunk = self.transport.request(
-                    m.FetchFile(
-                        peer_id=self.peer_id,
-                        name=name,
-                        offset=offset,
-                        length=min(CHUNK, info["size"] - offset),
-                    )
-                )
+                chunk = self._chunk(name, offset, min(CHUNK, info["size"] - offset))
                 data = _chunk_bytes(name, chunk)
                 want = min(CHUNK, info["size"] - offset)
                 if chunk.offset != offset or not data or len(data) > want:
@@ -122,6 +118,22 @@ class RunFiles:
         os.replace(tmp, dest)
         log.info("downloaded %s (%d bytes)", name, offset)
         return dest
+
+    def _chunk(self, name: str, offset: int, length: int) -> m.Message:
+        """One FetchFile, asked again from the same byte after a transport error (a stream
+        reset on the way, which the first request of a join met once in CI), at most
+        CHUNK_TRIES times: a refusal is not retried."""
+        for attempt in range(CHUNK_TRIES):
+            try:
+                return self.transport.request(
+                    m.FetchFile(peer_id=self.peer_id, name=name, offset=offset, length=length)
+                )
+            except TransportError as exc:
+                if attempt + 1 == CHUNK_TRIES:
+                    raise
+                log.info("%s: asking again for the bytes from %d (%s)", name, offset, exc)
+                time.sleep(CHUNK_RETRY_SECONDS)
+        raise AssertionError("unreachable")
 
     def shard(self, prefix: str, infos: dict[str, Any] | None = None) -> TokenShard:
         """A task's shard (``shards/P3/train``), fetched once; ``infos`` (from the task offer)

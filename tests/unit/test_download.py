@@ -6,9 +6,10 @@ import pytest
 
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.outer import OuterSettings
-from dipaco.errors import DataError, RejectedError
+from dipaco.errors import DataError, RejectedError, TransportError
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig, new_dense_model
+from dipaco.peer import download
 from dipaco.peer.download import RunFiles
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LocalTransport
@@ -188,3 +189,36 @@ def test_a_dht_that_does_not_answer_is_asked_again_until_the_wait_is_spent():
     with pytest.raises(TransportError, match="did not answer") as info:
         HivemindNode._dht_result(Unanswered(), "reading dipaco.runs")
     assert info.value.reason == "timeout"
+
+
+class Flaky(LocalTransport):
+    """A link whose streams are reset now and then: the ``drops``-th requests fail."""
+
+    def __init__(self, handler, drops):
+        super().__init__(handler)
+        self.calls, self.drops = 0, set(drops)
+
+    def _roundtrip(self, data):
+        self.calls += 1
+        if self.calls in self.drops:
+            raise TransportError("the coordinator closed the stream without a reply")
+        return super()._roundtrip(data)
+
+
+def test_a_chunk_lost_to_a_reset_stream_is_asked_again_and_the_file_arrives_whole(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(download, "CHUNK_RETRY_SECONDS", 0.0)
+    co, blob, info = serve(tmp_path)
+    link = Flaky(co.handle, drops={1, 3})  # the first request, and a later chunk
+    got = RunFiles(link, "p", {"big.bin": info}, tmp_path / "peer").get("big.bin")
+    assert got.read_bytes() == blob.read_bytes() and link.calls == 5  # 3 chunks + 2 again
+
+
+def test_a_link_that_keeps_failing_is_given_up_after_a_few_tries(tmp_path, monkeypatch):
+    monkeypatch.setattr(download, "CHUNK_RETRY_SECONDS", 0.0)
+    co, _, info = serve(tmp_path, size=1000)
+    link = Flaky(co.handle, drops=range(1, 100))
+    with pytest.raises(TransportError, match="closed the stream"):
+        RunFiles(link, "p", {"big.bin": info}, tmp_path / "peer").get("big.bin")
+    assert link.calls == download.CHUNK_TRIES
