@@ -347,5 +347,7 @@ def free_paths(core: CoordinatorBase) -> set[int]:
     """The open paths no live lease holds: what an in-process adapter (Flower's ServerApp)
     may plan tasks for; the claim itself still goes through the service."""
     with core.lock:
-        leased = core.need_scheduler("flower").leased_paths()
+        if core.scheduler is None:  # an owner leases nothing: no path to plan for
+            return set()
+        leased = core.scheduler.leased_paths()
         return {p for p in open_paths(core) if p not in leased}

@@ -296,9 +296,10 @@ def keep_alive(core: CoordinatorBase, held: list[tuple[str, str]]) -> None:
     """Renew the leases of ``(task id, peer id)`` pairs, as their peers' heartbeats would: for an
     in-process adapter that waits for its nodes' replies (Flower's ServerApp)."""
     with core.lock:
-        scheduler = core.need_scheduler("flower")
+        if core.scheduler is None:  # an owner holds no leases to renew
+            return
         for task_id, peer_id in held:
-            scheduler.heartbeat(task_id, peer_id)
+            core.scheduler.heartbeat(task_id, peer_id)
 
 
 def run_file(core: CoordinatorBase, name: str) -> bytes | None:
