@@ -59,15 +59,9 @@ class Coordinator(CoordinatorBase):
         super().__init__(*args, **kwargs)
         # coordinator.json and validation.json: group commit (durable.py)
         self.journal = Journal(
-            GroupWriter(
-                self.lock, lambda: state.state_bytes(self), self.root / "coordinator.json",
-                self.store.spares,
-            ),
-            GroupWriter(
-                self.lock, self.norms.snapshot_bytes, self.root / "validation.json",
-                self.store.spares,
-            ),
-        )  # fmt: skip
+            GroupWriter(self.lock, lambda: state.state_bytes(self), self.root / "coordinator.json"),
+            GroupWriter(self.lock, self.norms.snapshot_bytes, self.root / "validation.json"),
+        )
 
     # state.py
     start = state.start

@@ -25,7 +25,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
-from dipaco.fileio import AtomicFile, Spares
+from dipaco.fileio import AtomicFile
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +44,10 @@ def deferring() -> Iterator[None]:
 
 class GroupWriter:
     """The file at ``path``, written by group commit. ``snapshot`` runs under ``lock`` (the
-    coordinator's) and returns the bytes to write; with ``spares``, into a recycled file, the
-    replaced one kept (fileio.Spares)."""
+    coordinator's) and returns the bytes to write."""
 
-    def __init__(
-        self, lock: Any, snapshot: Callable[[], bytes], path: Path, spares: Spares | None = None
-    ) -> None:
+    def __init__(self, lock: Any, snapshot: Callable[[], bytes], path: Path) -> None:
         self.lock, self.snapshot, self.path = lock, snapshot, Path(path)
-        self.spares = spares
         self._cv = threading.Condition()
         self._marked = 0  # changes made so far
         self._written = 0  # changes on disk
@@ -111,16 +107,13 @@ class GroupWriter:
         def replace(tmp: str, path: str) -> None:
             with self._rename:
                 if number > self._placed:
-                    if self.spares is not None:
-                        self.spares.replace(tmp, path)
-                    else:
-                        os.replace(tmp, path)
+                    os.replace(tmp, path)
                     self._placed = number
                     return
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)  # a later snapshot is already in place
 
-        f = AtomicFile(self.path, self.spares)
+        f = AtomicFile(self.path)
         try:
             f.write(data)
         except BaseException:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -58,9 +59,8 @@ from dipaco.coordinator.store_open import (
     head_fields,
 )
 from dipaco.faults import fault_point
-from dipaco.fileio import Spares, fsync_path, sync_files, unique_suffix, write_json_atomic
+from dipaco.fileio import fsync_path, sync_files, unique_suffix, write_json_atomic
 from dipaco.protocols.wire import (
-    MAP_BYTES,
     Frame,
     read_tensor_file,
     tensors_sha256,
@@ -68,8 +68,6 @@ from dipaco.protocols.wire import (
 )
 
 log = logging.getLogger(__name__)
-
-SPARE_FOLDER = ".spare"  # the store's recycled files (fileio.Spares), under its root
 
 
 @dataclass
@@ -207,9 +205,6 @@ class ModuleStore:
         eighth = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
         self.held_budget = int(os.environ.get("DIPACO_DELTA_MEMORY_BYTES", eighth))
         self.held = 0  # bytes of deltas held (recounted at every step)
-        # Small files (staged deltas, head.json, small modules' versions, coordinator.json)
-        # are written in recycled files, not created and deleted one per write (fileio.Spares).
-        self.spares = Spares(self.root / SPARE_FOLDER, max_bytes=MAP_BYTES)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def initialize(self, modules: dict[str, Tensors]) -> None:
@@ -272,9 +267,7 @@ class ModuleStore:
         nothing reads ``incoming`` (emptied at start), and the commit's rename is the one that
         makes the delta count."""
         file = f"{self.root}/deltas/{mid}/incoming/{task_id}-{unique_suffix()}.dpt"  # no pathlib
-        write_tensor_file(
-            file, Frame("Delta", meta, delta), sync_dir=False, spares=self.spares, in_place=True
-        )
+        write_tensor_file(file, Frame("Delta", meta, delta), sync_dir=False, in_place=True)
         return file
 
     def commit_delta(
@@ -435,9 +428,7 @@ class ModuleStore:
                 for p, f in zip(included, factors, strict=True)
                 if f < 1.0
             ]
-        job = _Job(
-            persist_step, self.root, mid, record, new, info, on_disk, self.spares, start=background
-        )
+        job = _Job(persist_step, self.root, mid, record, new, info, on_disk, start=background)
         if background:
             self._syncing[mid] = job
         else:
@@ -493,10 +484,9 @@ def persist_step(
     new: ModuleRecord,
     info: dict,
     on_disk: Callable[[dict], None] | None,
-    spares: Spares,
 ) -> None:
     """Write a step's version and momentum files (not synced yet), then commit head.json
-    (synced), then delete what the step before needed as its fallback (kept as ``spares``),
+    (synced), then delete what the step before needed as its fallback,
     then sync the files. Each step's files are therefore on disk before the next step deletes
     its fallback."""
     folder, v = root / "modules" / mid, new.version
@@ -506,14 +496,12 @@ def persist_step(
         folder / f"v{v}.dpt",
         Frame("ModuleRelease", {"module": mid, "version": v}, new.params),
         sync=False,
-        spares=spares,
     )
     fault_point("outer_step.params_written")
     write_tensor_file(
         folder / f"m{v}.dpt",
         Frame("OuterMomentum", {"module": mid, "version": v}, new.momentum),
         sync=False,
-        spares=spares,
     )
     fault_point("outer_step.momentum_written")
     write_json_atomic(
@@ -525,14 +513,13 @@ def persist_step(
             "reported": {str(b): ps for b, ps in new.reported.items()},
             "previous": head_fields(old),  # the fallback if v+1 is found corrupt
         },
-        spares=spares,
     )
     fault_point("outer_step.committed")
     # This step's deltas stay one step longer: a corrupt v+1 is redone from v and them.
     done = root / "deltas" / mid / f"v{old.version - 1}"
     for stale in (f"v{v - KEEP_VERSIONS}.dpt", f"m{v - KEEP_VERSIONS}.dpt"):
-        spares.give(folder / stale)
-    spares.give_folder(done)
+        (folder / stale).unlink(missing_ok=True)
+    shutil.rmtree(done, ignore_errors=True)
     sync_files(folder / f"v{v}.dpt", folder / f"m{v}.dpt")
     if on_disk is not None:
         on_disk(info)

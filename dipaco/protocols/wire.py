@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from dipaco.errors import CorruptFileError, WireError
-from dipaco.fileio import Spares, write_atomic
+from dipaco.fileio import write_atomic
 
 # A byte string as it travels: bytes, or a view of (or a writable copy in) a larger buffer.
 ByteBuffer = bytes | bytearray | memoryview
@@ -353,23 +353,18 @@ def write_tensor_file(
     frame: Frame,
     sync: bool = True,
     sync_dir: bool = True,
-    spares: Spares | None = None,
     in_place: bool = False,
 ) -> None:
     """Write ``frame`` crash-safe (temporary name, rename) with its checksum trailer, straight
     from the tensors' memory. ``sync=False`` leaves the fsync to the caller (store.py syncs an
     outer step's files in the background, before the files they replace are deleted).
-    ``spares``: written in a recycled file (fileio.Spares). ``in_place``: written under its
-    own new name, which nobody reads before the caller renames it (fileio.AtomicFile)."""
+    ``in_place``: written under its own new name, which nobody reads before the caller renames it (fileio.AtomicFile)."""
     head, arrays = encode_parts(frame, align=FILE_ALIGN)
     digest = xxhash.xxh3_128(head)
     for a in arrays:
         digest.update(a)
     trailer = digest.digest() + FILE_MARK
-    write_atomic(
-        path, head, *arrays, trailer, sync=sync, sync_dir=sync_dir, spares=spares,
-        in_place=in_place,
-    )  # fmt: skip
+    write_atomic(path, head, *arrays, trailer, sync=sync, sync_dir=sync_dir, in_place=in_place)
 
 
 def read_tensor_file(path: str | Path) -> Frame:

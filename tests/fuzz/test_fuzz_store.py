@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dipaco.coordinator.outer import OuterSettings, nesterov_step, outer_gradient
-from dipaco.coordinator.store import SPARE_FOLDER, ModuleStore
+from dipaco.coordinator.store import ModuleStore
 from dipaco.errors import DataError, DipacoError
 from dipaco.protocols.wire import tensors_sha256
 
@@ -46,13 +46,8 @@ def pristine(tmp_path_factory) -> Path:
 
 
 def _files(root: Path) -> list[str]:
-    """The store's files; not its spares (emptied files kept to be written again, which the
-    store never reads)."""
-    return sorted(
-        str(p.relative_to(root))
-        for p in root.rglob("*")
-        if p.is_file() and SPARE_FOLDER not in p.relative_to(root).parts
-    )
+    """The store's files."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
 @st.composite
