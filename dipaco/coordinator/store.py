@@ -35,12 +35,11 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,76 +109,28 @@ def delta_meta(
     return meta
 
 
-class _Workers:
-    """Long-lived daemon threads that run :class:`_Job` s. Starting a thread per job made the
-    caller wait for the new thread to take the GIL and signal that it started: about 5 ms (the
-    interpreter's switch interval) per job, twice per outer step, more than a 10 M-parameter
-    module's whole Nesterov step (bench/outer_step.py --store). A job goes to an idle worker,
-    or to a new one when none is idle, so a job that waits for another (the head's write
-    waits for the release hash) never waits behind it in a queue."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-
-    def submit(self, job: _Job) -> None:
-        with self._lock:
-            spawn = self._idle == 0
-            if not spawn:
-                self._idle -= 1
-        self._jobs.put(job)
-        if spawn:
-            threading.Thread(target=self._work, daemon=True, name="dipaco-store").start()
-
-    def _work(self) -> None:
-        while True:
-            self._jobs.get()._run()
-            with self._lock:
-                self._idle += 1
-
-
-_WORKERS = _Workers()
+# Long-lived threads: starting one per job made the caller wait for it to take the GIL, about
+# 5 ms per job (the switch interval), twice per outer step. Enough of them that a job that waits
+# for another (the head's write waits for the release hash) never waits behind it.
+_POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="dipaco-store")
 
 
 class _Job:
-    """A function run on a worker thread (file writes, syncs and hashing release the GIL), or
-    on the caller's when it asks for the result (``start=False``)."""
+    """A function run on a pool thread (file writes, syncs and hashing release the GIL), or on
+    the caller's when it asks for the result (``start=False``)."""
 
     def __init__(self, fn: Callable[..., Any], *args: Any, start: bool = True) -> None:
         self._fn, self._args = fn, args
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._done: threading.Event | None = None
-        if start:
-            self._done = threading.Event()
-            _WORKERS.submit(self)
-
-    def _run(self) -> None:
-        try:
-            self._value = self._fn(*self._args)
-            self._args = ()  # drop the tensors it held: the store reuses their buffers
-        except BaseException as exc:  # handed to whoever waits for the result
-            self._error = exc
-        finally:
-            assert self._done is not None
-            self._done.set()
+        self._future: Future | None = _POOL.submit(self.run_here) if start else None
 
     def result(self) -> Any:
-        if self._done is None:
-            self.run_here()
-        else:
-            self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
+        return self.run_here() if self._future is None else self._future.result()
 
-    def run_here(self) -> None:
+    def run_here(self) -> Any:
         """Run the function (again) on this thread; its error is raised."""
-        self._done, self._error = threading.Event(), None
-        self._done.set()
-        self._value = self._fn(*self._args)
-        self._args = ()
+        value = self._fn(*self._args)
+        self._args = ()  # drop the tensors it held: the store reuses their buffers
+        return value
 
 
 class ModuleStore:
