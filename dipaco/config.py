@@ -109,8 +109,6 @@ class OuterSection(_Section):
     # (the paper's section 2.7), linear (n), or norm (to the mean norm of the deltas, at most
     # sqrt(n)); docs/results.md has the sweep that chose the default.
     rescale: Literal["none", "sqrt", "linear", "norm"] = "norm"
-    # The older switch: false means rescale = "none", true "sqrt". Kept for existing configs.
-    sqrt_rescale: bool | None = Field(None, exclude=True)
     weight_by_tokens: bool = True
     # Outer-lr warm-up: a module's k-th outer step uses lr * min(1, k / warmup_rounds).
     warmup_rounds: int = Field(0, ge=0)
@@ -127,19 +125,6 @@ class OuterSection(_Section):
                     f"outer.lr_by_sharing maps sharing counts >= 1 to positive rates, got {n}: {lr}"
                 )
         return self
-
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_sqrt_rescale(cls, data: object) -> object:
-        if isinstance(data, dict) and data.get("sqrt_rescale") is not None:
-            legacy = "sqrt" if data["sqrt_rescale"] else "none"
-            if "rescale" in data and data["rescale"] != legacy:
-                raise ValueError(
-                    f"outer.sqrt_rescale = {data['sqrt_rescale']} contradicts "
-                    f"outer.rescale = {data['rescale']!r}; keep only outer.rescale"
-                )
-            data = {**data, "rescale": legacy, "sqrt_rescale": None}
-        return data
 
 
 class ValidationSection(_Section):

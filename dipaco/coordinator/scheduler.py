@@ -323,14 +323,13 @@ class Scheduler:
         now = self.clock()
         live = saved.get("live", {})
         back = []
-        saved_at = saved.get("clock")  # None: an older file, times relative to its save
+        saved_at = saved.get("clock", 0.0)
         for task, path, rnd, peer, steps, versions in saved.get("issued", []):
             lease = Lease(task, path, rnd, peer, now, steps, now, dict(versions))
             self.issued[task] = lease
             if task in live:
-                left, age = live[task]
-                if saved_at is not None:
-                    left, age = left - saved_at, max(0.0, saved_at - age)
+                deadline, issued_at = live[task]
+                left, age = deadline - saved_at, max(0.0, saved_at - issued_at)
                 lease.deadline = now + max(left, self.lease_seconds / 2)
                 lease.issued_at = now - age
                 back.append(lease)

@@ -183,7 +183,7 @@ class SavedScheduler(_Lax):
 
     issued: list[tuple[StrictStr, Count, Count, StrictStr, Count, dict[str, Count]]] = []
     live: dict[str, tuple[Seconds, Seconds]] = {}
-    clock: Seconds | None = None
+    clock: Seconds = 0.0  # the scheduler's clock at the save: live leases' times are on it
     attempts: list[tuple[Count, Count, Count]] = []
     durations: list[Span] = []
     paces: dict[str, list[Span]] = {}

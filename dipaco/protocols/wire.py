@@ -340,8 +340,7 @@ def _check_spec(spec: Any, limits: Limits) -> tuple[str, str, list[int]]:
 
 # A file is its frame, then a checksum trailer. Files never leave this machine, so the checksum
 # only has to catch a torn or damaged write: XXH3-128 (xxHash, 35 GB/s on one core here, against
-# 2.1 GB/s for SHA-256), followed by a marker. Files written before 2026-11-25 end with the
-# frame's SHA-256 instead, and are still read.
+# 2.1 GB/s for SHA-256), followed by a marker.
 FILE_MARK = b"DPXXH3\x00\x01"
 MAP_BYTES = 1 << 20  # files from this size on are mapped rather than read (read_tensor_file)
 FILE_ALIGN = 64  # a file's header is padded so that its tensor bytes start at this alignment
@@ -377,13 +376,9 @@ def read_tensor_file(path: str | Path) -> Frame:
             raw = _mapped(f, size) if size >= MAP_BYTES else _aligned_read(f, size)
     except FileNotFoundError:
         raise CorruptFileError(f"{path}: file is missing") from None
-    if size >= _XXH3_TRAILER and bytes(raw[-len(FILE_MARK) :]) == FILE_MARK:
-        body = raw[:-_XXH3_TRAILER]
-        ok = xxhash.xxh3_128(body).digest() == bytes(raw[-_XXH3_TRAILER : -len(FILE_MARK)])
-    else:  # written before XXH3: the frame's SHA-256
-        body = raw[:-32]
-        ok = size >= 32 and hashlib.sha256(body).digest() == bytes(raw[-32:])
-    if not ok:
+    body = raw[:-_XXH3_TRAILER]
+    ok = size >= _XXH3_TRAILER and bytes(raw[-len(FILE_MARK) :]) == FILE_MARK
+    if not ok or xxhash.xxh3_128(body).digest() != bytes(raw[-_XXH3_TRAILER : -len(FILE_MARK)]):
         raise CorruptFileError(f"{path}: checksum mismatch (truncated or corrupt file)")
     try:
         return decode(body, copy=False)

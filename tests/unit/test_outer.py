@@ -186,14 +186,11 @@ def test_outer_lr_warmup_ramps_the_first_steps_then_holds():
     assert at_step(OuterSettings(lr=0.7), 0).lr == 0.7
 
 
-def test_the_old_sqrt_rescale_switch_still_reads():
+def test_the_old_sqrt_rescale_switch_is_refused_by_name():
     from dipaco.config import load_config_dict
 
-    assert load_config_dict({"outer": {"sqrt_rescale": False}}).outer.rescale == "none"
-    assert load_config_dict({"outer": {"sqrt_rescale": True}}).outer.rescale == "sqrt"
-    assert "sqrt_rescale" not in load_config_dict({}).to_dict()["outer"]
-    with pytest.raises(Exception, match="contradicts"):
-        load_config_dict({"outer": {"sqrt_rescale": False, "rescale": "sqrt"}})
+    with pytest.raises(Exception, match="sqrt_rescale"):
+        load_config_dict({"outer": {"sqrt_rescale": True}})
 
 
 @pytest.mark.parametrize("aggregation", ["trimmed_mean", "median"])

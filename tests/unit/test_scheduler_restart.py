@@ -107,24 +107,6 @@ def test_a_restored_lease_keeps_its_time_left_and_expires_if_its_peer_is_gone(tm
     assert err.value.reason == "lease-ended"
 
 
-def test_a_file_from_before_the_clock_field_restores_its_leases_times_left(tmp_path):
-    """coordinator.json written before ``scheduler.clock`` held each lease as [seconds left,
-    seconds since issued]: a coordinator of this version resumes such a file the same way."""
-    clock = Clock(100.0)
-    co = make(tmp_path, clock)
-    task = claim(co, "alice", prefer=0)
-    state = saved(tmp_path)
-    sched = state["scheduler"]
-    assert sched["live"] == {task.task_id: [100.0 + LEASE, 100.0]}
-    del sched["clock"]
-    sched["live"] = {task.task_id: [LEASE - 1.0, 1.0]}  # the older form
-    (tmp_path / "coordinator.json").write_text(json.dumps(state))
-    co, clock = restart(tmp_path)
-    lease = co.scheduler.leases[task.task_id]
-    assert lease.deadline - clock.now == pytest.approx(LEASE - 1.0)
-    assert clock.now - lease.issued_at == pytest.approx(1.0)
-
-
 def test_task_ids_are_never_reused_across_restarts(tmp_path):
     co = make(tmp_path, Clock())
     seen = []

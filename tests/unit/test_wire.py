@@ -156,17 +156,14 @@ def test_tensor_files_are_read_into_aligned_writable_tensors_and_old_files_still
         assert torch.equal(got[name], t)
         assert got[name].data_ptr() % got[name].element_size() == 0
     got["w"].add_(1.0)  # writable: a view of the caller's own buffer
-    # A file from before XXH3 (the frame, then its SHA-256) is still read and checked.
-    import hashlib
-
-    data = bytes(encode(Frame("Delta", {"a": 1}, tensors)))
-    (tmp_path / "old.dpt").write_bytes(data + hashlib.sha256(data).digest())
-    assert torch.equal(read_tensor_file(tmp_path / "old.dpt").tensors["w"], tensors["w"])
-    damaged = bytearray((tmp_path / "old.dpt").read_bytes())
+    # A flipped bit, and a frame with no trailer at all, are refused.
+    damaged = bytearray((tmp_path / "new.dpt").read_bytes())
     damaged[-40] ^= 1
-    (tmp_path / "old.dpt").write_bytes(bytes(damaged))
-    with pytest.raises(CorruptFileError, match="checksum"):
-        read_tensor_file(tmp_path / "old.dpt")
+    (tmp_path / "bad.dpt").write_bytes(bytes(damaged))
+    (tmp_path / "bare.dpt").write_bytes(bytes(encode(Frame("Delta", {"a": 1}, tensors))))
+    for name in ("bad.dpt", "bare.dpt"):
+        with pytest.raises(CorruptFileError, match="checksum"):
+            read_tensor_file(tmp_path / name)
 
 
 def test_an_envelope_sealed_in_place_is_the_same_bytes_and_never_copies_the_body():
