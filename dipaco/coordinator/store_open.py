@@ -13,12 +13,13 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Annotated, Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt, StrictStr
 
 from dipaco.errors import CorruptFileError
-from dipaco.fileio import finite_number, write_json_atomic
+from dipaco.fileio import write_json_atomic
 from dipaco.protocols.wire import read_tensor_file, tensors_sha256
 
 log = logging.getLogger(__name__)
@@ -98,31 +99,33 @@ def _version_of(name: str) -> int:
     return int(match.group(1)) if match else -1
 
 
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
+class _Head(BaseModel):
+    """head.json: ``reported`` maps a base version (a decimal string in the file) to paths."""
+
+    model_config = ConfigDict(extra="ignore")
+    version: Annotated[StrictInt, Field(ge=0)]
+    hash: StrictStr
+    applied: list[StrictStr] = []
+    reported: dict[int, list[StrictInt]] = {}
+    previous: Any = None  # checked on its own: a damaged one is dropped, not the head
+
+
+class _DeltaMeta(BaseModel):
+    """A delta file's header (store.delta_meta)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    path: Annotated[int, Field(ge=0)]
+    weight: Annotated[FiniteFloat, Field(gt=0)]
+    task_id: str
+    peer_id: str
+    voter: str = ""
+    base_version: Annotated[int, Field(ge=0)] | None = None
+    round: Annotated[int, Field(ge=0)] | None = None
 
 
 def _checked_head(head: object) -> dict:
     """A head.json object with its fields checked (ValueError names the bad one)."""
-    if not isinstance(head, dict):
-        raise ValueError("not a JSON object")
-    version, applied = head.get("version"), head.get("applied", [])
-    reported = head.get("reported", {})
-    if not _is_int(version) or version < 0 or not isinstance(head.get("hash"), str):
-        raise ValueError("missing version or hash")
-    if not isinstance(applied, list) or not all(isinstance(t, str) for t in applied):
-        raise ValueError("'applied' is not a list of task ids")
-    if not isinstance(reported, dict) or not all(
-        isinstance(b, str)
-        and b.isdecimal()
-        and isinstance(ps, list)
-        and all(_is_int(p) for p in ps)
-        for b, ps in reported.items()
-    ):
-        raise ValueError("'reported' is not {version: [paths]}")
-    head["reported"] = {int(b): list(ps) for b, ps in reported.items()}
-    head["applied"] = list(applied)
-    return head
+    return _Head.model_validate(head).model_dump()
 
 
 def head_fields(record: ModuleRecord) -> dict:
@@ -286,32 +289,14 @@ class StoreOpener:
     @staticmethod
     def _read_pending(f: Path, version: int, params: Tensors) -> tuple[int, PendingDelta]:
         frame = read_tensor_file(f)
-        fields = frame.fields
-        base = fields.get("base_version", version)
-        rnd = fields.get("round", base)
-        path, weight = fields.get("path"), fields.get("weight")
-        if not (
-            _is_int(path)
-            and path >= 0
-            and _is_int(base)
-            and 0 <= base <= version
-            and _is_int(rnd)
-            and base <= rnd <= version
-            and finite_number(weight)
-            and weight > 0
-            and isinstance(fields.get("task_id"), str)
-            and isinstance(fields.get("peer_id"), str)
-            and isinstance(fields.get("voter", ""), str)
-        ):
-            raise CorruptFileError(f"{f}: delta metadata is damaged: {fields!r:.200}")
+        try:
+            meta = _DeltaMeta.model_validate(frame.fields)
+            base = version if meta.base_version is None else meta.base_version
+            rnd = base if meta.round is None else meta.round
+            if not base <= rnd <= version:
+                raise ValueError(f"base {base}, round {rnd} against version {version}")
+        except ValueError as exc:
+            raise CorruptFileError(f"{f}: delta metadata is damaged: {exc!s:.200}") from None
         _check_like(f, frame.tensors, params)
-        return path, PendingDelta(
-            path,
-            float(weight),
-            fields["task_id"],
-            fields["peer_id"],
-            f,
-            base,
-            rnd,
-            fields.get("voter", ""),
-        )
+        m = meta
+        return m.path, PendingDelta(m.path, m.weight, m.task_id, m.peer_id, f, base, rnd, m.voter)
