@@ -11,7 +11,6 @@ import errno
 import hashlib
 import itertools
 import json
-import math
 import os
 import re
 import secrets
@@ -19,7 +18,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from types import TracebackType
-from typing import Any, TypeGuard
+from typing import Any
 
 from dipaco.faults import fault_point
 
@@ -211,18 +210,6 @@ class AtomicFile:
             self.commit()
         else:
             self.abort()
-
-
-def finite_number(value: Any) -> TypeGuard[float]:
-    """A number read from a file (int or float, not bool) that is finite as a float: what a
-    duration, a weight or a scale must be. An integer beyond a float's range (10**400, which
-    JSON allows) is not one, and ``math.isfinite`` would raise on it."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
 
 
 def write_atomic(

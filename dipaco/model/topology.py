@@ -158,9 +158,6 @@ class Topology:
         )
 
     # ---- paths and modules --------------------------------------------------------------------
-    def path_ids(self) -> list[str]:
-        return [f"P{p}" for p in range(self.num_paths)]
-
     def choices(self, path: int) -> tuple[int, ...]:
         """Module index per level for a path (row-major numbering)."""
         if not 0 <= path < self.num_paths:

@@ -43,12 +43,6 @@ def key(run_id: str, what: str) -> str:
     return f"dipaco.{run_id}.{what}"
 
 
-def peer_id_of(address: str) -> str | None:
-    """The /p2p/<id> part of a multiaddr, if it has one."""
-    parts = address.rstrip("/").split("/")
-    return parts[parts.index("p2p") + 1] if "p2p" in parts[:-1] else None
-
-
 def find_run(node, run_id: str | None = None, wait: float = 30.0) -> tuple[str, dict, dict]:
     """(run id, its entry in dipaco.runs, its verified manifest), waiting up to ``wait`` s."""
     why = None if run_id is None else plain_name_error(run_id, depth=1)

@@ -146,11 +146,6 @@ class LinkWatch:
     def down(self) -> bool:
         return self._down_since is not None
 
-    def down_for(self) -> float:
-        """Seconds since the link was lost (0 while it is up)."""
-        since = self._down_since
-        return 0.0 if since is None else self._clock() - since
-
     def failed(self, exc: BaseException | str, doing: str | None = None) -> None:
         """One failed attempt (``exc``: what the transport raised); ``doing``: what the process
         does now, if it changed."""
