@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -178,8 +179,10 @@ def main() -> None:
         run(args, Path(args.work or tmp))
 
 
-def run(args: argparse.Namespace, work: Path) -> None:
-    config = preset_config("tiny").replace(
+def path_config(args: argparse.Namespace, rounds: int) -> Any:
+    """The tiny preset with the benchmarked path (``args``: vocab, dim, layers, heads, seq,
+    batch, steps), no pretraining, long leases: also bench/task_costs.py's."""
+    return preset_config("tiny").replace(
         model={
             "vocab_size": args.vocab,
             "dim": args.dim,
@@ -193,12 +196,16 @@ def run(args: argparse.Namespace, work: Path) -> None:
             "seq_len": args.seq,
             "pretrain_steps": 0,
             "inner_steps": args.steps,
-            # one task per path per round; more than we time (push behind times 2 x tasks more)
-            "rounds": 3 * args.tasks + 4 if args.push_behind else args.tasks + 2,
+            "rounds": rounds,
         },
         scheduler={"lease_seconds": 3600.0, "heartbeat_seconds": 60.0},
         eval={"max_docs": 8},
     )
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
+    # one task per path per round; more than we time (push behind times 2 x tasks more)
+    config = path_config(args, 3 * args.tasks + 4 if args.push_behind else args.tasks + 2)
     print(f"preparing a run in {work} (tokenizer, router, shards)...", flush=True)
     prep = prepare(work / "run", config, device=args.device)
     coordinator = build_coordinator(

@@ -280,6 +280,15 @@ class Topology:
         model.load_state_dict(state, strict=True, assign=True)
         return model
 
+    def load_path(self, model: torch.nn.Module, path: int, modules: dict[str, ModuleState]) -> None:
+        """Copy the modules' tensors into ``model`` (a path model built before, of ``path``), in
+        place: the same checks as :meth:`build_path`, no new tensors."""
+        state = self.join_modules(path, modules)
+        _check_state(model.state_dict(), state)
+        with torch.no_grad():
+            for name, tensor in model.state_dict().items():
+                tensor.copy_(state[name])
+
     def init_modules(self, dense_state: dict[str, torch.Tensor]) -> dict[str, ModuleState]:
         """Every module starts from the pretrained dense model's weights (paper, Algorithm 1)."""
         modules: dict[str, ModuleState] = {}

@@ -117,6 +117,9 @@ class Peer:
         if (push_behind or fetch_ahead) and (parallel > 1 or shard_group is not None):
             raise ConfigError("push behind and fetch ahead train one path at a time on one device")
         self.parallel = parallel  # tasks trained at once (path-parallel, see train_batch)
+        # A finished task's model and optimizer kept for the next task of the same path
+        # (training.Kept); one task at a time only. Off: every task builds and loads.
+        self.keep_path = parallel == 1
         self.batching = batching_of(batching)  # one stacked model, or interleaved (CUDA streams)
         self.manifest_sha256 = manifest_sha256
         # The peer's key signs every request, to the scheduler and to every module owner alike.
@@ -475,6 +478,7 @@ def make_trainer(peer: Peer) -> PathTrainer:
         trainer: PathTrainer = ddp.ShardedTrainer(peer.shard_group, peer.config, **kwargs)
     else:
         trainer = PathTrainer(peer.config, **kwargs)
+        trainer.keep_path = peer.keep_path and peer.parallel == 1
     if trainer.micro_batch < trainer.train_cfg["batch_size"]:
         log.info(
             "peer %s: micro-batch %d, accumulating to the run's batch of %d",

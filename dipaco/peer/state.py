@@ -137,6 +137,19 @@ class InnerState:
                 found[int(stem)] = file
         return found
 
+    def stamp(self, path: int, round_: int) -> tuple[int, ...] | None:
+        """What :meth:`load` would read for round ``round_`` of ``path``: its file's round,
+        inode, size and modification time (None: no file), so that a kept state can tell
+        whether it is still that file's (no other process sharing the folder wrote since)."""
+        earlier = [r for r in self.files(path) if r < round_]
+        if not earlier:
+            return None
+        try:
+            info = self.file(path, max(earlier)).stat()
+        except FileNotFoundError:
+            return None
+        return (max(earlier), info.st_ino, info.st_size, info.st_mtime_ns)
+
     def load(
         self, path: int, round_: int, optimizer: torch.optim.Optimizer, names: list[str]
     ) -> None:

@@ -76,6 +76,21 @@ class TaskRun:
         return self.delta
 
 
+@dataclass(eq=False)
+class Kept:
+    """A finished task's model and optimizer, kept for the next task of the same path: that
+    task copies its modules into the model instead of building one, and continues the AdamW
+    state in memory instead of reading it back, when the file it would read is the one this
+    state was saved as (``stamp``)."""
+
+    path: int
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    names: list[str]
+    forward: Callable[[torch.Tensor], torch.Tensor] | None
+    stamp: tuple[int, ...] | None  # InnerState.stamp of the file saved from this state
+
+
 def on_stream(stream: Any) -> AbstractContextManager:
     """Issue the block's kernels on ``stream`` (a CUDA stream), or as usual when it is None."""
     return nullcontext() if stream is None else torch.cuda.stream(stream)
@@ -134,11 +149,27 @@ class PathTrainer:
         self.on_progress = on_progress
         self.stop = stop
         self.shard_source = shard_source
+        # One task at a time (no path-parallel batch, no sharding): keep the last task's path
+        # for the next task of the same path (Kept). ``counts``: built, reused; state loaded,
+        # state kept (tests and bench/task_costs.py).
+        self.keep_path = False
+        self._kept: Kept | None = None  # the last finished task's
+        self._taking: Kept | None = None  # what the task being set up took (build -> open)
+        self.counts = dict.fromkeys(("built", "reused", "state loaded", "state kept"), 0)
 
     def build(self, task: m.TaskOffer, modules: Tensors, cache: Cache) -> torch.nn.Module:
-        """The path's model on this device, from copies of the fetched modules; ``TaskAborted``
-        when the modules do not fit the model (they leave ``cache`` then)."""
+        """The path's model on this device, from copies of the fetched modules (into the kept
+        model of the last task, when it trained this path); ``TaskAborted`` when the modules do
+        not fit the model (they leave ``cache`` then)."""
+        kept, self._kept = self._kept, None  # the task owns it now: an aborted one keeps none
+        self._taking = kept if kept is not None and kept.path == task.path else None
+        del kept  # another path's goes before this one is built
         try:
+            if self._taking is not None:
+                self.topology.load_path(self._taking.model, task.path, modules)
+                self.counts["reused"] += 1
+                return self._taking.model
+            self.counts["built"] += 1
             return self.topology.build_path(
                 self.model_cfg,
                 task.path,
@@ -148,6 +179,7 @@ class PathTrainer:
                 },
             ).to(self.device)
         except DataError as exc:  # the owners served modules that do not fit the model
+            self._taking = None
             for mid in modules:
                 cache.pop(mid, None)
             raise TaskAborted(str(exc)) from None
@@ -176,13 +208,27 @@ class PathTrainer:
             weight_decay=tc["weight_decay"],
             grad_clip=tc["grad_clip"],
         )
-        optimizer = make_optimizer(model, settings)
-        names = param_names_in_optimizer_order(model)
+        taking, self._taking = self._taking, None
+        if taking is not None and taking.model is not model:
+            taking = None
+        same = (
+            taking is not None
+            and taking.stamp is not None
+            and taking.stamp == self.inner.stamp(task.path, task.round)
+        )
+        if taking is not None and same:
+            optimizer, names = taking.optimizer, taking.names
+        else:
+            optimizer = make_optimizer(model, settings)
+            names = param_names_in_optimizer_order(model)
         done_steps, losses = (
             self.checkpoint.resume(task.task_id, model, optimizer, names) if resume else (0, [])
         )
-        if done_steps == 0:
+        if done_steps == 0 and not same:
+            self.counts["state loaded"] += 1
             self.inner.load(task.path, task.round, optimizer, names)
+        elif done_steps == 0:
+            self.counts["state kept"] += 1
         # The task's data slice: windows drawn by a generator seeded by (run seed, path, round).
         batches = window_batches(
             self.shard(task),
@@ -202,7 +248,13 @@ class PathTrainer:
             names=names,
             settings=settings,
             batches=batches,
-            forward=torch.compile(model) if self.features["compile"] else None,
+            forward=(
+                taking.forward
+                if taking is not None
+                else torch.compile(model)
+                if self.features["compile"]
+                else None
+            ),
             progress=progress,
             lease_lost=lease_lost,
             losses=losses,
@@ -300,6 +352,7 @@ class PathTrainer:
             )
         with timed(self.timings, "save"):
             self.checkpoint.drop()
+        self._keep(run)
         return tokens
 
     def finish_behind(
@@ -320,7 +373,15 @@ class PathTrainer:
                 raise
         with timed(self.timings, "save"):
             self.checkpoint.drop()
+        self._keep(run)
         return wire, undo, self.tokens(task)
+
+    def _keep(self, run: TaskRun) -> None:
+        """Keep a finished task's model and optimizer for the next task of its path (Kept)."""
+        if self.keep_path:
+            task = run.task
+            stamp = self.inner.stamp(task.path, task.round + 1)  # the file just saved
+            self._kept = Kept(task.path, run.model, run.optimizer, run.names, run.forward, stamp)
 
     def tokens(self, task: m.TaskOffer) -> int:
         """The tokens a task trains."""

@@ -1,0 +1,374 @@
+"""Where a task's time goes besides training: each phase of a real peer's task, against its limit.
+
+A real ``Peer`` claims tasks from a real coordinator (in this process, through ``LocalTransport``:
+its requests run on this thread, so each phase is timed where it runs) and trains each for H
+inner steps (1 by default: the cost of a step is bench/peer_throughput.py's business). Every
+phase is timed on its own by wrapping the function that does it, exclusive of the phases it
+calls (a fetch that waits for the coordinator to serve the modules counts the serving apart):
+
+  peer         claim, fetch, verify (release hashes), build (the path's model from the modules),
+               open (optimizer, data), load state (inner AdamW state from disk), steps, deltas,
+               encode (codec and error feedback), save state (inner state to disk), send,
+               frame (the message encoded), seal (BLAKE3 and Ed25519), open reply, decode reply
+  coordinator  a request's handling (the rest of it: envelope, gate, decoding), open request
+               (hash and signature checked), each operation
+               (ClaimTask, FetchModules, SubmitDelta: the delta's checks), stage (the delta's
+               durable file), commit, fsync, the outer step (a round's last delta makes it,
+               here on the peer's request), seal reply, coordinator.json
+
+Each phase is printed against the limit under it, measured in the same run on the same bytes:
+a copy of the path's float32 parameters into touched memory (memcpy), the same into fresh
+memory (clone: page faults), SHA-256, BLAKE3 and XXH3 over them, and a write of them with
+fsync. The sum of the non-training phases is printed against the budget the issue sets: 5% of
+an H = 150 task at the paper path's H100 rate in docs/benchmarks.md.
+
+    python bench/task_costs.py --paper-path         # the paper's 130.7M path (~4 min, ~10 GiB)
+    python bench/task_costs.py                      # a 10M path (~1 min)
+    python bench/task_costs.py --paper-path --no-keep   # every task builds and loads (before)
+    python bench/task_costs.py --quick              # CI's short form
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import blake3
+import torch
+import xxhash
+
+from dipaco.coordinator import admission, service
+from dipaco.coordinator.durable import GroupWriter
+from dipaco.coordinator.store import ModuleStore
+from dipaco.peer import modules as peer_modules
+from dipaco.peer.peer import Peer
+from dipaco.peer.push import Pusher
+from dipaco.peer.state import InnerState
+from dipaco.peer.training import PathTrainer
+from dipaco.prepare.pipeline import prepare
+from dipaco.protocols import auth, transport
+from dipaco.protocols import messages as m
+from dipaco.protocols.auth import Identity
+from dipaco.protocols.transport import LocalTransport
+from dipaco.run.factory import build_coordinator
+from dipaco.run.metrics_log import MetricsLog
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import add_report_args, record  # noqa: E402
+from peer_throughput import path_config  # noqa: E402
+
+# The paper path's bare-loop rate on an H100 (docs/benchmarks.md, peer_throughput, 2026-11-25/26:
+# 384,535-396,485 tok/s at batch 16 x 1024): an H = 150 task trains 150 x 16,384 tokens.
+H100_TOKENS_PER_SECOND = 390_000
+PAPER_TASK_TOKENS = 150 * 16 * 1024
+TRAINING = {"steps"}  # every other phase is a task's fixed cost
+
+
+class Probe:
+    """Exclusive seconds per phase: each wrapped function's time, less that of wrapped functions
+    it calls. Only this thread's calls count (the coordinator's background writes do not)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+        self._stack: list[str] = []
+        self._since = 0.0
+        self._thread = threading.get_ident()
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, attr: str, phase: str) -> None:
+        original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        fn = original.__func__ if isinstance(original, staticmethod) else original
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            return self.run(phase, fn, *args, **kwargs)
+
+        setattr(owner, attr, staticmethod(timed) if isinstance(original, staticmethod) else timed)
+        self._undo.append((owner, attr, original))
+
+    def run(self, phase: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != self._thread:
+            return fn(*args, **kwargs)
+        now = time.perf_counter()
+        if self._stack:
+            self.seconds[self._stack[-1]] += now - self._since
+        self._stack.append(phase)
+        self._since = now
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            now = time.perf_counter()
+            self.seconds[self._stack.pop()] += now - self._since
+            self._since = now
+            self.calls[phase] += 1
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def close(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+
+
+def install(probe: Probe) -> None:
+    """Wrap the functions behind each phase (module attributes where they are looked up)."""
+    for owner, attr, phase in [
+        (Peer, "_claim_batch", "claim"),
+        (Peer, "fetch", "fetch"),
+        (peer_modules, "tensors_sha256", "verify"),
+        (PathTrainer, "build", "build"),
+        (PathTrainer, "open", "open"),
+        (InnerState, "load", "load state"),
+        (PathTrainer, "step", "steps"),
+        (PathTrainer, "stepped", "steps"),
+        (PathTrainer, "deltas", "deltas"),
+        (Pusher, "encode", "encode"),
+        (InnerState, "save", "save state"),
+        (Pusher, "send", "send"),
+        (transport, "encode_message", "frame"),
+        (auth, "seal_request", "seal"),
+        (auth, "open_reply", "open reply"),
+        (transport, "decode_message", "decode reply"),
+        (service, "handle_in_slot", "coord: request (envelope, gate, decode)"),
+        (auth, "open_split", "coord: open request"),
+        (auth, "seal_reply", "coord: seal reply"),
+        (ModuleStore, "stage_delta", "coord: stage"),
+        (ModuleStore, "commit_delta", "coord: commit"),
+        (ModuleStore, "run_step", "coord: outer step (a round's last delta)"),
+        (admission, "fsync_path", "coord: fsync"),
+        (GroupWriter, "_write", "coord: coordinator.json"),
+    ]:
+        probe.wrap(owner, attr, phase)
+    for kind in (m.ClaimTask, m.FetchModules, m.SubmitDelta, m.TaskDone):
+        op = service.OPS[kind]
+        run = functools.partial(probe.run, f"coord: {kind.__name__}", op.run)
+        service.OPS[kind] = op._replace(run=run)
+
+
+def limits(n_bytes: int, folder: Path) -> dict[str, float]:
+    """Seconds of each reference operation on ``n_bytes`` (best of three)."""
+    src = torch.rand(n_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    raw = src.numpy().view("uint8")
+    out: dict[str, Callable[[], Any]] = {
+        "memcpy": lambda: dst.copy_(src),
+        "clone": lambda: src.clone(),
+        "sha256": lambda: hashlib.sha256(raw).digest(),
+        "blake3": lambda: blake3.blake3(raw, max_threads=blake3.blake3.AUTO).digest(),
+        "xxh3": lambda: xxhash.xxh3_128(raw).digest(),
+        "write+fsync": lambda: _write_synced(folder / "limit.bin", raw),
+    }
+    best = {}
+    for name, fn in out.items():
+        times = []
+        for _ in range(3):
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+        best[name] = min(times)
+    (folder / "limit.bin").unlink(missing_ok=True)
+    return best
+
+
+def _write_synced(path: Path, data: Any) -> None:
+    with open(path, "wb", buffering=0) as f:
+        f.write(data)
+        os.fsync(f.fileno())
+
+
+# Each phase's limit: (reference operation, how many path-sizes of it). Fetch, frame and the
+# delta's checks move the path's bytes once; verify and seal hash them; state files are the
+# AdamW moments (two path-sizes) written with fsync.
+LIMIT_OF = {
+    "fetch": ("memcpy", 1),
+    "verify": ("sha256", 1),
+    "build": ("clone", 1),
+    "load state": ("memcpy", 2),
+    "deltas": ("clone", 1),
+    "encode": ("memcpy", 1),
+    "save state": ("write+fsync", 2),
+    "frame": ("memcpy", 1),
+    "seal": ("blake3", 1),
+    "coord: open request": ("blake3", 1),
+    "coord: SubmitDelta": ("memcpy", 1),
+    "coord: FetchModules": ("memcpy", 1),
+    "coord: stage": ("write+fsync", 1),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=1, help="inner steps H per task")
+    ap.add_argument(
+        "--tasks",
+        type=int,
+        default=6,
+        help="tasks timed after a warm-up task (2x2: the 4th is the first of a path again)",
+    )
+    ap.add_argument(
+        "--paper-path",
+        action="store_true",
+        help="the paper's path: 12 blocks, width 896, 16 heads, sequence 1024 (130.7M)",
+    )
+    ap.add_argument(
+        "--no-keep",
+        action="store_true",
+        help="every task builds its path and reads its inner state (as before 2026-11-29)",
+    )
+    ap.add_argument("--quick", action="store_true", help="CI's short form: a tiny path")
+    add_report_args(ap)
+    args = ap.parse_args()
+    if args.paper_path:
+        args.dim, args.layers, args.heads, args.seq = 896, 12, 16, 1024
+    if args.quick:
+        args.dim, args.layers, args.heads, args.seq, args.vocab, args.tasks = 64, 2, 2, 64, 512, 4
+    with tempfile.TemporaryDirectory(prefix="dipaco-task-costs-") as tmp:
+        run(args, Path(tmp))
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
+    config = path_config(args, args.tasks // 4 + 2)  # a task per path per round
+    print(f"preparing a run in {work} (tokenizer, router, shards)...", flush=True)
+    prep = prepare(work / "run", config)
+    coordinator = build_coordinator(
+        prep, MetricsLog(work / "run" / "metrics.jsonl"), evaluate=False
+    )
+    peer = Peer(
+        LocalTransport(coordinator.handle).authenticate(Identity.generate()),
+        "bench",
+        work / "peer",
+        checkpoint_seconds=3600.0,
+    )
+    peer.keep_path = not args.no_keep
+    peer.setup()
+    cfg = prep.config.build_model_config()
+    modules = {mid: coordinator.store.params(mid) for mid in coordinator.store.modules}
+    path = peer.topology.build_path(cfg, 0, modules)
+    n_params = sum(p.numel() for p in path.parameters())
+    n_bytes = 4 * n_params
+    del path
+    print(
+        f"path: {n_params / 1e6:.1f}M parameters ({n_bytes / 2**20:,.0f} MiB float32; width "
+        f"{args.dim}, {args.layers} blocks, vocab {args.vocab}); H = {args.steps}, batch "
+        f"{args.batch} x {args.seq}; codec lossless; torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
+    ref = limits(n_bytes, work)
+    print(
+        "limits on the path's bytes: "
+        + ", ".join(f"{k} {v:.3f} s ({n_bytes / v / 1e9:.2f} GB/s)" for k, v in ref.items()),
+        flush=True,
+    )
+    probe = Probe()
+    install(probe)
+    # One run of the peer, as `dipaco-peer join` trains (a task of the path it trained last
+    # continues what it holds); each task's phases are those since the last task ended.
+    tasks: list[tuple[bool, float, dict[str, float], dict[str, int]]] = []
+    ended = [time.perf_counter()]
+    run_task = Peer.run_task
+
+    def task_then_record(self: Peer, *a: Any, **kw: Any) -> None:
+        run_task(self, *a, **kw)
+        now = time.perf_counter()
+        wall, ended[0] = now - ended[0], now
+        seconds = dict(probe.seconds)
+        seconds["other"] = wall - sum(seconds.values())
+        fixed = wall - seconds.get("steps", 0.0)
+        i = len(tasks)
+        again = self.trainer.counts["reused"] > sum(t[0] for t in tasks)
+        print(
+            f"{'warm-up' if i == 0 else f'task {i}':>8}: path P{self.last_path}"
+            f"{' again' if again else ''}, {wall:.2f} s, of which not training {fixed:.2f} s",
+            flush=True,
+        )
+        tasks.append((again, fixed, seconds, dict(probe.calls)))
+        probe.reset()
+
+    Peer.run_task = task_then_record  # type: ignore[method-assign]
+    try:
+        peer.max_tasks = args.tasks + 1
+        peer.run()
+    finally:
+        Peer.run_task = run_task  # type: ignore[method-assign]
+        probe.close()
+    tasks = tasks[1:]  # the first warmed up (allocator, page cache, the Hello)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    kinds = {"new path": False, "same path again": True}
+    best = {}
+    for kind, again in kinds.items():
+        done = [t for t in tasks if t[0] == again]
+        if done:
+            best[kind] = min(done, key=lambda t: t[1])
+    print("\nseconds by phase (exclusive), the task of each kind with the least fixed cost:")
+    print(f"  {'phase':<40}" + "".join(f"{k:>17}" for k in best) + "   limit")
+    phases = {p for t in best.values() for p in t[2]}
+    for phase in sorted(phases, key=lambda p: -max(t[2].get(p, 0.0) for t in best.values())):
+        row = "".join(
+            f"{t[2].get(phase, 0.0):>11.3f} s{t[3].get(phase, 0):>3}x" for t in best.values()
+        )
+        limit = LIMIT_OF.get(phase)
+        against = ""
+        if limit is not None:
+            op, times = limit
+            floor = ref[op] * times
+            ratio = max(t[2].get(phase, 0.0) for t in best.values()) / floor
+            against = f"   {times} x {op} {floor:.3f} s (worst {ratio:.1f}x)"
+        print(f"  {phase:<40}{row}{against}")
+    print(
+        "  " + " " * 40 + "".join(f"{t[1]:>11.3f} s    " for t in best.values()) + "   not training"
+    )
+    budget = 0.05 * PAPER_TASK_TOKENS / H100_TOKENS_PER_SECOND
+    floor = sum(ref[op] * k for op, k in LIMIT_OF.values())
+    print(
+        f"\nbudget for what is not training: 5% of an H = 150 task at {H100_TOKENS_PER_SECOND:,} "
+        f"tok/s on an H100 = {budget:.2f} s; the limits under the phases add up to {floor:.2f} s"
+    )
+    print(
+        f"peak RSS of this process (peer and coordinator): {rss / 2**30:.2f} GiB; the path's "
+        f"weights, AdamW state and one delta: {4 * n_bytes / 2**30:.2f} GiB"
+    )
+    fixed = {k: t[1] for k, t in best.items()}
+    for kind, s in fixed.items():
+        print(f"ratio not training / budget ({kind}): {s / budget:.2f}")
+    top = {
+        k: sorted(((s, p) for p, s in t[2].items() if p not in TRAINING), reverse=True)[:4]
+        for k, t in best.items()
+    }
+    record(
+        args,
+        "task_costs",
+        f"{n_params / 1e6:.1f}M path, H={args.steps}, cpu, in-process"
+        + (", --no-keep" if args.no_keep else "")
+        + ": not training "
+        + "; ".join(
+            f"{k} {fixed[k]:.2f} s ({fixed[k] / budget:.1f}x the budget {budget:.2f} s; "
+            + ", ".join(f"{p} {s:.2f}" for s, p in top[k])
+            + ")"
+            for k in best
+        )
+        + f"; limits {floor:.2f} s; peak RSS {rss / 2**30:.2f} GiB",
+    )
+
+
+if __name__ == "__main__":
+    main()
