@@ -25,6 +25,7 @@ an H = 150 task at the paper path's H100 rate in docs/benchmarks.md.
     python bench/task_costs.py --paper-path         # the paper's 130.7M path (~4 min, ~10 GiB)
     python bench/task_costs.py                      # a 10M path (~1 min)
     python bench/task_costs.py --paper-path --no-keep   # every task builds and loads (before)
+    python bench/task_costs.py --paper-path --loopback  # the peer in its own process: its RSS
     python bench/task_costs.py --quick              # CI's short form
 """
 
@@ -33,8 +34,11 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import json
 import os
 import resource
+import secrets
+import subprocess
 import sys
 import tempfile
 import threading
@@ -60,7 +64,7 @@ from dipaco.prepare.pipeline import prepare
 from dipaco.protocols import auth, transport
 from dipaco.protocols import messages as m
 from dipaco.protocols.auth import Identity
-from dipaco.protocols.transport import LocalTransport
+from dipaco.protocols.transport import LocalTransport, LoopbackServer, LoopbackTransport
 from dipaco.run.factory import build_coordinator
 from dipaco.run.metrics_log import MetricsLog
 
@@ -211,6 +215,9 @@ LIMIT_OF = {
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--peer-child"]:
+        address, state, n_tasks, keep = sys.argv[2:6]
+        return peer_child(address, state, int(n_tasks), keep == "--keep")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--layers", type=int, default=4)
@@ -235,6 +242,12 @@ def main() -> None:
         action="store_true",
         help="every task builds its path and reads its inner state (as before 2026-11-29)",
     )
+    ap.add_argument(
+        "--loopback",
+        action="store_true",
+        help="the peer in a process of its own over 127.0.0.1 (its own peak RSS; no "
+        "coordinator phases)",
+    )
     ap.add_argument("--quick", action="store_true", help="CI's short form: a tiny path")
     add_report_args(ap)
     args = ap.parse_args()
@@ -253,23 +266,13 @@ def run(args: argparse.Namespace, work: Path) -> None:
     coordinator = build_coordinator(
         prep, MetricsLog(work / "run" / "metrics.jsonl"), evaluate=False
     )
-    peer = Peer(
-        LocalTransport(coordinator.handle).authenticate(Identity.generate()),
-        "bench",
-        work / "peer",
-        checkpoint_seconds=3600.0,
-    )
-    peer.keep_path = not args.no_keep
-    peer.setup()
     cfg = prep.config.build_model_config()
     modules = {mid: coordinator.store.params(mid) for mid in coordinator.store.modules}
-    path = peer.topology.build_path(cfg, 0, modules)
-    n_params = sum(p.numel() for p in path.parameters())
+    n_params = sum(t.numel() for t in coordinator.topology.join_modules(0, modules).values())
     n_bytes = 4 * n_params
-    del path
     print(
         f"path: {n_params / 1e6:.1f}M parameters ({n_bytes / 2**20:,.0f} MiB float32; width "
-        f"{args.dim}, {args.layers} blocks, vocab {args.vocab}); H = {args.steps}, batch "
+        f"{cfg.dim}, {cfg.n_layers} blocks, vocab {cfg.vocab_size}); H = {args.steps}, batch "
         f"{args.batch} x {args.seq}; codec lossless; torch threads {torch.get_num_threads()}",
         flush=True,
     )
@@ -279,11 +282,51 @@ def run(args: argparse.Namespace, work: Path) -> None:
         + ", ".join(f"{k} {v:.3f} s ({n_bytes / v / 1e9:.2f} GB/s)" for k, v in ref.items()),
         flush=True,
     )
+    if args.loopback:  # the peer in a process of its own, over 127.0.0.1
+        authkey = secrets.token_bytes(32)
+        server = LoopbackServer(coordinator.handle, authkey)
+        try:
+            child = subprocess.run(
+                [sys.executable, __file__, "--peer-child", server.address, str(work / "peer"),
+                 str(args.tasks + 1), "--no-keep" if args.no_keep else "--keep"],
+                env={**os.environ, "DIPACO_BENCH_AUTHKEY": authkey.hex()},
+                stdout=subprocess.PIPE, text=True, check=True,
+            )  # fmt: skip
+        finally:
+            server.close()
+        lines = child.stdout.splitlines()
+        print("\n".join(lines[:-1]))
+        result = json.loads(lines[-1])
+        tasks, rss = result["tasks"], result["rss"]
+        who = "the peer's process"
+    else:
+        transport = LocalTransport(coordinator.handle).authenticate(Identity.generate())
+        tasks = train_tasks(transport, work / "peer", args.tasks + 1, not args.no_keep)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        who = "this process (peer and coordinator)"
+    report(args, tasks[1:], ref, n_params, rss, who)  # the first warmed up (allocator, caches)
+
+
+def peer_child(address: str, state: str, n_tasks: int, keep: bool) -> None:
+    """--loopback's peer process: its tasks' phases and its peak RSS, as a JSON line."""
+    authkey = bytes.fromhex(os.environ["DIPACO_BENCH_AUTHKEY"])
+    transport = LoopbackTransport(address, authkey).authenticate(Identity.generate())
+    tasks = train_tasks(transport, Path(state), n_tasks, keep)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"tasks": tasks, "rss": rss}))
+
+
+Task = tuple[bool, float, dict[str, float], dict[str, int]]  # again, not training, phases, calls
+
+
+def train_tasks(transport: Any, state: Path, n_tasks: int, keep: bool) -> list[Task]:
+    """One run of a real peer, as `dipaco-peer join` trains (a task of the path it trained
+    last continues what it holds); each task's phases, those since the last task ended."""
+    peer = Peer(transport, "bench", state, checkpoint_seconds=3600.0)
+    peer.keep_path = keep
     probe = Probe()
     install(probe)
-    # One run of the peer, as `dipaco-peer join` trains (a task of the path it trained last
-    # continues what it holds); each task's phases are those since the last task ended.
-    tasks: list[tuple[bool, float, dict[str, float], dict[str, int]]] = []
+    tasks: list[Task] = []
     ended = [time.perf_counter()]
     run_task = Peer.run_task
 
@@ -306,13 +349,23 @@ def run(args: argparse.Namespace, work: Path) -> None:
 
     Peer.run_task = task_then_record  # type: ignore[method-assign]
     try:
-        peer.max_tasks = args.tasks + 1
+        peer.max_tasks = n_tasks
         peer.run()
     finally:
         Peer.run_task = run_task  # type: ignore[method-assign]
         probe.close()
-    tasks = tasks[1:]  # the first warmed up (allocator, page cache, the Hello)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return tasks
+
+
+def report(
+    args: argparse.Namespace,
+    tasks: list[Task],
+    ref: dict[str, float],
+    n_params: int,
+    rss: int,
+    who: str,
+) -> None:
+    n_bytes = 4 * n_params
     kinds = {"new path": False, "same path again": True}
     best = {}
     for kind, again in kinds.items():
@@ -344,7 +397,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         f"tok/s on an H100 = {budget:.2f} s; the limits under the phases add up to {floor:.2f} s"
     )
     print(
-        f"peak RSS of this process (peer and coordinator): {rss / 2**30:.2f} GiB; the path's "
+        f"peak RSS of {who}: {rss / 2**30:.2f} GiB; the path's "
         f"weights, AdamW state and one delta: {4 * n_bytes / 2**30:.2f} GiB"
     )
     fixed = {k: t[1] for k, t in best.items()}
@@ -357,7 +410,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
     record(
         args,
         "task_costs",
-        f"{n_params / 1e6:.1f}M path, H={args.steps}, cpu, in-process"
+        f"{n_params / 1e6:.1f}M path, H={args.steps}, cpu, "
+        + ("peer over loopback" if args.loopback else "in-process")
         + (", --no-keep" if args.no_keep else "")
         + ": not training "
         + "; ".join(

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
         ("scheduler_leases", []),
         ("state_files", []),
         ("lock_handoffs", []),
-        ("task_costs", []),
+        ("task_costs", ["--loopback"]),
     ],
 )
 def test_the_benchmark_runs_prints_its_ratio_and_records_its_row(bench, extra, tmp_path):
