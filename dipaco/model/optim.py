@@ -123,6 +123,9 @@ def train_step(
         loss = _accumulate_gradients(fwd, batch, micro_batch, autocast)
     torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
     optimizer.step()
+    # The gradients go now, not at the next step: a path-size buffer that the next forward,
+    # and between tasks the deltas and the push, would hold for nothing.
+    optimizer.zero_grad(set_to_none=True)
     return loss
 
 
@@ -205,8 +208,14 @@ def optimizer_state_tensors(
 
 
 def load_optimizer_state_tensors(
-    optimizer: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor]
+    optimizer: torch.optim.Optimizer,
+    names: list[str],
+    tensors: dict[str, torch.Tensor],
+    own: bool = False,
 ) -> None:
+    """AdamW state from named tensors (:func:`optimizer_state_tensors`). ``own``: the tensors
+    are the caller's to give (a file's, read or mapped private), and are used as they are
+    where device and dtype allow, not copied: a path's AdamW state is twice its weights."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     by_name: dict[str, dict[str, torch.Tensor]] = {}  # one pass: a state file holds every name
     for key, t in tensors.items():
@@ -219,7 +228,7 @@ def load_optimizer_state_tensors(
             # kernels, on the parameter's device in float32 for the fused (and capturable) ones.
             on_device = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
             optimizer.state[p] = {
-                k: v.clone().to(p.device)
+                k: (v if own and v.device == p.device else v.clone().to(p.device))
                 if v.dim()
                 else (v.to(p.device, torch.float32) if on_device else v.clone())
                 for k, v in state.items()

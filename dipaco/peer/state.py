@@ -103,7 +103,10 @@ class TaskCheckpoint:
             {k[6:]: v for k, v in frame.tensors.items() if k.startswith("model/")}
         )
         load_optimizer_state_tensors(
-            optimizer, names, {k[6:]: v for k, v in frame.tensors.items() if k.startswith("optim/")}
+            optimizer,
+            names,
+            {k[6:]: v for k, v in frame.tensors.items() if k.startswith("optim/")},
+            own=True,
         )
         step = int(frame.fields["step"])
         return step, list(meta.get("losses", []))[:step]
@@ -162,7 +165,10 @@ class InnerState:
         try:
             tensors = read_tensor_file(file).tensors
             load_optimizer_state_tensors(
-                optimizer, names, {k: v for k, v in tensors.items() if not k.startswith("ef|")}
+                optimizer,
+                names,
+                {k: v for k, v in tensors.items() if not k.startswith("ef|")},
+                own=True,
             )
             key = f"ef|P{path}|"
             residuals = {k[len(key) :]: v for k, v in tensors.items() if k.startswith(key)}
