@@ -79,13 +79,31 @@ PAPER_TASK_TOKENS = 150 * 16 * 1024
 TRAINING = {"steps"}  # every other phase is a task's fixed cost
 
 
+def peak_rss() -> int:
+    """This process's peak resident set so far, in bytes: Linux's VmHWM, the high-water mark of
+    this process's own memory. Not ``ru_maxrss``, which a process started by another keeps from
+    the forked copy of its parent (a child of this bench read 4 GiB before it did anything)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class Probe:
     """Exclusive seconds per phase: each wrapped function's time, less that of wrapped functions
-    it calls. Only this thread's calls count (the coordinator's background writes do not)."""
+    it calls. Only this thread's calls count (the coordinator's background writes do not).
+    ``raised``: by how many bytes the process's peak RSS rose while each phase ran (exclusive
+    too), so that the phase that sets the peak is named."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.raised: dict[str, int] = defaultdict(int)
         self.calls: Counter[str] = Counter()
+        self._peak = peak_rss()
         self._stack: list[str] = []
         self._since = 0.0
         self._thread = threading.get_ident()
@@ -108,15 +126,23 @@ class Probe:
         now = time.perf_counter()
         if self._stack:
             self.seconds[self._stack[-1]] += now - self._since
+            self._rss(self._stack[-1])
         self._stack.append(phase)
         self._since = now
         try:
             return fn(*args, **kwargs)
         finally:
             now = time.perf_counter()
-            self.seconds[self._stack.pop()] += now - self._since
+            self.seconds[self._stack[-1]] += now - self._since
+            self._rss(self._stack.pop())
             self._since = now
             self.calls[phase] += 1
+
+    def _rss(self, phase: str) -> None:
+        peak = peak_rss()
+        if peak > self._peak:
+            self.raised[phase] += peak - self._peak
+            self._peak = peak
 
     def reset(self) -> None:
         self.seconds.clear()
@@ -297,34 +323,39 @@ def run(args: argparse.Namespace, work: Path) -> None:
         lines = child.stdout.splitlines()
         print("\n".join(lines[:-1]))
         result = json.loads(lines[-1])
-        tasks, rss = result["tasks"], result["rss"]
+        tasks, rss, raised = result["tasks"], result["rss"], result["raised"]
         who = "the peer's process"
     else:
         transport = LocalTransport(coordinator.handle).authenticate(Identity.generate())
-        tasks = train_tasks(transport, work / "peer", args.tasks + 1, not args.no_keep)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        tasks, raised = train_tasks(transport, work / "peer", args.tasks + 1, not args.no_keep)
+        rss = peak_rss()
         who = "this process (peer and coordinator)"
-    report(args, tasks[1:], ref, n_params, rss, who)  # the first warmed up (allocator, caches)
+    report(
+        args, tasks[1:], ref, n_params, rss, who, raised
+    )  # the first warmed up (allocator, caches)
 
 
 def peer_child(address: str, state: str, n_tasks: int, keep: bool) -> None:
     """--loopback's peer process: its tasks' phases and its peak RSS, as a JSON line."""
     authkey = bytes.fromhex(os.environ["DIPACO_BENCH_AUTHKEY"])
     transport = LoopbackTransport(address, authkey).authenticate(Identity.generate())
-    tasks = train_tasks(transport, Path(state), n_tasks, keep)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"tasks": tasks, "rss": rss}))
+    tasks, raised = train_tasks(transport, Path(state), n_tasks, keep)
+    print(json.dumps({"tasks": tasks, "rss": peak_rss(), "raised": raised}))
 
 
 Task = tuple[bool, float, dict[str, float], dict[str, int]]  # again, not training, phases, calls
 
 
-def train_tasks(transport: Any, state: Path, n_tasks: int, keep: bool) -> list[Task]:
+def train_tasks(
+    transport: Any, state: Path, n_tasks: int, keep: bool
+) -> tuple[list[Task], dict[str, int]]:
     """One run of a real peer, as `dipaco-peer join` trains (a task of the path it trained
-    last continues what it holds); each task's phases, those since the last task ended."""
+    last continues what it holds); each task's phases, those since the last task ended; and
+    by how much each phase raised the process's peak RSS over the run (outside any: "other")."""
     peer = Peer(transport, "bench", state, checkpoint_seconds=3600.0)
     peer.keep_path = keep
     probe = Probe()
+    start = probe._peak  # imports, the peer's set-up
     install(probe)
     tasks: list[Task] = []
     ended = [time.perf_counter()]
@@ -354,7 +385,9 @@ def train_tasks(transport: Any, state: Path, n_tasks: int, keep: bool) -> list[T
     finally:
         Peer.run_task = run_task  # type: ignore[method-assign]
         probe.close()
-    return tasks
+    raised = {"before the run": start, **probe.raised}
+    raised["other"] = raised.get("other", 0) + peak_rss() - probe._peak
+    return tasks, raised
 
 
 def report(
@@ -364,6 +397,7 @@ def report(
     n_params: int,
     rss: int,
     who: str,
+    raised: dict[str, int],
 ) -> None:
     n_bytes = 4 * n_params
     kinds = {"new path": False, "same path again": True}
@@ -400,6 +434,11 @@ def report(
         f"peak RSS of {who}: {rss / 2**30:.2f} GiB; the path's "
         f"weights, AdamW state and one delta: {4 * n_bytes / 2**30:.2f} GiB"
     )
+    rises = sorted(((b, p) for p, b in raised.items() if b >= 1 << 20), reverse=True)
+    print(
+        "the peak RSS rose, over the whole run, while: "
+        + ", ".join(f"{p} {b / 2**30:.2f} GiB" for b, p in rises)
+    )
     fixed = {k: t[1] for k, t in best.items()}
     for kind, s in fixed.items():
         print(f"ratio not training / budget ({kind}): {s / budget:.2f}")
@@ -420,7 +459,9 @@ def report(
             + ")"
             for k in best
         )
-        + f"; limits {floor:.2f} s; peak RSS {rss / 2**30:.2f} GiB",
+        + f"; limits {floor:.2f} s; peak RSS {rss / 2**30:.2f} GiB ("
+        + ", ".join(f"{p} {b / 2**30:.2f}" for b, p in rises[:4])
+        + ")",
     )
 
 
