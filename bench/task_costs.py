@@ -103,7 +103,7 @@ class Probe:
         self.seconds: dict[str, float] = defaultdict(float)
         self.raised: dict[str, int] = defaultdict(int)
         self.calls: Counter[str] = Counter()
-        self._peak = peak_rss()
+        self.peak = peak_rss()  # the peak so far, as last read
         self._stack: list[str] = []
         self._since = 0.0
         self._thread = threading.get_ident()
@@ -140,9 +140,9 @@ class Probe:
 
     def _rss(self, phase: str) -> None:
         peak = peak_rss()
-        if peak > self._peak:
-            self.raised[phase] += peak - self._peak
-            self._peak = peak
+        if peak > self.peak:
+            self.raised[phase] += peak - self.peak
+            self.peak = peak
 
     def reset(self) -> None:
         self.seconds.clear()
@@ -355,7 +355,7 @@ def train_tasks(
     peer = Peer(transport, "bench", state, checkpoint_seconds=3600.0)
     peer.keep_path = keep
     probe = Probe()
-    start = probe._peak  # imports, the peer's set-up
+    start = probe.peak  # imports, the peer's set-up
     install(probe)
     tasks: list[Task] = []
     ended = [time.perf_counter()]
@@ -386,7 +386,7 @@ def train_tasks(
         Peer.run_task = run_task  # type: ignore[method-assign]
         probe.close()
     raised = {"before the run": start, **probe.raised}
-    raised["other"] = raised.get("other", 0) + peak_rss() - probe._peak
+    raised["other"] = raised.get("other", 0) + peak_rss() - probe.peak
     return tasks, raised
 
 

@@ -215,7 +215,8 @@ def load_optimizer_state_tensors(
 ) -> None:
     """AdamW state from named tensors (:func:`optimizer_state_tensors`). ``own``: the tensors
     are the caller's to give (a file's, read or mapped private), and are used as they are
-    where device and dtype allow, not copied: a path's AdamW state is twice its weights."""
+    where they are on the parameter's device, not copied: a path's AdamW state is twice its
+    weights."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     by_name: dict[str, dict[str, torch.Tensor]] = {}  # one pass: a state file holds every name
     for key, t in tensors.items():

@@ -144,22 +144,26 @@ class InnerState:
         """What :meth:`load` would read for round ``round_`` of ``path``: its file's round,
         inode, size and modification time (None: no file), so that a kept state can tell
         whether it is still that file's (no other process sharing the folder wrote since)."""
-        earlier = [r for r in self.files(path) if r < round_]
-        if not earlier:
+        before = self._latest_before(path, round_)
+        if before is None:
             return None
         try:
-            info = self.file(path, max(earlier)).stat()
+            info = self.file(path, before).stat()
         except FileNotFoundError:
             return None
-        return (max(earlier), info.st_ino, info.st_size, info.st_mtime_ns)
+        return (before, info.st_ino, info.st_size, info.st_mtime_ns)
+
+    def _latest_before(self, path: int, round_: int) -> int | None:
+        """The newest round before ``round_`` with a state file of ``path``, if any."""
+        return max((r for r in self.files(path) if r < round_), default=None)
 
     def load(
         self, path: int, round_: int, optimizer: torch.optim.Optimizer, names: list[str]
     ) -> None:
         """The state left by the path's latest earlier round (a retried round starts where the
         first try did); a state folder written before round-named files: its ``P<path>.dpt``."""
-        earlier = [r for r in self.files(path) if r < round_]
-        file = self.file(path, max(earlier)) if earlier else self.folder / f"P{path}.dpt"
+        before = self._latest_before(path, round_)
+        file = self.folder / f"P{path}.dpt" if before is None else self.file(path, before)
         if not file.exists():
             return
         try:
