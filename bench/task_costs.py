@@ -32,6 +32,7 @@ an H = 150 task at the paper path's H100 rate in docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import json
@@ -55,6 +56,8 @@ import xxhash
 from dipaco.coordinator import admission, service
 from dipaco.coordinator.durable import GroupWriter
 from dipaco.coordinator.store import ModuleStore
+from dipaco.model.optim import InnerSettings, make_optimizer, train_step
+from dipaco.model.transformer import ModelConfig, PathModel
 from dipaco.peer import modules as peer_modules
 from dipaco.peer.peer import Peer
 from dipaco.peer.push import Pusher
@@ -168,7 +171,7 @@ def install(probe: Probe) -> None:
         (Pusher, "encode", "encode"),
         (InnerState, "save", "save state"),
         (Pusher, "send", "send"),
-        (transport, "encode_message", "frame"),
+        (transport, "encode_message_gathered", "frame"),
         (auth, "seal_request", "seal"),
         (auth, "open_reply", "open reply"),
         (transport, "decode_message", "decode reply"),
@@ -220,9 +223,10 @@ def _write_synced(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
-# Each phase's limit: (reference operation, how many path-sizes of it). Fetch, frame and the
-# delta's checks move the path's bytes once; verify and seal hash them; state files are the
-# AdamW moments (two path-sizes) written with fsync.
+# Each phase's limit: (reference operation, how many path-sizes of it). Fetch and the delta's
+# checks move the path's bytes once; verify and seal hash them; state files are the AdamW
+# moments (two path-sizes) written with fsync. The frame is a message's head only (a delta is
+# sent from its tensors' own memory): no limit.
 LIMIT_OF = {
     "fetch": ("memcpy", 1),
     "verify": ("sha256", 1),
@@ -231,7 +235,6 @@ LIMIT_OF = {
     "deltas": ("clone", 1),
     "encode": ("memcpy", 1),
     "save state": ("write+fsync", 2),
-    "frame": ("memcpy", 1),
     "seal": ("blake3", 1),
     "coord: open request": ("blake3", 1),
     "coord: SubmitDelta": ("memcpy", 1),
@@ -244,6 +247,8 @@ def main() -> None:
     if sys.argv[1:2] == ["--peer-child"]:
         address, state, n_tasks, keep = sys.argv[2:6]
         return peer_child(address, state, int(n_tasks), keep == "--keep")
+    if sys.argv[1:2] == ["--bare-child"]:
+        return bare_child(json.loads(sys.argv[2]), int(sys.argv[3]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--layers", type=int, default=4)
@@ -330,9 +335,36 @@ def run(args: argparse.Namespace, work: Path) -> None:
         tasks, raised = train_tasks(transport, work / "peer", args.tasks + 1, not args.no_keep)
         rss = peak_rss()
         who = "this process (peer and coordinator)"
+    bare = bare_peak(cfg, args.batch)
     report(
-        args, tasks[1:], ref, n_params, rss, who, raised
+        args, tasks[1:], ref, n_params, rss, who, raised, bare
     )  # the first warmed up (allocator, caches)
+
+
+def bare_peak(cfg: ModelConfig, batch: int) -> int:
+    """The peak RSS of a bare training process of the path (``bare_child``), in bytes."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--bare-child", json.dumps(dataclasses.asdict(cfg)), str(batch)],
+        stdout=subprocess.PIPE, text=True, check=True,
+    )  # fmt: skip
+    return int(json.loads(out.stdout.splitlines()[-1])["rss"])
+
+
+def bare_child(cfg: dict[str, Any], batch: int) -> None:
+    """The least a process that trains this path holds: its model, AdamW (moments made by a
+    first step) and two steps' gradients and activations, with nothing of dipaco's around
+    them; its peak RSS as a JSON line."""
+    config = ModelConfig(**cfg)
+    model = PathModel(config)
+    model.train()
+    settings = InnerSettings(
+        lr=1e-4, warmup_steps=1, total_steps=10, min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0
+    )
+    optimizer = make_optimizer(model, settings)
+    windows = torch.randint(config.vocab_size, (batch, config.max_seq_len + 1))
+    for step in range(2):
+        train_step(model, optimizer, windows, settings, step=step)
+    print(json.dumps({"rss": peak_rss()}))
 
 
 def peer_child(address: str, state: str, n_tasks: int, keep: bool) -> None:
@@ -398,6 +430,7 @@ def report(
     rss: int,
     who: str,
     raised: dict[str, int],
+    bare: int,
 ) -> None:
     n_bytes = 4 * n_params
     kinds = {"new path": False, "same path again": True}
@@ -430,9 +463,12 @@ def report(
         f"\nbudget for what is not training: 5% of an H = 150 task at {H100_TOKENS_PER_SECOND:,} "
         f"tok/s on an H100 = {budget:.2f} s; the limits under the phases add up to {floor:.2f} s"
     )
+    bound = bare + n_bytes
     print(
-        f"peak RSS of {who}: {rss / 2**30:.2f} GiB; the path's "
-        f"weights, AdamW state and one delta: {4 * n_bytes / 2**30:.2f} GiB"
+        f"peak RSS of {who}: {rss / 2**30:.2f} GiB; the path's weights, AdamW state and one "
+        f"delta: {4 * n_bytes / 2**30:.2f} GiB; a bare training process of the path (interpreter, "
+        f"weights, AdamW, gradients, activations) {bare / 2**30:.2f} GiB, and one delta more "
+        f"{bound / 2**30:.2f} GiB: the peak over that {rss / bound:.2f}"
     )
     rises = sorted(((b, p) for p, b in raised.items() if b >= 1 << 20), reverse=True)
     print(
@@ -459,7 +495,8 @@ def report(
             + ")"
             for k in best
         )
-        + f"; limits {floor:.2f} s; peak RSS {rss / 2**30:.2f} GiB ("
+        + f"; limits {floor:.2f} s; peak RSS {rss / 2**30:.2f} GiB, {rss / bound:.2f} of a bare "
+        + f"training process and one delta ({bound / 2**30:.2f} GiB; rose in "
         + ", ".join(f"{p} {b / 2**30:.2f}" for b, p in rises[:4])
         + ")",
     )

@@ -20,6 +20,7 @@ from dipaco.errors import DipacoError, RejectedError
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
+from dipaco.protocols.wire import ByteBuffer, is_received
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ OPS: dict[type[m.Message], Op] = {
 }
 
 
-def handle(core: CoordinatorBase, data: bytes) -> bytearray | memoryview:
+def handle(core: CoordinatorBase, data: ByteBuffer) -> bytearray | memoryview:
     """Open the signed request, admit its key, run the operation, sign the reply.
 
     Every refusal is an Error reply with its reason, counted once (per peer id when the
@@ -68,7 +69,9 @@ def handle(core: CoordinatorBase, data: bytes) -> bytearray | memoryview:
         return handle_in_slot(core, data, slot)
 
 
-def handle_in_slot(core: CoordinatorBase, data: bytes, slot: RequestSlot) -> bytearray | memoryview:
+def handle_in_slot(
+    core: CoordinatorBase, data: ByteBuffer, slot: RequestSlot
+) -> bytearray | memoryview:
     nonce, key, who = "", None, "unknown"
     try:
         header, body = auth.split_request(data)  # parsed once; a refusal answers its nonce
@@ -86,7 +89,9 @@ def handle_in_slot(core: CoordinatorBase, data: bytes, slot: RequestSlot) -> byt
                 f"of {core.gate.max_request_bytes}",
                 reason=Reason.TOO_LARGE,
             )
-        req = m.decode_message(signed.body)
+        # A request received into a buffer of its own (transport.Handler) is decoded in place:
+        # a delta's tensors are views of it, not a second copy.
+        req = m.decode_message(signed.body, copy=not is_received(data))
         op = OPS.get(type(req))
         if op is None or not op.slotted:
             slot.give()

@@ -44,6 +44,7 @@ from dipaco.protocols.transport import LoopbackServer, Transport
 from dipaco.protocols.wire import (
     ByteBuffer,
     Frame,
+    Outgoing,
     read_tensor_file,
     tensors_sha256,
     write_tensor_file,
@@ -72,7 +73,7 @@ class RelayTransport(Transport):
         self.submitted: bytes | None = None
         self.released = False
 
-    def _roundtrip(self, data: ByteBuffer) -> ByteBuffer:
+    def _roundtrip(self, data: Outgoing) -> ByteBuffer:
         raise TransportError("a Flower node cannot call its coordinator; it only answers")
 
     def request(self, msg: m.Message) -> m.Message:

@@ -30,7 +30,7 @@ from dipaco.protocols import messages as m
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.linkwatch import LinkWatch
 from dipaco.protocols.transport import Transport
-from dipaco.protocols.wire import ByteBuffer
+from dipaco.protocols.wire import ByteBuffer, Outgoing
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class SchedulerLink(Transport):
         # the scheduler's relay is reached through the new one from then on).
         self.on_follow: Callable[[list[str]], None] | None = None
 
-    def _roundtrip(self, data: ByteBuffer) -> ByteBuffer:
+    def _roundtrip(self, data: Outgoing) -> ByteBuffer:
         current = self.current
         try:
             return current._roundtrip(data)

@@ -29,7 +29,7 @@ from dipaco.protocols import keyrotation
 from dipaco.protocols import messages as m
 from dipaco.protocols.auth import check_public_key, fingerprint
 from dipaco.protocols.transport import Transport
-from dipaco.protocols.wire import ByteBuffer
+from dipaco.protocols.wire import ByteBuffer, Outgoing
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class _View(Transport):
     def __init__(self, link: Transport) -> None:
         self.link = link
 
-    def _roundtrip(self, data: ByteBuffer) -> ByteBuffer:
+    def _roundtrip(self, data: Outgoing) -> ByteBuffer:
         return self.link._roundtrip(data)
 
 
@@ -154,7 +154,7 @@ class FollowingLink(Transport):
         self.peer_id, self.run_id = peer_id, run_id
         self._following = threading.Lock()
 
-    def _roundtrip(self, data: ByteBuffer) -> ByteBuffer:
+    def _roundtrip(self, data: Outgoing) -> ByteBuffer:
         return self.link._roundtrip(data)
 
     def request(self, msg: m.Message) -> m.Message:

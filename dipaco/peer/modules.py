@@ -67,8 +67,11 @@ def fetch_modules(
     With ``seeds``, a module version other peers announced is fetched from them: its owner is
     asked for the signed release only (the peer says it has that version), the tensors come
     from a holder and must match the signed hash, and whatever no holder delivers is asked of
-    the owner again, whole. Every version the peer ends up with is held for others."""
+    the owner again, whole. Every version the peer ends up with is held for others.
+
+    ``cache`` keeps the modules of this path only (:func:`keep_path_modules`)."""
     fault_point("peer.fetch")  # sleep:S makes a slow downlink
+    keep_path_modules(cache, task.module_versions)
     have = {mid: v for mid, (v, _) in cache.items()}
     if seeds is not None:
         seeded = seeds.find(
@@ -125,6 +128,21 @@ def fetch_modules(
                 seeds.from_owner += 1
             seeds.hold(mid, Release(version, hashes[mid], signatures[mid], tensors))
     return modules
+
+
+def keep_path_modules(cache: Cache, mids: dict[str, int]) -> None:
+    """Drop from ``cache`` the modules not in ``mids``: a peer holds one path's modules, not
+    every module it has seen (what the next path shares with the last is not fetched again).
+    A module received with others is a view of the reply they came in: the modules that stay
+    are copied into memory of their own, so that the reply's buffer goes with those that left
+    (the copies are of what two paths share, mostly the embedding and the head)."""
+    gone = [mid for mid in cache if mid not in mids]
+    if not gone:
+        return
+    for mid in gone:
+        del cache[mid]
+    for mid, (version, tensors) in cache.items():
+        cache[mid] = (version, {name: t.clone() for name, t in tensors.items()})
 
 
 def _ask_owners(

@@ -329,8 +329,8 @@ class Peer:
         Returns the task's state."""
         log.info("peer %s: training %s (path P%d)", self.peer_id, task.task_id, task.path)
         self.behind.wait(task.path)  # the path's last task is still being pushed: its state
-        if task.owners:
-            self.links.owners.update(task.owners)
+        self.trainer.let_go(task.path)  # another path's kept model goes before this one comes
+        self.links.owners.update(task.owners)  # who owns each module, as the scheduler says
         with timed(self.timings, "fetch"):
             if isinstance(fetched, Exception):
                 raise fetched

@@ -32,12 +32,26 @@ Tensors = dict[str, dict[str, torch.Tensor]]  # module id -> parameter name -> t
 REPORT_WAIT = 2.0
 
 
-def module_deltas(base: Tensors, trained: Tensors) -> Tensors:
-    """Each module's delta: its tensors as fetched (``base``) minus as trained, contiguous."""
+def module_deltas(base: Tensors, trained: Tensors, in_place: bool = False) -> Tensors:
+    """Each module's delta: its tensors as fetched (``base``) minus as trained, contiguous.
+    ``in_place``: written over ``trained``'s tensors where they are contiguous float32 like
+    ``base``'s (the path's parameters hold no second copy of it; they are spent)."""
     return {
-        mid: {name: (base[mid][name] - trained[mid][name]).contiguous() for name in base[mid]}
+        mid: {name: _delta(base[mid][name], trained[mid][name], in_place) for name in base[mid]}
         for mid in base
     }
+
+
+def _delta(base: torch.Tensor, trained: torch.Tensor, in_place: bool) -> torch.Tensor:
+    if (
+        in_place
+        and trained.is_contiguous()
+        and trained.dtype == base.dtype == torch.float32
+        and trained.shape == base.shape
+        and trained.device == base.device
+    ):
+        return torch.sub(base, trained, out=trained)
+    return (base - trained).contiguous()
 
 
 def codec_settings(config: dict[str, Any]) -> tuple[float, float]:

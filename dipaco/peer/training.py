@@ -157,6 +157,12 @@ class PathTrainer:
         self._taking: Kept | None = None  # what the task being set up took (build -> open)
         self.counts = dict.fromkeys(("built", "reused", "state loaded", "state kept"), 0)
 
+    def let_go(self, path: int) -> None:
+        """Drop the kept model and optimizer unless they are ``path``'s: before a task of
+        another path fetches its modules, so that the two paths are never held at once."""
+        if self._kept is not None and self._kept.path != path:
+            self._kept = None
+
     def build(self, task: m.TaskOffer, modules: Tensors, cache: Cache) -> torch.nn.Module:
         """The path's model on this device, from copies of the fetched modules (into the kept
         model of the last task, when it trained this path); ``TaskAborted`` when the modules do
@@ -388,12 +394,14 @@ class PathTrainer:
         return task.inner_steps * self.train_cfg["batch_size"] * self.train_cfg["seq_len"]
 
     def deltas(self, run: TaskRun) -> Tensors:
-        """The task's per-module deltas (fetched minus trained), on the CPU."""
+        """The task's per-module deltas (fetched minus trained), on the CPU: written over the
+        trained parameters (on a CPU; on a GPU over their copy in host memory), which nothing
+        reads after this (a kept model gets its next task's modules copied in first)."""
         with timed(self.timings, "train"):
             trained = self.topology.split_path_state(
                 run.task.path, {k: v.detach().cpu() for k, v in run.model.state_dict().items()}
             )
-            run.delta = module_deltas(run.modules, trained)
+            run.delta = module_deltas(run.modules, trained, in_place=True)
             return run.delta
 
 

@@ -40,7 +40,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import blake3
 from cryptography.exceptions import InvalidSignature
@@ -50,7 +50,14 @@ from dipaco import faults
 from dipaco.errors import ConfigError, RejectedError, WireError
 from dipaco.fileio import write_private
 from dipaco.protocols.reasons import Reason
-from dipaco.protocols.wire import ByteBuffer, loads_checked
+from dipaco.protocols.wire import (
+    MESSAGE_ALIGN,
+    ByteBuffer,
+    Outgoing,
+    Pieces,
+    joined,
+    loads_checked,
+)
 
 KEY_PREFIX = "ed25519:"
 REQUEST_MAGIC, REPLY_MAGIC = b"DPQ1", b"DPR1"
@@ -208,20 +215,54 @@ def _reply_text(key: str, nonce: str, digest: str) -> bytes:
 _THREADED_HASH_BYTES = 1 << 20
 
 
-def body_digest(body: ByteBuffer) -> str:
-    """The envelope's hash of a body: BLAKE3, hex."""
+def body_digest(body: ByteBuffer | Pieces) -> str:
+    """The envelope's hash of a body (one buffer, or Pieces hashed in turn): BLAKE3, hex."""
     threads = blake3.blake3.AUTO if len(body) >= _THREADED_HASH_BYTES else 1
+    if isinstance(body, Pieces):
+        hasher = blake3.blake3(max_threads=threads)
+        for part in body.parts:
+            hasher.update(part)
+        return hasher.hexdigest()
     return blake3.blake3(body, max_threads=threads).hexdigest()
 
 
+def _payload(body: bytes | bytearray | Pieces, room: int) -> ByteBuffer | Pieces:
+    return body.after(room) if isinstance(body, Pieces) else memoryview(body)[room:]
+
+
+@overload
+def _pack(magic: bytes, header: dict[str, Any], body: Pieces, room: int = 0) -> Pieces: ...
+
+
+@overload
 def _pack(
     magic: bytes, header: dict[str, Any], body: bytes | bytearray, room: int = 0
-) -> bytearray | memoryview:
+) -> bytearray | memoryview: ...
+
+
+def _pack(
+    magic: bytes, header: dict[str, Any], body: bytes | bytearray | Pieces, room: int = 0
+) -> bytearray | memoryview | Pieces:
     """The envelope: magic, header length, header, then the body (``body[room:]``). With
     ``room``, the header goes into the free bytes in front of the body and the envelope is a
-    view of ``body`` from there: no copy of the body at all."""
+    view of ``body`` from there: no copy of the body at all. Pieces stay Pieces (the header
+    goes into the room of the first). The header is padded with spaces to a multiple of
+    MESSAGE_ALIGN with its 8 bytes of magic and length, so that the body keeps the alignment
+    of its tensors (wire.MESSAGE_ALIGN)."""
     head = canonical(header)
+    head += b" " * (-(8 + len(head)) % MESSAGE_ALIGN)
     start = room - 8 - len(head)
+    if isinstance(body, Pieces):
+        first = body.parts[0]
+        if room and start >= 0 and not first.readonly:
+            first[start : start + 4], first[start + 4 : start + 8] = (
+                magic,
+                struct.pack("<I", len(head)),
+            )
+            first[start + 8 : room] = head
+            return Pieces([first[start:], *body.parts[1:]])
+        lead = magic + struct.pack("<I", len(head)) + head
+        return Pieces([lead, *body.after(room).parts])
     if room and start >= 0 and isinstance(body, bytearray):
         body[start : start + 4], body[start + 4 : start + 8] = magic, struct.pack("<I", len(head))
         body[start + 8 : room] = head
@@ -270,16 +311,32 @@ def _check_digest(header: dict[str, Any], body: memoryview) -> None:
         )
 
 
+@overload
+def seal_request(
+    identity: Identity, body: Pieces, now: float | None = None, *, room: int = 0
+) -> tuple[Pieces, str]: ...
+
+
+@overload
 def seal_request(
     identity: Identity, body: bytes | bytearray, now: float | None = None, *, room: int = 0
-) -> tuple[bytearray | memoryview, str]:
+) -> tuple[bytearray | memoryview, str]: ...
+
+
+def seal_request(
+    identity: Identity,
+    body: bytes | bytearray | Pieces,
+    now: float | None = None,
+    *,
+    room: int = 0,
+) -> tuple[bytearray | memoryview | Pieces, str]:
     """The signed request frame, and its nonce (the reply must carry it back). ``room``: the
     body starts after that many free bytes (``encode_message(msg, room=ENVELOPE_ROOM)``),
     which the envelope's header fills in place."""
     ts = round(faults.now() if now is None else now, 3)  # faults.now: time.time(), unless a
     # fault-injection run skews this process's clock (DIPACO_CLOCK_SKEW)
     nonce = secrets.token_hex(16)
-    digest = body_digest(memoryview(body)[room:])
+    digest = body_digest(_payload(body, room))
     sig = identity.sign(_request_text(identity.public_key, ts, nonce, digest))
     header = {"key": identity.public_key, "ts": ts, "nonce": nonce, "blake3": digest, "sig": sig}
     return _pack(REQUEST_MAGIC, header, body, room), nonce
@@ -322,21 +379,23 @@ def peek_nonce(data: ByteBuffer) -> str:
 def seal_reply(
     identity: Identity, nonce: str, body: bytes | bytearray, *, room: int = 0
 ) -> bytearray | memoryview:
-    """The signed reply to the request with ``nonce``; ``room`` as for :func:`seal_request`."""
+    """The signed reply to the request with ``nonce``; ``room`` as for :func:`seal_request`.
+    One buffer, never Pieces: a reply's tensors (modules) may change once it is made."""
     digest = body_digest(memoryview(body)[room:])
     sig = identity.sign(_reply_text(identity.public_key, nonce, digest))
     header = {"key": identity.public_key, "nonce": nonce, "blake3": digest, "sig": sig}
     return _pack(REPLY_MAGIC, header, body, room)
 
 
-def open_reply(data: ByteBuffer, nonce: str, expected_key: str | None) -> Signed:
+def open_reply(data: Outgoing, nonce: str, expected_key: str | None) -> Signed:
     """The verified reply to the request with ``nonce``, signed by ``expected_key`` if given.
 
     Raises WireError: a reply that fails these checks did not come from the coordinator we
     meant to talk to (or was tampered with on the way), so nothing in it may be used.
+    Pieces (a reply from this process) are joined first.
     """
     try:
-        header, body = _unpack(data, REPLY_MAGIC)
+        header, body = _unpack(joined(data), REPLY_MAGIC)
     except RejectedError as exc:
         raise WireError(f"reply refused: {exc}", reason="untrusted-reply") from None
     if header["nonce"] != nonce:

@@ -19,7 +19,15 @@ from typing import Any, TypeVar
 import torch
 
 from dipaco.errors import WireError
-from dipaco.protocols.wire import DEFAULT_LIMITS, Frame, Limits, decode, encode
+from dipaco.protocols.wire import (
+    DEFAULT_LIMITS,
+    Frame,
+    Limits,
+    Pieces,
+    decode,
+    encode,
+    encode_gathered,
+)
 
 REGISTRY: dict[str, type] = {}
 
@@ -422,7 +430,16 @@ def encode_message(msg: Message, limits: Limits = DEFAULT_LIMITS, room: int = 0)
     return encode(to_frame(msg), limits, room)
 
 
+def encode_message_gathered(
+    msg: Message, limits: Limits = DEFAULT_LIMITS, room: int = 0
+) -> bytearray | Pieces:
+    """:func:`encode_message`, a large one as Pieces (wire.encode_gathered): for a transport."""
+    return encode_gathered(to_frame(msg), limits, room)
+
+
 def decode_message(
-    data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
+    data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS, copy: bool = True
 ) -> Message:
-    return from_frame(decode(data, limits))
+    """The message in ``data``; its tensors are views of ``data`` where aligned unless ``copy``
+    (for a buffer the caller owns and will not change: a request received into one)."""
+    return from_frame(decode(data, limits, copy=copy))

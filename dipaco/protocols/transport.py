@@ -20,12 +20,22 @@ from multiprocessing.connection import Connection, answer_challenge, deliver_cha
 
 from dipaco.errors import RejectedError, TransportError
 from dipaco.protocols import auth
-from dipaco.protocols.messages import Error, Message, decode_message, encode_message
-from dipaco.protocols.wire import ByteBuffer
+from dipaco.protocols.messages import Error, Message, decode_message, encode_message_gathered
+from dipaco.protocols.wire import (
+    ByteBuffer,
+    Outgoing,
+    Pieces,
+    Received,
+    is_received,
+    joined,
+    received_buffer,
+)
 
 log = logging.getLogger(__name__)
 
-# A sealed request (a view, from the local transport) -> a sealed reply, maybe a view.
+# A sealed request -> a sealed reply, maybe a view. A request handed in as wire.Received is the
+# handler's own (a transport received it into a buffer of its own, or joined Pieces into one):
+# its tensors may stay views of it. Any other buffer is the caller's.
 Handler = Callable[[ByteBuffer], ByteBuffer]
 BACKLOG = 1024  # connections waiting to be accepted (the kernel caps it at somaxconn)
 HANDSHAKE_SECONDS = 10.0  # a connection silent this long in its handshake is dropped
@@ -78,6 +88,53 @@ def _send_timeout(conn: Connection, seconds: float) -> None:
     _setsockopt(conn, socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
 
 
+_SMALL = 16 << 10  # a message this short goes out with its length in one write
+
+
+def _send_message(conn: Connection, data: Outgoing) -> None:
+    """``conn.send_bytes(data)``'s framing (multiprocessing's length prefix: the other side may
+    be any Connection), but Pieces are written one after another from their own memory and
+    nothing is copied whole. A write that stalls raises (SO_SNDTIMEO), as send_bytes does."""
+    n = len(data)
+    head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+    if isinstance(data, Pieces):
+        parts = [memoryview(head), *data.parts]
+    elif n <= _SMALL:
+        parts = [memoryview(head + bytes(data))]
+    else:
+        parts = [memoryview(head), memoryview(data).cast("B")]
+    fd = conn.fileno()
+    for part in parts:
+        while part.nbytes:
+            part = part[os.write(fd, part) :]
+
+
+def _recv_message(conn: Connection, maxsize: int | None = None) -> Received:
+    """The next message sent with ``send_bytes``' framing, read straight into one new buffer
+    of its size (``recv_bytes`` reads it in pieces and gathers them: twice the memory while it
+    reads). EOFError if the other side left before it; OSError for a length over ``maxsize``,
+    a message cut short, or a read that stalled (SO_RCVTIMEO)."""
+    fd = conn.fileno()
+    (size,) = struct.unpack("!i", _read_exact(fd, bytearray(4), eof_ok=True))
+    if size == -1:
+        (size,) = struct.unpack("!Q", _read_exact(fd, bytearray(8)))
+    if size < 0 or (maxsize is not None and size > maxsize):
+        raise OSError("bad message length")
+    return _read_exact(fd, received_buffer(size))
+
+
+def _read_exact(fd: int, buf: Received, eof_ok: bool = False) -> Received:
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            if eof_ok and got == 0:
+                raise EOFError
+            raise OSError("got end of file during message")
+        got += n
+    return buf
+
+
 def _stalled(exc: BaseException) -> bool:
     """A read or write that ran into its time limit (SO_RCVTIMEO, SO_SNDTIMEO)."""
     return isinstance(exc, (BlockingIOError, TimeoutError))
@@ -97,7 +154,10 @@ class Transport(ABC):
     on_pin: Callable[[str], None] | None = None
 
     @abstractmethod
-    def _roundtrip(self, data: ByteBuffer) -> ByteBuffer: ...
+    def _roundtrip(self, data: Outgoing) -> ByteBuffer:
+        """Send a sealed request (one buffer, or Pieces sent in turn), return the sealed reply:
+        wire.Received only when it is this caller's own (received into a buffer of its own),
+        so that its tensors need no copy."""
 
     def authenticate(
         self,
@@ -113,13 +173,20 @@ class Transport(ABC):
         if self.identity is None:
             self.identity = auth.process_identity()
         room = auth.ENVELOPE_ROOM  # the envelope is written in front of the frame: no copy
-        sealed, nonce = auth.seal_request(self.identity, encode_message(msg, room=room), room=room)
-        opened = auth.open_reply(self._roundtrip(sealed), nonce, self.server_key)
+        # A large request (a delta) goes out from its tensors' own memory (Pieces).
+        body = encode_message_gathered(msg, room=room)
+        sealed, nonce = auth.seal_request(self.identity, body, room=room)
+        del body
+        raw = self._roundtrip(sealed)
+        del sealed
+        # A reply received into a buffer of our own is ours: its tensors (modules) stay views
+        # of it, with no second copy.
+        opened = auth.open_reply(raw, nonce, self.server_key)
         if self.server_key is None:
             self.server_key = opened.key
             if self.on_pin is not None:
                 self.on_pin(opened.key)
-        reply = decode_message(opened.body)
+        reply = decode_message(opened.body, copy=not is_received(raw))
         if isinstance(reply, Error):
             raise RejectedError(reply.message, reason=reply.reason)
         return reply
@@ -132,8 +199,8 @@ class LocalTransport(Transport):
     def __init__(self, handler: Handler) -> None:
         self._handler = handler
 
-    def _roundtrip(self, data: ByteBuffer) -> ByteBuffer:
-        return self._handler(data)
+    def _roundtrip(self, data: Outgoing) -> ByteBuffer:
+        return self._handler(joined(data))  # Pieces joined: the handler's own copy
 
 
 class LoopbackTransport(Transport):
@@ -205,13 +272,13 @@ class LoopbackTransport(Transport):
         self._conn = conn
         return conn
 
-    def _roundtrip(self, data: ByteBuffer) -> ByteBuffer:
+    def _roundtrip(self, data: Outgoing) -> ByteBuffer:
         with self._lock:
             conn = self._conn if self._conn is not None else self._connect()
             try:
-                conn.send_bytes(data)
+                _send_message(conn, data)
                 if conn.poll(self._timeout):
-                    return conn.recv_bytes()
+                    return _recv_message(conn)
                 problem = f"no reply within {self._timeout:.0f} s"
             except (OSError, EOFError) as exc:
                 if _stalled(exc):
@@ -307,7 +374,7 @@ class LoopbackServer:
                 log.warning("refused a connection in its handshake: %s", reason)
             return False
 
-    def _next_request(self, conn: Connection) -> bytes | None:
+    def _next_request(self, conn: Connection) -> Received | None:
         """The next request, or None when the peer left, stalled or the server is closing."""
         try:
             while not conn.poll(POLL_SECONDS):
@@ -315,7 +382,7 @@ class LoopbackServer:
                     return None
             if self._closed.is_set():
                 return None
-            return conn.recv_bytes(self._max)
+            return _recv_message(conn, self._max)
         except EOFError:
             return None
         except OSError as exc:  # a stall mid-request, or an oversized frame: drop the peer
@@ -341,7 +408,7 @@ class LoopbackServer:
                         self._inflight -= 1
                         self._idle.notify_all()
                 try:
-                    conn.send_bytes(reply)
+                    _send_message(conn, reply)
                 except OSError as exc:
                     if _stalled(exc):
                         self.dropped += 1

@@ -31,8 +31,15 @@ import xxhash
 from dipaco.errors import CorruptFileError, WireError
 from dipaco.fileio import write_atomic
 
-# A byte string as it travels: bytes, or a view of (or a writable copy in) a larger buffer.
-ByteBuffer = bytes | bytearray | memoryview
+# A byte string as it travels: bytes, or a view of (or a writable copy in) a larger buffer, or
+# a mapping received into (received_buffer).
+ByteBuffer = bytes | bytearray | memoryview | mmap.mmap
+# A frame whose tensors hold at least this many bytes is sent from their own memory (Pieces).
+GATHER_BYTES = 1 << 20
+# A message's tensor bytes start at a multiple of this from its start (its header padded with
+# spaces, as is the envelope's): a receiver's buffer keeps them aligned, so that its tensors can
+# be views of it (decode(copy=False)).
+MESSAGE_ALIGN = 8
 
 MAGIC = b"DPCO"
 VERSION = 1
@@ -108,10 +115,82 @@ class Frame:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+class Pieces:
+    """Bytes kept in the buffers they are in, written out one after another (scatter-gather):
+    a message's head, then each tensor's own memory. A large delta is sent without being copied
+    into one buffer first; a transport that needs one buffer makes it (:meth:`join`, the
+    receiver's copy). The tensors must not change until the bytes are sent."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[ByteBuffer]) -> None:
+        self.parts = [memoryview(p).cast("B") for p in parts]
+
+    def __len__(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def after(self, n: int) -> Pieces:
+        """The same bytes less the first ``n`` (which lie in the first part)."""
+        if n > self.parts[0].nbytes:
+            raise ValueError(f"cannot drop {n} bytes of a first part of {self.parts[0].nbytes}")
+        return Pieces([self.parts[0][n:], *self.parts[1:]])
+
+    def join(self) -> bytearray:
+        """The bytes in one new buffer."""
+        out = bytearray(len(self))
+        offset = 0
+        for p in self.parts:
+            out[offset : offset + p.nbytes] = p
+            offset += p.nbytes
+        return out
+
+
+# What a transport sends: one buffer, or several in turn.
+Outgoing = ByteBuffer | Pieces
+# A buffer a transport received bytes into, of its own: whoever it hands it to owns it, and
+# may decode tensors as views of it (decode(copy=False)). Any other buffer is the caller's.
+Received = bytearray | mmap.mmap
+
+
+def received_buffer(size: int) -> Received:
+    """A new buffer of ``size`` bytes to receive into: from 1 MiB an anonymous mapping, whose
+    pages take memory only once written (a bytearray is zeroed, every page, at once; a header
+    that claims more bytes than are sent costs only what was sent)."""
+    if size < GATHER_BYTES:
+        return bytearray(size)
+    return mmap.mmap(-1, size)
+
+
+def is_received(data: object) -> bool:
+    """``data`` was received into a buffer of its own (:data:`Received`)."""
+    return isinstance(data, bytearray | mmap.mmap)
+
+
+def joined(data: Outgoing) -> ByteBuffer:
+    """``data`` as one buffer (Pieces joined into a new one, which the caller owns)."""
+    return data.join() if isinstance(data, Pieces) else data
+
+
 def encode(frame: Frame, limits: Limits = DEFAULT_LIMITS, room: int = 0) -> bytearray:
     """The frame's bytes, after ``room`` free bytes: where the signed envelope's header goes,
     in place (auth.ENVELOPE_ROOM), so that sealing never copies the body."""
-    head, arrays = encode_parts(frame, limits)
+    return _into_one(*encode_parts(frame, limits, MESSAGE_ALIGN), room)
+
+
+def encode_gathered(
+    frame: Frame, limits: Limits = DEFAULT_LIMITS, room: int = 0
+) -> bytearray | Pieces:
+    """:func:`encode`, but a frame of at least GATHER_BYTES of tensors is Pieces: its head
+    (after ``room``), then views of the tensors' own memory, none of them copied."""
+    head, arrays = encode_parts(frame, limits, MESSAGE_ALIGN)
+    if sum(a.nbytes for a in arrays) < GATHER_BYTES:
+        return _into_one(head, arrays, room)
+    first = bytearray(room + len(head))
+    first[room:] = head
+    return Pieces([first, *arrays])
+
+
+def _into_one(head: bytes, arrays: list[memoryview], room: int) -> bytearray:
     out = bytearray(room + len(head) + sum(a.nbytes for a in arrays))  # one copy, into place
     out[room : room + len(head)] = head
     offset = room + len(head)
@@ -126,7 +205,7 @@ def encode_parts(
 ) -> tuple[bytes, list[memoryview]]:
     """The frame as its prefix and header, then each tensor's bytes (views, not copies).
     ``align``: pad the header with spaces (valid JSON) so that the tensor bytes start at a
-    multiple of it (files; messages are never padded)."""
+    multiple of it (FILE_ALIGN for files, MESSAGE_ALIGN for messages)."""
     specs, arrays = [], []
     for name, tensor in frame.tensors.items():
         if tensor.dtype not in _DTYPE_NAMES:

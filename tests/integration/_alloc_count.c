@@ -3,13 +3,16 @@
 // torch's tensors, NumPy's arrays, a library's buffers). The process arms it through ctypes:
 // dipaco_alloc_arm(min) counts every allocation of at least `min` bytes from then on, in every
 // thread, until dipaco_alloc_disarm(); dipaco_alloc_count() and dipaco_alloc_size(i) read them.
-// realloc counts when it moves (or makes) a block. dlsym's own early allocations come from a
+// realloc counts when it moves (or makes) a block; mmap counts an anonymous mapping (a buffer
+// received into, say: glibc's malloc maps its large blocks through an internal call, not this). dlsym's own early allocations come from a
 // static bump buffer.
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdlib.h>
 #include <string.h>
 #include <stdatomic.h>
+#include <sys/mman.h>
+#include <sys/types.h>
 
 static void *(*real_malloc)(size_t);
 static void *(*real_calloc)(size_t, size_t);
@@ -17,6 +20,8 @@ static void *(*real_realloc)(void *, size_t);
 static int (*real_posix_memalign)(void **, size_t, size_t);
 static void *(*real_aligned_alloc)(size_t, size_t);
 static void (*real_free)(void *);
+static void *(*real_mmap)(void *, size_t, int, int, int, off_t);
+static void *(*real_mmap64)(void *, size_t, int, int, int, off_t);
 static char boot[65536];
 static size_t boot_used;
 static atomic_long counted, counted_bytes;
@@ -34,6 +39,8 @@ static void init(void) {
     real_posix_memalign = dlsym(RTLD_NEXT, "posix_memalign");
     real_aligned_alloc = dlsym(RTLD_NEXT, "aligned_alloc");
     real_free = dlsym(RTLD_NEXT, "free");
+    real_mmap = dlsym(RTLD_NEXT, "mmap");
+    real_mmap64 = dlsym(RTLD_NEXT, "mmap64");
     inside = 0;
 }
 
@@ -101,4 +108,16 @@ void free(void *p) {
     if ((char *)p >= boot && (char *)p < boot + sizeof boot) return;
     init();
     real_free(p);
+}
+
+void *mmap(void *addr, size_t length, int prot, int flags, int fd, off_t offset) {
+    init();
+    if (flags & MAP_ANONYMOUS) note(length);
+    return real_mmap(addr, length, prot, flags, fd, offset);
+}
+
+void *mmap64(void *addr, size_t length, int prot, int flags, int fd, off_t offset) {
+    init();
+    if (flags & MAP_ANONYMOUS) note(length);
+    return real_mmap64(addr, length, prot, flags, fd, offset);
 }

@@ -15,6 +15,7 @@ import sys
 import time
 
 from dipaco.protocols.hivemind import HivemindNode
+from dipaco.protocols.wire import ByteBuffer
 
 
 def main() -> None:
@@ -22,11 +23,11 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds the handler sleeps")
     args = parser.parse_args()
 
-    def echo(data: bytes) -> bytes:
+    def echo(data: ByteBuffer) -> ByteBuffer:
         if args.sleep:
             time.sleep(args.sleep)
-        if data.startswith(b"BIG "):  # b"BIG <n>": answer n random bytes
-            return os.urandom(int(data[4:]))
+        if bytes(data[:4]) == b"BIG ":  # b"BIG <n>": answer n random bytes
+            return os.urandom(int(bytes(data[4:])))
         return data
 
     node = HivemindNode()

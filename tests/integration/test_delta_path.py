@@ -28,8 +28,9 @@ from dipaco.protocols import messages as m
 
 # The figures docs/architecture.md states, for a delta that comes in through hivemind.
 HASH_PASSES = {"blake3": 2}  # the envelope: sealed by the peer, opened by the coordinator
-# The peer's encoded frame, and the coordinator's body joined from the stream's pieces.
-WHOLE_COPIES = 2
+# The coordinator's buffer the stream's pieces are written into. The peer sends from the
+# delta's own memory (wire.Pieces), and the coordinator's tensors are views of its buffer.
+WHOLE_COPIES = 1
 LOCK_TAKEN = 16  # the coordinator's lock, for one delta that closes no round
 HERE = Path(__file__).resolve().parent
 

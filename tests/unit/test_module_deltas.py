@@ -31,3 +31,27 @@ def test_a_delta_of_a_strided_view_is_contiguous():
     trained = {"m": {"w": torch.zeros(3, 2)}}
     delta = module_deltas(base, trained)["m"]["w"]
     assert delta.is_contiguous() and torch.equal(delta, base["m"]["w"])
+
+
+def test_a_delta_written_in_place_takes_the_trained_tensors_memory():
+    base = {
+        "m": {
+            "w": torch.tensor([1.0, 2.0, 3.0]),
+            "h": torch.tensor([1.0, 2.0], dtype=torch.float64),
+        }
+    }
+    trained = {
+        "m": {
+            "w": torch.tensor([0.5, 2.5, 3.0]),
+            "h": torch.tensor([0.0, 0.0], dtype=torch.float64),
+        }
+    }
+    memory = trained["m"]["w"].data_ptr()
+    delta = module_deltas(base, trained, in_place=True)["m"]
+    assert delta["w"].data_ptr() == memory  # no new tensor: the trained one holds the delta
+    assert torch.equal(delta["w"], torch.tensor([0.5, -0.5, 0.0]))
+    assert torch.equal(trained["m"]["w"], delta["w"])
+    assert torch.equal(base["m"]["w"], torch.tensor([1.0, 2.0, 3.0]))  # the base is left
+    # Not float32: a new tensor, and the trained one is left as it was.
+    assert torch.equal(delta["h"], torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert torch.equal(trained["m"]["h"], torch.zeros(2, dtype=torch.float64))

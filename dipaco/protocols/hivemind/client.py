@@ -21,10 +21,16 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from dipaco.errors import RejectedError, TransportError
 from dipaco.protocols.addresses import RELAYED, split_relayed
-from dipaco.protocols.hivemind.framing import TokenBucket, parse_header, pieces, size_header
+from dipaco.protocols.hivemind.framing import (
+    Assembly,
+    TokenBucket,
+    parse_header,
+    pieces,
+    size_header,
+)
 from dipaco.protocols.hivemind.server import _ByteServicer
 from dipaco.protocols.transport import Transport
-from dipaco.protocols.wire import ByteBuffer
+from dipaco.protocols.wire import ByteBuffer, Outgoing
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +113,7 @@ class HivemindTransport(Transport):
             log.debug("hivemind transport: dialing %s failed: %s", self.target, exc)
 
     async def _requests(
-        self, data: ByteBuffer, header: str
+        self, data: Outgoing, header: str
     ) -> AsyncIterator[runtime_pb2.ExpertRequest]:
         first = True
         for piece in pieces(data):
@@ -121,15 +127,14 @@ class HivemindTransport(Transport):
             self.bytes_sent += len(piece)
             self._moved_at = asyncio.get_running_loop().time()
 
-    async def _call(self, data: ByteBuffer, header: str) -> tuple[list[bytes], int]:
+    async def _call(self, data: Outgoing, header: str) -> ByteBuffer:
         if not self._dialed:
             await self._dial()
         stub = _ByteServicer.get_stub(self.node._live_p2p(), self._peer)
         responses = await stub.rpc_call(self._requests(data, header))
         try:
             reply_header = None
-            chunks: list[bytes] = []
-            got = 0
+            reply = Assembly(0)
             async for msg in responses:
                 if reply_header is None:
                     try:
@@ -153,29 +158,33 @@ class HivemindTransport(Transport):
                         )
                     if size == 0:
                         break
+                    reply = Assembly(size)  # the reply's one buffer, filled as pieces come
                     continue
                 piece = msg.metadata
                 self._moved_at = asyncio.get_running_loop().time()
-                got += len(piece)
                 self.bytes_received += len(piece)
-                if got > size:
+                try:
+                    reply.add(piece)
+                except ValueError as exc:
                     raise TransportError(
-                        f"reply overruns its header: {got} > {size} bytes", reason="overrun"
-                    )
-                chunks.append(piece)
+                        f"reply overruns its header: {exc}", reason="overrun"
+                    ) from None
                 if self._down is not None:
                     await self._down.consume(len(piece))
-                if got == size:
+                if reply.got == size:
                     break
         finally:
             await responses.aclose()
         if reply_header is None:
             raise TransportError(f"{self.target} closed the stream without a reply")
-        if got != size:
-            raise TransportError(f"reply truncated: got {got} of {size} bytes", reason="truncated")
-        return chunks, size
+        if reply.got != reply.size:
+            raise TransportError(
+                f"reply truncated: got {reply.got} of {reply.size} bytes",
+                reason="truncated",
+            )
+        return reply.buffer
 
-    async def _within_budget(self, data: ByteBuffer, header: str):
+    async def _within_budget(self, data: Outgoing, header: str):
         """``_call``, given up when no byte has moved either way for ``timeout`` seconds: a
         stalled or hung call fails, a long transfer (a big module, a rate-capped link) does not."""
         loop = asyncio.get_running_loop()
@@ -191,7 +200,7 @@ class HivemindTransport(Transport):
             if done:
                 return task.result()
 
-    async def _call_with_timeout(self, data: ByteBuffer, header: str):
+    async def _call_with_timeout(self, data: Outgoing, header: str):
         try:
             return await self._within_budget(data, header)
         except (TransportError, RejectedError):
@@ -214,10 +223,10 @@ class HivemindTransport(Transport):
                 problem = f"call to {self.target} failed: {what}"
             raise TransportError(problem) from None
 
-    def _roundtrip(self, data: ByteBuffer) -> ByteBuffer:
+    def _roundtrip(self, data: Outgoing) -> ByteBuffer:
         header = size_header(len(data), to=self._to)
         try:
-            chunks, size = self.node._submit(
+            reply = self.node._submit(
                 self._call_with_timeout(data, header), None
             )  # the call keeps its own time budget
         except (TransportError, RejectedError):
@@ -226,4 +235,4 @@ class HivemindTransport(Transport):
             raise TransportError(
                 f"call to {self.target} did not finish (node loop stuck or shut down)"
             ) from None
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return reply  # a buffer of its own: the reply's tensors are views of it

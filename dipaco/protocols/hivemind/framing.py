@@ -23,7 +23,7 @@ import json
 import time
 from collections.abc import Iterator
 
-from dipaco.protocols.wire import ByteBuffer
+from dipaco.protocols.wire import Outgoing, Pieces, received_buffer
 
 CHUNK = 1 << 20
 WIRE_VERSION = 2
@@ -50,14 +50,55 @@ class TokenBucket:
             await asyncio.sleep(-self.tokens / self.rate)
 
 
-def pieces(data: ByteBuffer) -> Iterator[bytes]:
-    """The payload in CHUNK-sized pieces (one copy per piece: protobuf needs bytes)."""
+def pieces(data: Outgoing) -> Iterator[bytes]:
+    """The payload in CHUNK-sized pieces (one copy per piece: protobuf needs bytes), Pieces
+    read in turn from their own buffers."""
     if len(data) <= CHUNK and isinstance(data, bytes):
         yield data
         return
-    view = memoryview(data)
-    for offset in range(0, max(len(view), 1), CHUNK):
-        yield bytes(view[offset : offset + CHUNK])
+    if not isinstance(data, Pieces):
+        view = memoryview(data).cast("B")
+        for offset in range(0, max(len(view), 1), CHUNK):
+            yield bytes(view[offset : offset + CHUNK])
+        return
+    carry = bytearray()  # the start of a piece that crosses into the next part
+    for part in data.parts:
+        offset = 0
+        if carry:
+            offset = min(CHUNK - len(carry), part.nbytes)
+            carry += part[:offset]
+            if len(carry) < CHUNK:
+                continue  # this part is used up
+            yield bytes(carry)
+            carry = bytearray()
+        while part.nbytes - offset >= CHUNK:
+            yield bytes(part[offset : offset + CHUNK])
+            offset += CHUNK
+        carry += part[offset:]
+    if carry or not len(data):
+        yield bytes(carry)
+
+
+class Assembly:
+    """A payload of ``size`` bytes received in pieces, written into one buffer of that size as
+    they come (a list of pieces joined at the end held the payload twice). The buffer's pages
+    take memory only once written (wire.received_buffer)."""
+
+    def __init__(self, size: int) -> None:
+        self.buffer = received_buffer(size)
+        self.got = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.buffer)
+
+    def add(self, piece: bytes) -> None:
+        """Write ``piece`` after what came before; ValueError if it overruns ``size``."""
+        end = self.got + len(piece)
+        if end > len(self.buffer):
+            raise ValueError(f"{end} > {len(self.buffer)} bytes")
+        self.buffer[self.got : end] = piece
+        self.got = end
 
 
 def size_header(size: int, to: str | None = None) -> str:

@@ -34,6 +34,7 @@ from dipaco.protocols.hivemind.client import HivemindTransport
 from dipaco.protocols.hivemind.framing import size_header
 from dipaco.protocols.hivemind.server import _ByteServicer
 from dipaco.protocols.transport import Handler
+from dipaco.protocols.wire import ByteBuffer
 
 log = logging.getLogger(__name__)
 # hivemind's own log lines go through the root logger, formatted and filtered as ours are
@@ -286,11 +287,10 @@ class HivemindNode:
         self._submit(servicer.add_p2p_handlers(self._p2p), 30.0)
         self._servicer = servicer
 
-    async def _forward(self, target: str, data: bytes) -> bytes:
+    async def _forward(self, target: str, data: ByteBuffer) -> ByteBuffer:
         """A relayed request, sent on to ``target`` (on this node's loop); its reply."""
         link = HivemindTransport(self, target, (), timeout=RELAY_TIMEOUT)
-        chunks, _ = await link._call_with_timeout(data, size_header(len(data)))
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return await link._call_with_timeout(data, size_header(len(data)))
 
     # -- client --
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import mmap
 import time
 from collections.abc import Awaitable, Callable
 from typing import AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator hints
@@ -24,17 +25,23 @@ from typing import AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIte
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from dipaco.protocols.hivemind.framing import error_header, parse_header, pieces, size_header
+from dipaco.protocols.hivemind.framing import (
+    Assembly,
+    error_header,
+    parse_header,
+    pieces,
+    size_header,
+)
 from dipaco.protocols.transport import Handler
-from dipaco.protocols.wire import ByteBuffer
+from dipaco.protocols.wire import ByteBuffer, Received
 
 log = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 10.0  # how long a refusing server keeps reading, so its refusal arrives
 
 
-# (target node, request) -> (reply, its SHA-256 hex): what a relay does with a request for another
-Forward = Callable[[str, bytes], Awaitable[bytes]]
+# (target node, request) -> its reply: what a relay does with a request for another node
+Forward = Callable[[str, ByteBuffer], Awaitable[ByteBuffer]]
 
 
 class _Reject(Exception):
@@ -72,25 +79,16 @@ class _ByteServicer(ServicerBase):
         self._forward = forward
         self.own_id = own_id  # a request for this node itself is served, not relayed
 
-    @staticmethod
-    def _assemble(chunks: list[bytes], size: int) -> bytes:
-        """The request's bytes, checked against its header's size."""
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        if len(data) != size:  # cannot happen: the reader counts bytes; kept as a guard
-            raise _Reject("truncated", f"request truncated: got {len(data)} of {size} bytes")
-        return data
-
-    def _job(self, chunks: list[bytes], size: int) -> ByteBuffer:
-        """Runs in the pool: assemble and check the request, call the handler."""
-        data = self._assemble(chunks, size)
+    def _job(self, data: Received) -> ByteBuffer:
+        """Runs in the pool: call the handler on the request (a buffer of its own, see
+        transport.Handler)."""
         self._record("handler_calls", 1)
         try:
             reply = self._handler(data)
         except Exception as exc:
             log.exception("hivemind transport: handler failed")
             raise _Reject("handler-error", f"handler failed: {type(exc).__name__}: {exc}") from None
-        if not isinstance(reply, bytes | bytearray | memoryview):
+        if not isinstance(reply, bytes | bytearray | memoryview | mmap.mmap):
             raise _Reject("handler-error", f"handler returned {type(reply).__name__}, not bytes")
         return reply  # sent in 1 MiB pieces, each its own copy: no copy of the whole
 
@@ -110,13 +108,11 @@ class _ByteServicer(ServicerBase):
         if not self._relay_for(to):
             raise _Reject("not-relayed", f"{to} is not reachable through this relay")
 
-    async def _relay(self, to: str, chunks: list[bytes], size: int) -> bytes:
+    async def _relay(self, to: str, data: Received) -> ByteBuffer:
         """Pass a request on to ``to`` (a node this one relays for); its reply."""
         forward = self._forward
         if forward is None:  # cannot happen: _check_relay refused it from its header
             raise _Reject("no-relay", f"this node relays for nobody (the request is for {to})")
-        loop = asyncio.get_running_loop()
-        data = await loop.run_in_executor(self._executor, self._assemble, chunks, size)
         try:
             reply = await forward(to, data)
         except Exception as exc:  # noqa: BLE001 - unreachable, refused, timed out: the caller's
@@ -127,7 +123,9 @@ class _ByteServicer(ServicerBase):
 
     async def _receive(
         self, stream: AsyncIterator[runtime_pb2.ExpertRequest]
-    ) -> tuple[list[bytes], int, str | None]:
+    ) -> tuple[Received, str | None]:
+        """The request, read into one buffer of its announced size as its pieces come, and the
+        node it is for (None: this one)."""
         try:
             first = await self._next(stream)
         except StopAsyncIteration:
@@ -145,26 +143,25 @@ class _ByteServicer(ServicerBase):
             )
         if header.get("to") not in (None, self.own_id):
             self._check_relay(header["to"])
-        chunks: list[bytes] = []
-        got = 0
+        request = Assembly(size)
         msg = first
         while True:
             piece = msg.metadata
             if piece:
-                got += len(piece)
                 self._record("bytes_in", len(piece))
-                if got > size:
-                    raise _Reject("overrun", f"request overruns its header: {got} > {size} bytes")
-                chunks.append(piece)
+                try:
+                    request.add(piece)
+                except ValueError as exc:
+                    raise _Reject("overrun", f"request overruns its header: {exc}") from None
             try:
                 msg = await self._next(stream)
             except StopAsyncIteration:
-                if got < size:
+                if request.got < size:
                     raise _Reject(
-                        "truncated", f"request truncated: got {got} of {size} bytes"
+                        "truncated", f"request truncated: got {request.got} of {size} bytes"
                     ) from None
                 # The sender has finished writing: a reply cannot collide with its writes.
-                return chunks, size, header.get("to")
+                return request.buffer, header.get("to")
 
     async def _drain(self, stream: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
         """Read and drop what the caller still sends, until it ends or hangs up (bounded).
@@ -186,13 +183,14 @@ class _ByteServicer(ServicerBase):
         remote = context.remote_id.to_base58() if context.remote_id is not None else "?"
         stream = requests.__aiter__()
         try:
-            chunks, size, to = await self._receive(stream)
+            data, to = await self._receive(stream)
             reply: ByteBuffer
             if to is not None and to != self.own_id:
-                reply = await self._relay(to, chunks, size)
+                reply = await self._relay(to, data)
             else:
                 loop = asyncio.get_running_loop()
-                reply = await loop.run_in_executor(self._executor, self._job, chunks, size)
+                reply = await loop.run_in_executor(self._executor, self._job, data)
+            del data
         except _Reject as rej:
             self._reject(rej.reason)
             log.debug("hivemind transport: rejected a request from %s: %s", remote, rej)
