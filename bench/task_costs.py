@@ -59,6 +59,7 @@ from dipaco.coordinator.store import ModuleStore
 from dipaco.model.optim import InnerSettings, make_optimizer, train_step
 from dipaco.model.transformer import ModelConfig, PathModel
 from dipaco.peer import modules as peer_modules
+from dipaco.peer import training as peer_training
 from dipaco.peer.peer import Peer
 from dipaco.peer.push import Pusher
 from dipaco.peer.state import InnerState
@@ -160,6 +161,7 @@ def install(probe: Probe) -> None:
     """Wrap the functions behind each phase (module attributes where they are looked up)."""
     for owner, attr, phase in [
         (Peer, "_claim_batch", "claim"),
+        (peer_training, "trim_heap", "trim heap"),
         (Peer, "fetch", "fetch"),
         (peer_modules, "tensors_sha256", "verify"),
         (PathTrainer, "build", "build"),

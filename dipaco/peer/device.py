@@ -11,7 +11,10 @@ device on which not even a micro-batch of one window fits.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +24,28 @@ from dipaco.model.transformer import ModelConfig
 
 _FP32 = 4
 _GIB = 2**30
+
+
+@functools.cache
+def _glibc() -> Any:
+    """The C library, if it is glibc (it has ``malloc_trim``); None elsewhere."""
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def trim_heap() -> None:
+    """Give the free pages of the process's heap back to the system (glibc's ``malloc_trim``).
+
+    Between a peer's tasks: the last task's gradients and activations, and another path's model,
+    are freed into glibc's heap, which keeps them; the next task's allocations did not all land
+    in them, so the peak crept up task by task (docs/benchmarks.md, *Fewer live copies*).
+    Nothing where the C library is not glibc."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def resolve_device(name: str) -> str:

@@ -32,7 +32,7 @@ from dipaco.model.optim import (
 )
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig
-from dipaco.peer.device import fit_micro_batch
+from dipaco.peer.device import fit_micro_batch, trim_heap
 from dipaco.peer.modules import Cache, TaskAborted
 from dipaco.peer.push import Tensors, module_deltas
 from dipaco.peer.stacking import BATCHINGS, Stack, stackable
@@ -158,10 +158,12 @@ class PathTrainer:
         self.counts = dict.fromkeys(("built", "reused", "state loaded", "state kept"), 0)
 
     def let_go(self, path: int) -> None:
-        """Drop the kept model and optimizer unless they are ``path``'s: before a task of
-        another path fetches its modules, so that the two paths are never held at once."""
+        """Before a task of ``path`` fetches its modules: drop the kept model and optimizer
+        unless they are that path's (two paths are never held at once), and give what the last
+        task freed back to the system (``trim_heap``)."""
         if self._kept is not None and self._kept.path != path:
             self._kept = None
+        trim_heap()
 
     def build(self, task: m.TaskOffer, modules: Tensors, cache: Cache) -> torch.nn.Module:
         """The path's model on this device, from copies of the fetched modules (into the kept
