@@ -27,6 +27,7 @@ an H = 150 task at the paper path's H100 rate in docs/benchmarks.md.
     python bench/task_costs.py --paper-path --no-keep   # every task builds and loads (before)
     python bench/task_costs.py --paper-path --loopback  # the peer in its own process: its RSS
     python bench/task_costs.py --quick              # CI's short form
+    python bench/task_costs.py --paper-path --loopback --trace  # the RSS as each task goes
 """
 
 from __future__ import annotations
@@ -97,13 +98,24 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+TRACED = ("fetch", "build", "steps")  # --trace: the phases at whose start the RSS is printed
+
+
+def resident() -> int:
+    """This process's resident set now, in bytes (Linux's VmRSS)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
 class Probe:
     """Exclusive seconds per phase: each wrapped function's time, less that of wrapped functions
     it calls. Only this thread's calls count (the coordinator's background writes do not).
     ``raised``: by how many bytes the process's peak RSS rose while each phase ran (exclusive
     too), so that the phase that sets the peak is named."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace: bool = False) -> None:
+        self.trace = trace  # print the RSS as each fetch, build and steps phase begins
+        self._traced = ""
         self.seconds: dict[str, float] = defaultdict(float)
         self.raised: dict[str, int] = defaultdict(int)
         self.calls: Counter[str] = Counter()
@@ -131,6 +143,9 @@ class Probe:
         if self._stack:
             self.seconds[self._stack[-1]] += now - self._since
             self._rss(self._stack[-1])
+        if self.trace and phase in TRACED and phase != self._traced:
+            self._traced = phase  # once per run of a phase (the steps are many calls)
+            print(f"  rss {resident() / 2**30:.2f} GiB as {phase} begins", file=sys.stderr)
         self._stack.append(phase)
         self._since = now
         try:
@@ -282,8 +297,15 @@ def main() -> None:
         "coordinator phases)",
     )
     ap.add_argument("--quick", action="store_true", help="CI's short form: a tiny path")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="print the peer's RSS as each fetch, build and steps phase begins (stderr)",
+    )
     add_report_args(ap)
     args = ap.parse_args()
+    if args.trace:
+        os.environ["DIPACO_BENCH_TRACE"] = "1"  # the peer's process too, with --loopback
     if args.paper_path:
         args.dim, args.layers, args.heads, args.seq = 896, 12, 16, 1024
     if args.quick:
@@ -388,7 +410,7 @@ def train_tasks(
     by how much each phase raised the process's peak RSS over the run (outside any: "other")."""
     peer = Peer(transport, "bench", state, checkpoint_seconds=3600.0)
     peer.keep_path = keep
-    probe = Probe()
+    probe = Probe(trace=bool(os.environ.get("DIPACO_BENCH_TRACE")))
     start = probe.peak  # imports, the peer's set-up
     install(probe)
     tasks: list[Task] = []

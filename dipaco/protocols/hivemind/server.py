@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import mmap
 import time
 from collections.abc import Awaitable, Callable
 from typing import AsyncIterator  # noqa: UP035 - hivemind reads typing.AsyncIterator hints
@@ -88,7 +87,7 @@ class _ByteServicer(ServicerBase):
         except Exception as exc:
             log.exception("hivemind transport: handler failed")
             raise _Reject("handler-error", f"handler failed: {type(exc).__name__}: {exc}") from None
-        if not isinstance(reply, bytes | bytearray | memoryview | mmap.mmap):
+        if not isinstance(reply, ByteBuffer):
             raise _Reject("handler-error", f"handler returned {type(reply).__name__}, not bytes")
         return reply  # sent in 1 MiB pieces, each its own copy: no copy of the whole
 
