@@ -17,8 +17,9 @@ efficiency ratio / N; and where the peers' time went, time-weighted over the pee
 On a machine with C cores the ratio cannot exceed about C: with more peers than cores, peers
 share cores (the script says so in what it prints).
 
-With ``--slow-peer`` the last peer of each run trains at a quarter of the others' speed (it
-sleeps three times the 1-peer run's time per inner step after each step: the fault point
+With ``--slow-peer`` the last peer of each run trains at a quarter of the others' speed
+(``--slow-factor F``: 1/F of it; it sleeps F - 1 times the 1-peer run's time per inner step
+after each step: the fault point
 ``peer.inner_step``), and the scheduler offers it fewer steps as a run's does by default (down
 to a quarter of H; ``--full-steps``: all H, as every other peer). With ``--overlap`` each run with more than one peer is done twice, with
 ``scheduler.overlap`` off and on (peers that find no open path train their path's next round,
@@ -345,7 +346,7 @@ def nth_run(
 def report_overlap(rows: list[dict], args: argparse.Namespace) -> None:
     """The runs with overlap off and on side by side: where the peers' time went, and the
     final perplexity of each (what overlap costs in quality)."""
-    slow = ", the last peer at a quarter speed" if args.slow_peer else ""
+    slow = f", the last peer {args.slow_factor:g}x slower" if args.slow_peer else ""
     slow += ", hedging on with overlap" if args.hedge else ""
     slow += f", overlap_start {args.overlap_start}" if args.overlap_start else ""
     slow += f", aggregation {args.aggregation}" if args.aggregation else ""
@@ -353,7 +354,7 @@ def report_overlap(rows: list[dict], args: argparse.Namespace) -> None:
         title=f"overlap: tiny preset {TOPOLOGY}, {args.rounds} rounds x 8 paths x "
         f"H={args.inner_steps}{slow}, {len(cores())} cores"
     )
-    cols = ("peers", "overlap", "wall", "tokens/s", "ahead tasks", "hedged (applied)",
+    cols = ("peers", "overlap", "wall", "tokens", "tokens/s", "ahead tasks", "hedged (applied)",
             "compute", "transfer", "waiting", "ppl")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="right")
@@ -362,6 +363,7 @@ def report_overlap(rows: list[dict], args: argparse.Namespace) -> None:
             str(r["peers"]),
             "on" if r["overlap"] else "off",
             f"{r['wall_s']:.1f} s",
+            f"{r['tokens']:,}",
             f"{r['tokens_per_s']:,.0f}",
             str(r["ahead_tasks"]),
             f"{r['hedged_tasks']} ({r['hedges_applied']})",
@@ -390,7 +392,9 @@ def report_overlap(rows: list[dict], args: argparse.Namespace) -> None:
         line = (
             f"{n} peers{runs}: waiting {100 * mean(off, 'waiting'):.1f}% -> "
             f"{100 * mean(on, 'waiting'):.1f}% of the peers' time, tokens/s "
-            f"{mean(on, 'tokens_per_s') / mean(off, 'tokens_per_s'):.2f}x, perplexity "
+            f"{mean(on, 'tokens_per_s') / mean(off, 'tokens_per_s'):.2f}x, wall "
+            f"{mean(on, 'wall_s') / mean(off, 'wall_s'):.2f}x, tokens "
+            f"{mean(on, 'tokens') / mean(off, 'tokens'):.2f}x, perplexity "
             f"{mean(off, 'ppl'):.2f}{spread(off)} -> {mean(on, 'ppl'):.2f}{spread(on)} "
             f"({cost:+.2f}%)"
         )
@@ -427,6 +431,12 @@ def main() -> None:
     ap.add_argument("--plot", default="runs/bench/scale.html", help="'' to skip the plot")
     ap.add_argument(
         "--slow-peer", action="store_true", help="the last peer trains at a quarter speed"
+    )
+    ap.add_argument(
+        "--slow-factor",
+        type=float,
+        default=4.0,
+        help="with --slow-peer: how many times slower the last peer is (4: a quarter speed)",
     )
     ap.add_argument(
         "--full-steps",
@@ -503,9 +513,10 @@ def main() -> None:
                     rows.append(
                         nth_run(args, work, prepared, config, outer, fraction, n, overlap, k, slow)
                     )
-            if n == 1 and args.slow_peer:  # a quarter of one peer's speed: 3x its step's time
+            if n == 1 and args.slow_peer:  # 1/F of one peer's speed: F - 1 times its step's time
                 one = rows[0]
-                slow = 3 * one["peer_seconds"]["train"] / (one["tasks"] * args.inner_steps)
+                step = one["peer_seconds"]["train"] / (one["tasks"] * args.inner_steps)
+                slow = (args.slow_factor - 1) * step
     finally:
         if args.keep:
             console.print(f"runs kept in {work}")

@@ -24,25 +24,48 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sim import costs, simulate  # noqa: E402
+from sim import costs, peers, simulate  # noqa: E402
 
 DOC = REPO / "docs" / "operations.md"
 HEADER = (
-    "| peers | owners | paths | round (median s) | rounds (s) | peers busy | peers training "
+    "| peers | owners | paths | schedule | round (median s) | rounds (s) | peers training "
+    "| datacenter / consumer / slow tail | of it wasted "
     "| scheduler CPU | owner CPU | owner NIC in | owner NIC out | first bottleneck "
     "| acked / applied / lost | sim wall (s) |"
 )
+COLUMNS = HEADER.count("|") - 1
+STATE_HEADER = "| peers | schedule | class | " + " | ".join(peers.STATES) + " | wasted |"
+
+
+def schedule(s: costs.Settings) -> str:
+    """The scheduling settings of a row, in words."""
+    parts = [f"{s.paths_per_peer:g} paths/peer"]
+    parts += [name for name, on in (("overlap", s.overlap), ("hedge", s.hedge)) if on]
+    parts += [f"{k} {v}" for k, v in s.policy.items()]
+    return ", ".join(parts) or "synchronous"
+
+
+def states(r: simulate.Result) -> list[str]:
+    """Where each class's time went (peers.STATES), one row per class."""
+    out = []
+    for kind, share in r.shares.items():
+        cells = " | ".join(f"{share.get(x, 0):.0%}" for x in (*peers.STATES, "wasted"))
+        out.append(f"| {r.settings.peers:,} | {schedule(r.settings)} | {kind} | {cells} |")
+    return out
 
 
 def row(r: simulate.Result) -> str:
     u = r.utilization
     rounds = ", ".join(f"{x:,.0f}" for x in r.round_seconds)
     name, util = r.busiest
+    classes = " / ".join(f"{r.training(k.name):.0%}" for k in r.settings.peer_kinds)
     neck = r.bottleneck if r.bottleneck == name else f"{r.bottleneck}; busiest {name}"
     return (
-        f"| {r.settings.peers:,} | {r.settings.owners} | {r.paths:,} | {r.median_round:,.0f}"
+        f"| {r.settings.peers:,} | {r.settings.owners} | {r.paths:,} | {schedule(r.settings)} "
+        f"| {r.median_round:,.0f}"
         f"{'' if r.rounds_done >= r.settings.rounds else f' (STALLED at round {r.rounds_done})'} "
-        f"| {rounds} | {r.peers_busy:.0%} | {r.peers_compute:.0%} "
+        f"| {rounds} | {r.training():.0%} | {classes} "
+        f"| {r.shares['all'].get('wasted', 0):.0%} "
         f"| {u.get('scheduler cpu', 0):.0%} | {u.get('owner cpu', 0):.0%} "
         f"| {u.get('owner nic in', 0):.0%} | {u.get('owner nic out', 0):.0%} "
         f"| {neck} ({util:.0%}) | {r.acked:,} / {r.applied:,} / {r.lost} "
@@ -61,6 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--churn", type=float, default=0.05)
     ap.add_argument("--quorum", type=float, default=0.5, help="scheduler.quorum (0.5: default)")
     ap.add_argument(
+        "--paths-per-peer",
+        type=float,
+        default=1.0,
+        help="the topology: W x W with at least this many paths per peer (1: W = ceil(sqrt(peers)))",
+    )
+    ap.add_argument("--overlap", action="store_true", help="scheduler.overlap")
+    ap.add_argument("--hedge", action="store_true", help="scheduler.hedge")
+    ap.add_argument(
         "--no-cache-topology",
         action="store_true",
         help="run the coordinator's Topology as it is (module lists recomputed per call)",
@@ -68,11 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--doc", action="store_true", help=f"append the table to {DOC.name}")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
-    rows = []
-    for peers in args.peers:
+    rows: list[str] = []
+    state_rows: list[str] = []
+    for n in args.peers:
         for owners in args.owners:
             settings = costs.Settings(
-                peers=peers,
+                peers=n,
                 owners=owners,
                 rounds=args.rounds,
                 inner_steps=args.inner_steps,
@@ -80,14 +112,21 @@ def main(argv: list[str] | None = None) -> int:
                 owner_gbps=args.owner_gbps,
                 churn=args.churn,
                 quorum=args.quorum,
+                overlap=args.overlap,
+                hedge=args.hedge,
+                paths_per_peer=args.paths_per_peer,
                 cache_topology=not args.no_cache_topology,
             )
-            print(f"{peers} peers, {owners} owners:", flush=True)
+            print(f"{n} peers, {owners} owners:", flush=True)
             result = simulate.run(settings, progress=lambda line: print(line, flush=True))
             print(f"  {result.stats}", flush=True)
             rows.append(row(result))
-            print(HEADER + "\n" + "|---" * 14 + "|\n" + rows[-1], flush=True)
-    table = "\n".join([HEADER, "|---" * 14 + "|", *rows])
+            state_rows += states(result)
+            print(HEADER + "\n" + "|---" * COLUMNS + "|\n" + rows[-1], flush=True)
+    table = "\n".join([HEADER, "|---" * COLUMNS + "|", *rows])
+    table += "\n\nWhere the peers' time went (share of their present time; wasted: training whose "
+    table += "delta was never acknowledged):\n\n"
+    table += "\n".join([STATE_HEADER, "|---" * (STATE_HEADER.count("|") - 1) + "|", *state_rows])
     print("\n" + table)
     if args.doc:
         cmd = "python bench/simulate.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -13,6 +13,7 @@ writing a delta, an outer step over its deltas. Owners report to the scheduler a
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -136,7 +137,12 @@ class Cluster:
         self.topology = kind.parse(f"{side}x{side}", TINY.n_layers)
         self.sizes = costs.Sizes.of(Topology.parse(f"{side}x{side}", costs.PATH_CONFIG.n_layers))
         policy = SchedulerSection(
-            lease_seconds=s.lease_seconds, heartbeat_seconds=s.heartbeat_seconds, quorum=s.quorum
+            lease_seconds=s.lease_seconds,
+            heartbeat_seconds=s.heartbeat_seconds,
+            quorum=s.quorum,
+            overlap=s.overlap,
+            hedge=s.hedge,
+            **s.policy,
         )
         security = SecuritySection(requests_per_second=1e6, burst=10**6)
         common: dict[str, Any] = {
@@ -187,6 +193,9 @@ class Cluster:
             self.owners.append(node)
         self.by_name = {n.name: n for n in self.owners}
         self.report_waiters: list[Callable[[], None]] = []  # parked TaskDones (on_report)
+        self.work_waiters: deque[Callable[[], bool]] = deque()  # idle claims (on_work)
+        self.generation = 0  # the scheduler's polls.generation last seen
+        self.scheduler.after = self.work_changed
         for node in self.owners:
             node.after = self.changed
         for node in [self.scheduler, *self.owners]:
@@ -213,7 +222,7 @@ class Cluster:
             t = time.thread_time()
             node.core.tick()
             cost = time.thread_time() - t + node.stepped_cost(before)
-            return cost * node.cpu_scale, lambda: self.changed(node)
+            return cost * node.cpu_scale, lambda: (self.changed(node), self.work_changed(node))
 
         node.cpu.submit(work)
         if not self.finished:
@@ -274,12 +283,32 @@ class Cluster:
         TaskDone's long poll: peers.py ``park``)."""
         self.report_waiters.append(call)
 
+    def on_work(self, call: Callable[[], bool]) -> None:
+        """Call ``call`` when a change of the scheduler's work may have opened a path (a
+        claim's long poll, ``ClaimTask.wait``), in the order the claims came; ``call`` says
+        whether it still waited."""
+        self.work_waiters.append(call)
+
+    def work_changed(self, node: Node) -> None:
+        """After a request or a tick at the scheduler: if its work changed
+        (``polls.generation``), the first waiting claim looks; one that leases a path wakes
+        the next (``wake_one``), as the real long polls do."""
+        gen = self.scheduler.core.polls.generation
+        if node is self.scheduler and gen != self.generation:
+            self.generation = gen
+            self.wake_one()
+
+    def wake_one(self) -> None:
+        while self.work_waiters and not self.work_waiters.popleft()():
+            pass
+
     def _landed(self, lat: float, back: Callable[[Any], None], reply: Any) -> None:
         """An owner's report was served at the scheduler: the TaskDones it parked look again,
         and its reply travels back to the owner."""
         waiters, self.report_waiters = self.report_waiters, []
         for call in waiters:
             call()
+        self.work_changed(self.scheduler)
         self.loop.after(lat, back, reply)
 
     # ---- what the run did ----------------------------------------------------------------------

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig
@@ -154,6 +154,10 @@ class Settings:
     report_seconds: float = 1.0  # owners report at least this often (Reporter's interval)
     tick_seconds: float = 1.0  # each coordinator's ticker
     quorum: float = 0.5
+    overlap: bool = False  # scheduler.overlap
+    hedge: bool = False  # scheduler.hedge
+    policy: dict = field(default_factory=dict)  # more SchedulerSection fields, as set
+    paths_per_peer: float = 1.0  # the topology: W x W with W*W >= this many paths per peer
     max_virtual_seconds: float = 1e6
     stall_seconds: float = 20_000.0  # no round for this long: the run has stalled; stop
     peer_kinds: tuple[PeerKind, ...] = PEER_KINDS

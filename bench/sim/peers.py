@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dipaco.coordinator import rounds
 from dipaco.peer.links import RETRY_SECONDS
 from dipaco.peer.push import REPORT_WAIT
 from dipaco.protocols import auth, codecs
@@ -45,6 +46,28 @@ class PeerStats:
     compute: float = 0.0  # peer-seconds training
     alive: float = 0.0  # peer-seconds present
     kinds: Counter[str] = field(default_factory=Counter)
+    # peer-seconds per (peer class, state): where each class's time goes (STATES)
+    time: dict[tuple[str, str], float] = field(default_factory=dict)
+    # training whose delta was never acknowledged (a task refused, lost or copied by a hedge)
+    wasted: Counter[str] = field(default_factory=Counter)
+
+    def share(self, kind: str | None = None) -> dict[str, float]:
+        """Each state's share of the present time of the peers of ``kind`` (all if None)."""
+        spent: Counter[str] = Counter()
+        for (k, state), t in self.time.items():
+            if kind is None or k == kind:
+                spent[state] += t
+        total = sum(spent.values())
+        return {s: spent[s] / total for s in STATES} if total else {}
+
+
+# Where a present peer's time goes. "hello": saying hello; "claim": a claim's round trip;
+# then, answered NoTask, "last tasks": paths of the round are still open but all leased (the
+# round waits for its last deltas), or "round closing": no path is open (the modules' steps
+# and the owners' reports that open the next round); "fetch": from the offer to the last
+# module in; "train": the task's steps; "push": its deltas' upload and acknowledgement;
+# "done": the TaskDone (held until the owners' reports land).
+STATES = ("hello", "claim", "last tasks", "round closing", "fetch", "train", "push", "done")
 
 
 class Swarm:
@@ -88,6 +111,18 @@ class Peer:
         self.since = 0.0
         self.task_start: float | None = None
         self.parked: object | None = None  # the TaskDone waiting for a report (park)
+        self.waiting: object | None = None  # the claim waiting for a change of work (idle)
+        self.woken = False  # the claim in flight was woken by a change of work
+        self.served = 0  # the serving node's polls.generation when it served the last reply
+        self.state, self.state_since = "hello", 0.0
+        self.trained = 0.0  # seconds trained in the task at hand (wasted if it ends unacked)
+
+    def enter(self, state: str) -> None:
+        """Book the time since the last change of state to that state, and move on."""
+        key = (self.profile.kind, self.state)
+        times = self.swarm.stats.time
+        times[key] = times.get(key, 0.0) + self.loop.now - self.state_since
+        self.state, self.state_since = state, self.loop.now
 
     # ---- plumbing ------------------------------------------------------------------------------
     def send(
@@ -104,8 +139,15 @@ class Peer:
         already (a long poll it held, looked at again), so only the reply travels."""
         token, lat = self.token, self.profile.latency
 
-        def reply(r: Any) -> None:
-            self.loop.after(lat, lambda: self._live(token) and then(r))
+        def reply(r: Any) -> None:  # called as the node serves the request
+            served = node.core.polls.generation
+
+            def back() -> None:
+                if self._live(token):
+                    self.served = served
+                    then(r)
+
+            self.loop.after(lat, back)
 
         self.loop.after(0.0 if held else lat, node.request, self.identity, msg, extra, reply, times)
 
@@ -119,22 +161,26 @@ class Peer:
     # ---- the protocol --------------------------------------------------------------------------
     def arrive(self) -> None:
         self.swarm.live.add(self)
-        self.since = self.loop.now
+        self.since = self.state_since = self.loop.now
         self.swarm.stats.arrived += 1
         self.swarm.stats.kinds[self.profile.kind] += 1
         self.send(self.scheduler, m.Hello(peer_id=self.name, device="cuda"), lambda r: self.claim())
 
-    def claim(self, times: float = 1.0) -> None:
+    def claim(self, times: float = 1.0, held: bool = False) -> None:
         msg = m.ClaimTask(peer_id=self.name, prefer_path=self.last_path)
-        self.send(self.scheduler, msg, self.offered, times=times)
+        self.send(self.scheduler, msg, self.offered, times=times, held=held)
 
     def offered(self, reply: Any) -> None:
         st = self.swarm.stats
+        woken, self.woken = self.woken, False
         if isinstance(reply, m.TaskOffer):
+            if woken:  # the long poll that leased a path wakes the next (LongPolls.wake_next)
+                self.swarm.cluster.wake_one()
             st.tasks += 1
             self.task_start = self.loop.now
             self.offer = reply
             self.last_path = reply.path
+            self.enter("fetch")
             self.loop.after(self.swarm.settings.heartbeat_seconds, self.beat, self.token)
             self.fetch()
             return
@@ -143,12 +189,41 @@ class Peer:
                 self.close()
                 return
             st.polls += 1
-            wait = max(self.swarm.settings.poll_seconds, reply.retry_after)
-            times = wait / reply.retry_after if reply.retry_after > 0 else 1.0
-        else:
-            st.refused[getattr(reply, "reason", "error")] += 1
-            wait, times = 1.0, 1.0
-        self.loop.after(wait, lambda token=self.token: self._live(token) and self.claim(times))
+            self.idle(reply.retry_after)
+            return
+        self.enter("claim")
+        st.refused[getattr(reply, "reason", "error")] += 1
+        self.loop.after(1.0, lambda token=self.token: self._live(token) and self.claim())
+
+    def idle(self, retry_after: float) -> None:
+        """No path for this peer now. A real one claims again after ``retry_after`` with a long
+        poll (``ClaimTask.wait``) that the scheduler answers as soon as a change of its work
+        opens a path: here the peer waits in the cluster's queue of claims and is woken, in
+        turn, by such a change (``Cluster.work_changed``), or claims again after
+        ``poll_seconds``. Its claims meanwhile are charged as the ones a real peer sends, one
+        per ``retry_after`` (or per long poll)."""
+        if self.scheduler.core.polls.generation != self.served:
+            # its work changed while the NoTask travelled: the long poll would have seen it
+            self.enter("claim")
+            self.claim()
+            return
+        self.enter("last tasks" if rounds.open_paths(self.scheduler.core) else "round closing")
+        ticket = object()
+        self.waiting = ticket
+        token, since = self.token, self.loop.now
+        every = max(retry_after, 0.5)
+
+        def again(woken: bool) -> bool:
+            if self.waiting is not ticket or not self._live(token):
+                return False  # claimed already (or gone): the next waiting claim looks
+            self.waiting = None
+            self.woken = woken
+            self.enter("claim")
+            self.claim(max(1.0, (self.loop.now - since) / every), held=woken)
+            return True
+
+        self.swarm.cluster.on_work(lambda: again(True))
+        self.loop.after(max(self.swarm.settings.poll_seconds, retry_after), again, False)
 
     def by_owner(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
@@ -194,15 +269,19 @@ class Peer:
     def train(self) -> None:
         seconds = self.offer.inner_steps * self.profile.step_seconds
         st, s = self.swarm.stats, self.swarm.settings
+        self.enter("train")
         if self.swarm.rng.random() < s.churn:
             at = self.swarm.rng.random() * seconds
             st.compute += at
+            self.trained = at
             self.loop.after(at, self.leave, self.token)
             return
         st.compute += seconds
+        self.trained = seconds
         self.loop.after(seconds, lambda token=self.token: self._live(token) and self.push())
 
     def push(self) -> None:
+        self.enter("push")
         offer, sizes = self.offer, self.swarm.cluster.sizes
         groups = self.by_owner()
         waiting = set(groups)
@@ -215,6 +294,8 @@ class Peer:
                 return
             waiting.discard(owner)
             if not waiting:
+                self.trained = 0.0  # acknowledged: not wasted, whatever the TaskDone meets
+                self.enter("done")
                 self.task_done(
                     m.TaskDone(self.name, offer.task_id, offer.ticket, tokens, [3.0], [])
                 )
@@ -270,6 +351,7 @@ class Peer:
             return
         self.swarm.stats.finished += 1
         self.end_task()
+        self.enter("claim")
         self.claim()
 
     def park(self, msg: m.TaskDone, until: float) -> None:
@@ -295,7 +377,10 @@ class Peer:
     def beat(self, token: int) -> None:
         if not self._live(token):
             return
-        msg = m.Heartbeat(peer_id=self.name, task_id=self.offer.task_id)
+        step = 0  # the steps trained so far, as a real peer's heartbeat says
+        if self.state == "train":
+            step = int((self.loop.now - self.state_since) / self.profile.step_seconds)
+        msg = m.Heartbeat(peer_id=self.name, task_id=self.offer.task_id, step=step)
 
         def ack(r: Any) -> None:
             if isinstance(r, m.HeartbeatAck) and not r.lease_ok:
@@ -312,9 +397,13 @@ class Peer:
         reason = reason or type(reply).__name__
         self.swarm.stats.refused[str(reason)] += 1
         self.end_task()
+        self.enter("claim")
         self.loop.after(1.0, lambda token=self.token: self._live(token) and self.claim())
 
     def end_task(self) -> None:
+        if self.trained:
+            self.swarm.stats.wasted[self.profile.kind] += self.trained
+            self.trained = 0.0
         if self.task_start is not None:
             self.swarm.stats.busy += self.loop.now - self.task_start
             self.task_start = None
@@ -332,6 +421,7 @@ class Peer:
         if self.gone:
             return
         self.end_task()
+        self.enter("gone")
         self.gone = True
         self.swarm.stats.alive += self.loop.now - self.since
         self.swarm.live.discard(self)

@@ -24,9 +24,9 @@ from sim.peers import Swarm
 SATURATED = 0.8  # a resource busy this much of the time is the bottleneck
 
 
-def side_for(peers: int) -> int:
-    """W such that a WxW topology has at least one path per peer."""
-    return max(2, math.ceil(math.sqrt(peers)))
+def side_for(peers: int, per_peer: float = 1.0) -> int:
+    """W such that a WxW topology has at least ``per_peer`` paths per peer."""
+    return max(2, math.ceil(math.sqrt(peers * per_peer)))
 
 
 @dataclass
@@ -47,7 +47,14 @@ class Result:
     lost: int  # acknowledged, never applied
     duplicated: int  # applied more than once, or applied without an acknowledgement
     stats: dict = field(default_factory=dict)
+    # peer class ("all" for every peer) -> state -> share of the class's present time
+    # (peers.STATES), and "wasted": training whose delta was never acknowledged
+    shares: dict[str, dict[str, float]] = field(default_factory=dict)
     requests: dict[str, float] = field(default_factory=dict)  # mean CPU ms per request kind
+
+    def training(self, kind: str = "all") -> float:
+        """The share of the present time the peers of ``kind`` spent training."""
+        return self.shares.get(kind, {}).get("train", 0.0)
 
     @property
     def median_round(self) -> float:
@@ -83,7 +90,7 @@ def run(
     t0 = time.perf_counter()
     try:
         loop = Loop()
-        side = side_for(settings.peers)
+        side = side_for(settings.peers, settings.paths_per_peer)
         cluster = Cluster(loop, base, settings, side)
         swarm = Swarm(loop, cluster, settings)
         for _ in range(settings.peers):
@@ -142,6 +149,14 @@ def _result(
     acked = Counter((e["module"], e["task"]) for e in cluster.events("delta_acked"))
     applied = Counter((e["module"], t) for e in cluster.events("outer_step") for t in e["tasks"])
     st = swarm.stats
+    shares = {"all": st.share()}
+    for kind in settings.peer_kinds:
+        shares[kind.name] = st.share(kind.name)
+    for kind, by_state in shares.items():
+        if by_state:
+            present = sum(t for (k, _), t in st.time.items() if kind in ("all", k))
+            lost = sum(st.wasted.values()) if kind == "all" else st.wasted[kind]
+            by_state["wasted"] = lost / present
     return Result(
         settings=settings,
         paths=cluster.topology.num_paths,
@@ -154,6 +169,7 @@ def _result(
         utilization=util,
         peers_busy=st.busy / st.alive if st.alive else 0.0,
         peers_compute=st.compute / st.alive if st.alive else 0.0,
+        shares=shares,
         acked=sum(acked.values()),
         applied=sum(applied.values()),
         lost=sum(1 for k in acked if k not in applied),

@@ -26,6 +26,9 @@ class Lease:
     issued_at: float = 0.0
     module_versions: dict[str, int] = field(default_factory=dict)
     hedge_of: str = ""  # the straggler's task this one copies (scheduler.hedge)
+    # (when, step) of the last heartbeat that reported a step: the task's pace so far, for a
+    # peer whose pace over whole tasks is not known yet (scheduler.hedge)
+    progress: tuple[float, int] | None = None
 
 
 class LiveLeases:

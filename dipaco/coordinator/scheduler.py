@@ -54,6 +54,31 @@ class DeadlinePolicy:
     min_step_fraction: float = 0.25  # a slow peer gets at least this fraction of H steps
 
 
+def copy_ends_first(
+    lease: Lease,
+    theirs: Collection[float] | None,
+    mine: Collection[float] | None,
+    durations: Collection[float],
+    now: float,
+) -> bool:
+    """Whether a copy of ``lease`` (hedging) is expected to end before the lease does: a slow
+    peer that was offered fewer steps ends on time, and copying it would only waste its work.
+    The lease's end: by its peer's pace over its last whole tasks (``theirs``, seconds per
+    step), else by its progress so far (the steps its heartbeats report), else unknown (it ran
+    longer than the typical task: copy). The copy's length: by the copying peer's pace
+    (``mine``), else the typical task's (the median of ``durations``)."""
+    steps = max(1, lease.steps)
+    if theirs:
+        ends = lease.issued_at + steps * statistics.median(theirs)
+    elif lease.progress is not None:
+        when, step = lease.progress
+        ends = when + (steps - step) * (when - lease.issued_at) / step
+    else:
+        return True
+    takes = steps * statistics.median(mine) if mine else statistics.median(durations)
+    return now + takes < ends
+
+
 class Scheduler:
     def __init__(
         self,
@@ -177,6 +202,9 @@ class Scheduler:
                 and (x.path, x.round) not in done
                 and x.module_versions
                 and all(v >= x.round for v in x.module_versions.values())
+                and copy_ends_first(
+                    x, self.paces.get(x.peer_id), self.paces.get(peer_id), self.durations, now
+                )
             ):
                 slow = x
                 break
@@ -241,7 +269,10 @@ class Scheduler:
         lease = self.leases.get(task_id)
         if lease is None or lease.peer_id != peer_id:
             return None
-        self.live.renew(lease, self.clock() + self.lease_seconds)
+        now = self.clock()
+        self.live.renew(lease, now + self.lease_seconds)
+        if step > 0:
+            lease.progress = (now, step)
         return lease
 
     def finish(self, task_id: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from sim import costs, simulate
+from sim import costs, peers, simulate
 
 
 @pytest.fixture(autouse=True)
@@ -81,3 +81,25 @@ def test_the_simulator_blames_the_starved_resource():
     slow_cpu = simulate.run(settings(peers=20, owners=1, owner_cpu_scale=40.0))
     assert slow_cpu.bottleneck == "owner cpu", slow_cpu.utilization
     assert slow_cpu.median_round > fast.median_round
+
+
+@pytest.mark.timeout(120)
+def test_peers_are_fed_with_more_paths_than_peers_overlap_and_hedging():
+    """Where the peers' time goes, per class: with the round's paths one per peer and a
+    synchronous schedule, every class waits for the slow tail most of the time; with four
+    paths per peer (the paper's setting: fewer workers than paths), overlap and hedging, the
+    peers train most of the time. Every acknowledged delta is applied exactly once in both."""
+    base = {"peers": 20, "owners": 1, "rounds": 3, "seed": 0, "inner_steps": 500}
+    sync = simulate.run(costs.Settings(**base))
+    fed = simulate.run(costs.Settings(**base, paths_per_peer=4, overlap=True, hedge=True))
+    for run in (sync, fed):
+        assert run.rounds_done == 3 and run.acked == run.applied and run.acked > 0
+        assert run.lost == 0 and run.duplicated == 0
+        shares = run.shares["all"]
+        assert abs(sum(shares[s] for s in peers.STATES) - 1.0) < 1e-6  # every second booked
+    assert sync.training() < 0.3, sync.shares
+    assert fed.training() >= 0.6, fed.shares
+    for kind in costs.PEER_KINDS:
+        assert fed.training(kind.name) >= 0.55, (kind.name, fed.shares)
+    for kind in ("datacenter", "consumer"):  # the slow tail is what a synchronous round waits for
+        assert fed.training(kind) > 2 * sync.training(kind), (kind, sync.shares, fed.shares)

@@ -50,3 +50,25 @@ def test_without_hedging_or_a_late_task_nobody_copies(tmp_path):
         tr.request(delta_for(tasks[p], f"p{p}"))
     clock.now = 10.0
     assert isinstance(claim(tr, "p0"), m.NoTask)
+
+
+def test_a_straggler_about_to_finish_is_not_copied(tmp_path):
+    """A copy is made only where it is expected to end first: by the steps the straggler's
+    heartbeats report, one nearly done is left alone (a copy would only waste its work), one
+    far from done is copied."""
+    clock = Clock()
+    co = make(tmp_path, clock, hedge=True, min_observations=3)
+    tr = LocalTransport(co.handle)
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
+    clock.now = 1.0
+    for p in range(3):  # a second for 5 steps: the typical task, and p0's pace
+        tr.request(delta_for(tasks[p], f"p{p}"))
+    straggler = tasks[3]
+    clock.now = 2.0  # 4 of 5 steps in 2 s: it ends at about 2.5 s, a copy would at 3.1 s
+    assert tr.request(m.Heartbeat(peer_id="p3", task_id=straggler.task_id, step=4)).lease_ok
+    clock.now = 2.1
+    assert isinstance(claim(tr, "p0"), m.NoTask)
+    clock.now = 2.2  # now it says 1 of 5 in 2.2 s: it ends near 11 s, a copy at 3.2 s
+    assert tr.request(m.Heartbeat(peer_id="p3", task_id=straggler.task_id, step=1)).lease_ok
+    copy = claim(tr, "p0")
+    assert (copy.path, copy.round) == (3, 0) and copy.task_id != straggler.task_id
