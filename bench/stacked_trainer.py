@@ -12,8 +12,12 @@ batches and AdamW, trained for the same steps by:
 
 Each prints tokens per second, the ratio to the sequential trainer, and (the stacked ones) the
 largest difference of any parameter from the sequential run's after the same steps (float
-rounding: tests/unit/test_stacked.py states the tolerance). Compiling is timed apart from the
-steps (its first steps are warm-up, not measured).
+rounding: tests/unit/test_stacked.py states the tolerance) and the page faults a step. Compiling is
+timed apart from the steps (its first steps are warm-up, not measured). The measured steps run in
+turns (``--turns``: blocks of steps, every trainer in each block) and each ratio is the median of
+the per-turn ratios, printed with its range: these machines' speed drifts between minutes, and a
+ratio of two rates measured minutes apart carries the drift. Every trainer runs with the heap
+held as a stacked peer's is (``dipaco.peer.device.hold_heap``).
 
     python bench/stacked_trainer.py                       # 16 ladder-sized paths (~2 min)
     python bench/stacked_trainer.py --dim 64 --vocab 1024 --seq 128 --heads 4   # capacity size
@@ -29,6 +33,8 @@ batched products, attention, the compiled elementwise kernels, the rest.
 from __future__ import annotations
 
 import argparse
+import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +44,7 @@ import torch
 from dipaco.model.optim import InnerSettings, make_optimizer, train_step
 from dipaco.model.stacked import StackedAdamW, StackedPaths, stacked_step
 from dipaco.model.transformer import ModelConfig, new_dense_model
+from dipaco.peer.device import hold_heap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import add_report_args, record  # noqa: E402
@@ -54,6 +61,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=30, help="measured steps per path")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (compiles)")
+    ap.add_argument(
+        "--turns", type=int, default=6, help="the measured steps in this many blocks, in turns"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-compile", action="store_true", help="leave out the two compiled trainers")
     ap.add_argument("--quick", action="store_true", help="CI's short form: 4 paths, 3 steps")
@@ -61,7 +71,7 @@ def main() -> None:
     add_report_args(ap)
     args = ap.parse_args()
     if args.quick:
-        args.paths, args.steps, args.warmup, args.no_compile = 4, 3, 1, True
+        args.paths, args.steps, args.warmup, args.no_compile, args.turns = 4, 3, 1, True, 3
     cfg = ModelConfig(
         vocab_size=args.vocab,
         dim=args.dim,
@@ -84,44 +94,69 @@ def main() -> None:
         f"torch threads {torch.get_num_threads()}",
         flush=True,
     )
-    results: dict[str, tuple[float, float | None]] = {}
-    reference: list[dict[str, torch.Tensor]] | None = None
+    hold_heap()  # what a stacked peer does (peer/device.py); the same for every trainer here
     trainers = [("sequential", False), ("sequential, compiled", True)]
     trainers += [("stacked", False), ("stacked, compiled", True)]
-    for name, compiled in trainers:
-        if compiled and args.no_compile:
-            continue
+    runs = {
+        name: (_Sequential if name.startswith("sequential") else _Stacked)(
+            cfg, settings, batches, args, compiled
+        )
+        for name, compiled in trainers
+        if not (compiled and args.no_compile)
+    }
+    for run in runs.values():
         began = time.perf_counter()
-        if name.startswith("sequential"):
-            seconds, warm, states = _sequential(cfg, settings, batches, args, compiled)
-        else:
-            seconds, warm, states = _stacked(cfg, settings, batches, args, compiled)
+        for k in range(args.warmup):
+            run.step(k)
+        _sync(args.device)
+        run.warm = time.perf_counter() - began
+    # Measured in turns, a block of steps each (the machine's speed drifts; a ratio is taken
+    # within each turn, where every trainer met the same machine).
+    blocks = [list(r) for r in _blocks(args.warmup, args.warmup + args.steps, args.turns)]
+    seconds = {name: [] for name in runs}
+    faults = dict.fromkeys(runs, 0)
+    for block in blocks:
+        for name, run in runs.items():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            began = time.perf_counter()
+            for k in block:
+                run.step(k)
+            _sync(args.device)
+            seconds[name].append(time.perf_counter() - began)
+            faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    results: dict[str, tuple[float, float | None]] = {}
+    ratios: dict[str, list[float]] = {}
+    reference = runs["sequential"].states()
+    for name, run in runs.items():
+        states = run.states()
         diff = None
-        if reference is None:
-            reference = states
-        else:
+        if name != "sequential":
             diff = max(
                 float((s[k] - r[k]).abs().max())
                 for s, r in zip(states, reference, strict=True)
                 for k in r
             )
-        results[name] = (tokens / seconds, diff)
-        base = results["sequential"][0]
+        results[name] = (tokens / sum(seconds[name]), diff)
+        ratios[name] = sorted(
+            a / b for a, b in zip(seconds["sequential"], seconds[name], strict=True)
+        )
         print(
-            f"{name:>21}: {tokens / seconds:>10,.0f} tok/s  ({tokens / seconds / base:5.2f}x the "
-            f"sequential trainer)"
-            + (f"; warm-up and compile {warm:.1f} s" if compiled else "")
+            f"{name:>21}: {results[name][0]:>10,.0f} tok/s  ({_median(ratios[name]):5.2f}x the "
+            f"sequential trainer: median of {len(blocks)} turns, {ratios[name][0]:.2f}-"
+            f"{ratios[name][-1]:.2f})"
+            + (f"; warm-up and compile {run.warm:.1f} s" if compiled_name(name) else "")
             + ("" if diff is None else f"; largest parameter difference {diff:.2e}")
-            + f"  [{time.perf_counter() - began:.0f} s]",
+            + f"; {faults[name] / args.steps:,.0f} page faults a step",
             flush=True,
         )
     base = results["sequential"][0]
-    best = max((r for r in results if r.startswith("stacked")), key=lambda r: results[r][0])
+    best = max((r for r in results if r.startswith("stacked")), key=lambda r: _median(ratios[r]))
     print(
-        f"ratio {best}/sequential tokens per second: {results[best][0] / base:.2f} "
-        f"(sequential {base:,.0f}, {best} {results[best][0]:,.0f} tok/s)"
+        f"ratio {best}/sequential tokens per second: {_median(ratios[best]):.2f} (median of "
+        f"{len(blocks)} turns, {ratios[best][0]:.2f}-{ratios[best][-1]:.2f}; sequential "
+        f"{base:,.0f}, {best} {results[best][0]:,.0f} tok/s)"
     )
-    summary = ", ".join(f"{n} {v[0] / base:.2f}x" for n, v in results.items() if n != "sequential")
+    summary = ", ".join(f"{n} {_median(ratios[n]):.2f}x" for n in results if n != "sequential")
     if args.profile:
         _profile(cfg, settings, batches, args)
     record(
@@ -129,44 +164,69 @@ def main() -> None:
         "stacked_trainer",
         f"{args.paths} paths of {per_path / 1000:.1f} k params (width {args.dim}, {args.layers} "
         f"blocks, vocab {args.vocab}, batch {args.batch} x {args.seq}), {args.device}: sequential "
-        f"{base:,.0f} tok/s; {summary}; best {best} {results[best][0] / base:.2f}x",
+        f"{base:,.0f} tok/s; {summary}; best {best} {_median(ratios[best]):.2f}x "
+        f"({ratios[best][0]:.2f}-{ratios[best][-1]:.2f} over {len(blocks)} turns)",
     )
 
 
-def _sequential(cfg, settings, batches, args, compiled):
-    models = [new_dense_model(cfg, seed).to(args.device) for seed in range(args.paths)]
-    optimizers = [make_optimizer(m, settings) for m in models]
-    forwards = [torch.compile(m) if compiled else None for m in models]
-    for m in models:
-        m.train()
-    began = time.perf_counter()
-    for k in range(args.warmup):
-        for i, m in enumerate(models):
-            train_step(m, optimizers[i], batches[k, i], settings, step=k, forward=forwards[i])
-    _sync(args.device)
-    warm = time.perf_counter() - began
-    began = time.perf_counter()
-    for k in range(args.warmup, args.warmup + args.steps):
-        for i, m in enumerate(models):
-            train_step(m, optimizers[i], batches[k, i], settings, step=k, forward=forwards[i])
-    _sync(args.device)
-    return time.perf_counter() - began, warm, [m.state_dict() for m in models]
+def compiled_name(name: str) -> bool:
+    return name.endswith("compiled")
 
 
-def _stacked(cfg, settings, batches, args, compiled):
-    models = [new_dense_model(cfg, seed) for seed in range(args.paths)]
-    paths = StackedPaths(cfg, [m.state_dict() for m in models], args.device, compile=compiled)
-    optimizer = StackedAdamW(paths, settings)
-    began = time.perf_counter()
-    for k in range(args.warmup):
-        stacked_step(paths, optimizer, batches[k], [settings.lr_at(k)] * args.paths)
-    _sync(args.device)
-    warm = time.perf_counter() - began
-    began = time.perf_counter()
-    for k in range(args.warmup, args.warmup + args.steps):
-        stacked_step(paths, optimizer, batches[k], [settings.lr_at(k)] * args.paths)
-    _sync(args.device)
-    return time.perf_counter() - began, warm, [paths.state(i) for i in range(args.paths)]
+def _blocks(first: int, end: int, turns: int) -> list[range]:
+    """Steps ``first``..``end`` - 1 in ``turns`` consecutive blocks of (nearly) equal size."""
+    turns = max(1, min(turns, end - first))
+    cuts = [first + (end - first) * i // turns for i in range(turns + 1)]
+    return [range(a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+class _Sequential:
+    """Each path in turn: ``optim.train_step`` on its model (what a peer does for one task)."""
+
+    def __init__(self, cfg, settings, batches, args, compiled) -> None:
+        self.settings, self.batches, self.warm = settings, batches, 0.0
+        self.models = [new_dense_model(cfg, seed).to(args.device) for seed in range(args.paths)]
+        self.optimizers = [make_optimizer(m, settings) for m in self.models]
+        self.forwards = [torch.compile(m) if compiled else None for m in self.models]
+        for m in self.models:
+            m.train()
+
+    def step(self, k: int) -> None:
+        for i, m in enumerate(self.models):
+            train_step(
+                m,
+                self.optimizers[i],
+                self.batches[k, i],
+                self.settings,
+                step=k,
+                forward=self.forwards[i],
+            )
+
+    def states(self) -> list[dict[str, torch.Tensor]]:
+        return [m.state_dict() for m in self.models]
+
+
+class _Stacked:
+    """All paths as one stacked model (``dipaco.model.stacked``)."""
+
+    def __init__(self, cfg, settings, batches, args, compiled) -> None:
+        self.settings, self.batches, self.warm = settings, batches, 0.0
+        models = [new_dense_model(cfg, seed) for seed in range(args.paths)]
+        self.paths = StackedPaths(
+            cfg, [m.state_dict() for m in models], args.device, compile=compiled
+        )
+        self.optimizer = StackedAdamW(self.paths, settings)
+        self.n = args.paths
+
+    def step(self, k: int) -> None:
+        stacked_step(self.paths, self.optimizer, self.batches[k], [self.settings.lr_at(k)] * self.n)
+
+    def states(self) -> list[dict[str, torch.Tensor]]:
+        return [self.paths.state(i) for i in range(self.n)]
 
 
 def _profile(cfg, settings, batches, args) -> None:

@@ -273,26 +273,30 @@ class StackedAdamW:
         """One step of every path at its learning rate; returns each path's gradient norm
         before the clip (P,)."""
         s, flat = self.settings, self.paths.flat
-        grad = self.paths.grad
-        norms = torch.linalg.vector_norm(grad, dim=1)
-        clip = (s.grad_clip / (norms + _CLIP_EPS)).clamp(max=1.0)
-        grad.mul_(clip.unsqueeze(1))
         self.steps += 1
         beta1, beta2 = s.betas
         lr = torch.tensor(lrs, dtype=torch.float64)
-        bias1 = 1 - beta1**self.steps
-        bias2 = 1 - beta2**self.steps
+        # Per-path scalars as columns (P, 1); the bias corrections in float64, as torch's.
         device = flat.device
-        lr_col = lr.to(device, torch.float32).unsqueeze(1)
-        flat.mul_(1 - lr_col * s.weight_decay * self.paths.decays)
-        self.exp_avg.lerp_(grad, 1 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (self.exp_avg_sq.sqrt() / bias2.sqrt().to(device, torch.float32).unsqueeze(1)).add_(
-            _EPS
+
+        def column(values: torch.Tensor) -> torch.Tensor:
+            return values.to(device, torch.float32).unsqueeze(1)
+
+        update = _compiled_update() if self.paths.compile else adamw_update
+        return update(
+            flat,
+            self.paths.grad,
+            self.exp_avg,
+            self.exp_avg_sq,
+            self.paths.decays,
+            column(lr),
+            column(lr / (1 - beta1**self.steps)),
+            column((1 - beta2**self.steps).sqrt()),
+            s.grad_clip,
+            s.weight_decay,
+            beta1,
+            beta2,
         )
-        step_size = (lr / bias1).to(device, torch.float32).unsqueeze(1)
-        flat.sub_(step_size * self.exp_avg / denom)
-        return norms
 
     # ---- per-path state, in the named form of optim.optimizer_state_tensors --------------------
     def load_path(self, i: int, state: dict[str, torch.Tensor], names: list[str]) -> None:
@@ -319,6 +323,41 @@ class StackedAdamW:
             out[f"exp_avg/{n}"] = self.exp_avg[i, a:b].reshape(shape).clone()
             out[f"exp_avg_sq/{n}"] = self.exp_avg_sq[i, a:b].reshape(shape).clone()
         return out
+
+
+def adamw_update(
+    flat: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    decays: torch.Tensor,
+    lr: torch.Tensor,
+    step_size: torch.Tensor,
+    bias2_sqrt: torch.Tensor,
+    grad_clip: float,
+    weight_decay: float,
+    beta1: float,
+    beta2: float,
+) -> torch.Tensor:
+    """``StackedAdamW.step``'s arithmetic, in place on (P, n) buffers with per-path columns
+    (P, 1) ``lr``, ``step_size`` (lr over the first bias correction) and ``bias2_sqrt``; returns
+    each path's gradient norm before the clip. A pure function of tensors and numbers, so that
+    one compiled form (one fused pass over the buffers) serves every stack of the same shape."""
+    norms = torch.linalg.vector_norm(grad, dim=1)
+    grad.mul_((grad_clip / (norms + _CLIP_EPS)).clamp(max=1.0).unsqueeze(1))
+    flat.mul_(1 - lr * weight_decay * decays)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(_EPS)
+    flat.sub_(step_size * exp_avg / denom)
+    return norms
+
+
+@functools.cache
+def _compiled_update() -> Callable[..., torch.Tensor]:
+    """``adamw_update`` through ``torch.compile``: its seven passes over the (P, n) buffers
+    fused into a few (made once a process, compiled on the first call for each shape)."""
+    return torch.compile(adamw_update, dynamic=False)
 
 
 def stacked_step(

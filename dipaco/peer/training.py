@@ -32,7 +32,7 @@ from dipaco.model.optim import (
 )
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig
-from dipaco.peer.device import fit_micro_batch, trim_heap
+from dipaco.peer.device import fit_micro_batch, hold_heap, trim_heap
 from dipaco.peer.modules import Cache, TaskAborted
 from dipaco.peer.push import Tensors, module_deltas
 from dipaco.peer.stacking import BATCHINGS, Stack, stackable
@@ -471,6 +471,7 @@ def train_stacked(
     began = time.monotonic()
     for run in runs:
         run.began = began
+    hold_heap()  # a step's large blocks are not faulted in again every step
     active = [run for run in runs if not run.finished]
     while active:
         with timed(trainer.timings, "train"):

@@ -172,3 +172,32 @@ def test_a_task_whose_lease_is_lost_leaves_the_stack_and_the_others_train_on(pre
     sequential, _ = _run(prepared, tmp_path, "sequential", parallel=1)
     for mid in sequential.store.modules:
         assert _max_diff(co.store.params(mid), sequential.store.params(mid)) < RUN_TOLERANCE
+
+
+def test_the_compiled_adamw_update_is_the_eager_one():
+    """``StackedAdamW`` on a stack made with ``compile=True`` runs its arithmetic through
+    torch.compile (one fused pass, what the ladder's CPU runs use); the buffers it leaves and the
+    norms it returns equal the eager function's, a clip biting on one path and not the other."""
+    from dipaco.model.stacked import _compiled_update, adamw_update
+
+    g = torch.Generator().manual_seed(3)
+    flat, exp_avg, grad = (torch.randn(2, 300, generator=g) for _ in range(3))
+    exp_avg_sq = torch.rand(2, 300, generator=g)
+    grad[1] *= 100  # path 1's norm is far above the clip, path 0's below it
+    decays = (torch.arange(300) % 2).float()
+    columns = (
+        torch.tensor([[1e-3], [3e-3]]),
+        torch.tensor([[2e-3], [5e-3]]),
+        torch.tensor([[0.3], [0.5]]),
+    )
+    outs = []
+    for update in (adamw_update, _compiled_update()):
+        buffers = [t.clone() for t in (flat, grad, exp_avg, exp_avg_sq)]
+        norms = update(*buffers, decays, *columns, 50.0, 0.1, 0.9, 0.95)
+        outs.append((norms, buffers))
+    (norms, eager), (compiled_norms, compiled) = outs
+    assert norms[0] < 50 < norms[1]
+    assert torch.allclose(norms, compiled_norms, rtol=1e-6)
+    for want, got in zip(eager, compiled, strict=True):
+        assert torch.allclose(want, got, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(compiled[0], flat)  # it stepped
