@@ -287,13 +287,20 @@ class Peer:
         waiting = set(groups)
         tokens = offer.inner_steps * costs.TOKENS_PER_STEP
         token = self.token
+        over: set[str] = set()  # owners whose modules made all their rounds
 
         def acked(owner: str, reply: Any) -> None:
-            if not isinstance(reply, m.DeltaAck):
+            if getattr(reply, "reason", None) == Reason.FINISHED:
+                # As the real peer (peer/push.py): this owner drops the delta, the path's
+                # other modules may still wait for their last round's.
+                over.add(owner)
+            elif not isinstance(reply, m.DeltaAck):
                 self.abandon(reply)
                 return
             waiting.discard(owner)
-            if not waiting:
+            if not waiting and over == set(groups):
+                self.abandon(reply)  # every module of the path had made all its rounds
+            elif not waiting:
                 self.trained = 0.0  # acknowledged: not wasted, whatever the TaskDone meets
                 self.enter("done")
                 self.task_done(

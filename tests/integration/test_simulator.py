@@ -53,6 +53,24 @@ def test_a_small_run_with_the_default_quorum_does_not_stall():
     assert run.acked == run.applied and run.lost == 0 and run.duplicated == 0
 
 
+@pytest.mark.timeout(90)
+def test_a_path_whose_other_owner_has_finished_still_reports_its_last_round():
+    """40 peers of the default mix, 4 owners, 3 rounds: in the last round an owner whose modules
+    have all made their rounds refuses a path's delta as finished while another owner's module
+    still waits for it. The simulated peer treats that as the real one does (peer/push.py: that
+    owner drops it, the others take theirs). It used to abandon the whole task, so the waiting
+    module never reached its quorum: both seeds stalled in their last round with acknowledged
+    deltas never applied (issue 52's 200-peer stall)."""
+    for seed in (0, 2):
+        run = simulate.run(
+            costs.Settings(
+                peers=40, owners=4, rounds=3, seed=seed, tick_seconds=5.0, report_seconds=5.0
+            )
+        )
+        assert run.rounds_done == 3, (seed, run.round_seconds)
+        assert run.acked == run.applied and run.lost == 0 and run.duplicated == 0, seed
+
+
 @pytest.mark.timeout(60)
 def test_a_simulated_task_done_is_held_until_an_owners_report_lands():
     """A TaskDone that reaches the scheduler before the owner's report of the task's delta is
