@@ -152,6 +152,11 @@ class ValidationSection(_Section):
     heldout_check: bool = False
     heldout_tolerance: float = Field(0.1, ge=0)
     heldout_docs: int = Field(8, ge=1)  # held-out documents scored per check
+    # Refuse a delta that copies one this coordinator stored before at the module ("copied"):
+    # at least this correlation on a secret sample of the module's coordinates (copies.py; honest
+    # deltas measured at most 0.995; 0.9999 refuses copies). None (the default): off, for a
+    # diverging run's honest deltas are copies of each other (docs/security.md).
+    copy_cosine: float | None = Field(None, gt=0, le=1)
 
     @model_validator(mode="after")
     def _window(self) -> ValidationSection:

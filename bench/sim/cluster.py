@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dipaco.config import SchedulerSection, SecuritySection
+from dipaco.config import SchedulerSection, SecuritySection, ValidationSection
 from dipaco.coordinator.access import change_access
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.outer import OuterSettings
@@ -158,6 +158,9 @@ class Cluster:
             "clock": lambda: loop.now,
             "policy": policy,
             "security": security,
+            # The simulated peers send one fixed delta per module (what it holds is not what the
+            # simulator measures): the copy check (copies.py) would refuse all but the first.
+            "validation": ValidationSection(copy_cosine=None),
             "codec": "int8",
         }
         sched_id = auth.Identity.generate()

@@ -109,6 +109,7 @@ FIELDS: dict[str, str] = {
     "validation.heldout_check": "reject an update that makes the held-out loss worse",
     "validation.heldout_tolerance": "allowed rise of the held-out loss (nats per token)",
     "validation.heldout_docs": "held-out documents scored per check",
+    "validation.copy_cosine": "refuse a delta this close to an earlier one of its module (0.9999)",
     "scheduler.lease_seconds": "a peer silent this long has vanished; its task is re-issued",
     "scheduler.heartbeat_seconds": "how often peers send a heartbeat",
     "scheduler.deadline_mads": "round deadline: median + max(k * MAD, slack * median) of durations",

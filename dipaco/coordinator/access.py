@@ -66,6 +66,7 @@ HOSTILE = frozenset(
         "bad-tokens",
         "non-finite",
         "huge-norm",
+        "copied",
         "worse-heldout",
         "identity-mismatch",
         "unknown-module",

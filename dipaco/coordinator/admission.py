@@ -21,6 +21,7 @@ import torch
 
 from dipaco.coordinator import rounds
 from dipaco.coordinator.base import CoordinatorBase
+from dipaco.coordinator.copies import Sketches
 from dipaco.coordinator.gate import RequestSlot
 from dipaco.coordinator.leased import task_of
 from dipaco.coordinator.records import Task
@@ -136,6 +137,7 @@ class Checked(NamedTuple):
     deltas: dict[str, dict[str, torch.Tensor]]
     norms: dict[str, float]
     trust: float
+    sketches: Sketches  # copies.py's, kept once the delta is stored
 
 
 def reserve(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]) -> Plan:
@@ -255,7 +257,7 @@ def write(
             checked[mids] = Checked(
                 judged, *check_content(core, req, req.path, judged, list(mids), measured)
             )
-        deltas, norms, trust = checked[mids]
+        deltas, norms, trust, sketches = checked[mids]
         for mid, base, stale, _, rnd in plan.store:
             damped = weight * trust * core.policy.stale_damping**stale
             meta = delta_meta(
@@ -273,6 +275,7 @@ def write(
             }
             for mid in (s.mid for s in plan.store):  # only now durable: the norms count it
                 core.norms.record(mid, norms[mid])
+            core.copies.keep(req.task_id, req.peer_id, {m: sketches.get(m) for m in mids})
             if plan.store:
                 core.journal.norms.save()
     except OSError as exc:  # a full disk refuses the delta; what was stored is acked on the retry
@@ -407,14 +410,14 @@ def check_content(
     deltas: dict[str, dict[str, torch.Tensor]],
     mids: list[str],
     measured: dict[str, float],
-) -> tuple[dict[str, float], float]:
+) -> tuple[dict[str, float], float, Sketches]:
     """Judge the deltas about to be stored by their norms (and, optionally, held-out loss).
 
     Every module is judged before anything is stored or clipped, so a rejection leaves no
     trace but its count (and, with the held-out check, its key's usefulness score). Clipped
     deltas are replaced in ``deltas``. Returns each module's norm as it will be stored, for
-    the statistics once the delta is durable, and the factor of the delta's weight (its
-    key's trust; 1 without the held-out check).
+    the statistics once the delta is durable, the factor of the delta's weight (its key's
+    trust; 1 without the held-out check), and its sketches (copies.py), kept once stored.
     """
     with core.lock:  # the norms were measured once, in split_delta
         judged = {mid: core.norms.judge(mid, measured[mid]) for mid in mids}
@@ -425,6 +428,14 @@ def check_content(
                 Reason.HUGE_NORM,
                 f"delta for {mid} has norm {j.norm:.4g}, {j.why}",
             )
+    copied, sketches = core.copies.judge(req.task_id, {mid: deltas[mid] for mid in mids})
+    if copied is not None:
+        core.refusals.refuse(
+            req.peer_id,
+            Reason.COPIED,
+            f"delta for {copied.module} copies task {copied.task}'s (cosine {copied.cosine:.4f} "
+            "on a sample of its coordinates)",
+        )
     norms = {}
     for mid, j in judged.items():
         norms[mid] = j.norm
@@ -449,7 +460,7 @@ def check_content(
                     "clipped_to": j.limit,
                 }
             )
-    return norms, trust
+    return norms, trust, sketches
 
 
 def check_heldout(

@@ -20,6 +20,7 @@ import torch
 
 from dipaco.config import SchedulerSection, SecuritySection, ValidationSection
 from dipaco.coordinator.access import AccessPolicy
+from dipaco.coordinator.copies import DeltaCopies
 from dipaco.coordinator.durable import Journal
 from dipaco.coordinator.gate import Gate
 from dipaco.coordinator.outer import OuterSettings, for_sharing
@@ -199,6 +200,7 @@ class CoordinatorBase:
             max_norm=v.max_norm,
             window=v.norm_window,
         )
+        self.copies = DeltaCopies(v.copy_cosine)  # copies of earlier deltas refused
         self.heldout_loss = heldout_loss
         self.key_scores = KeyScores(self.root / "key_scores.json", v.heldout_tolerance)
         # "auto" aggregation with the held-out check: the modules whose every delta is scored

@@ -80,6 +80,8 @@ class Reason(StrEnum):
     """another task already delivered this path for this base version, pending or already applied (head.json reported); the same task is acknowledged..."""
     HUGE_NORM = "huge-norm"
     """a module's delta norm is above validation.max_norm, or (norm_check = "reject") far above that module's recent accepted norms"""
+    COPIED = "copied"
+    """validation.copy_cosine: a module's delta copies an earlier task's delta stored at that module, scaled or not (a correlation of at least copy_cosine on the coordinator's secret sample of its coordinates)"""
     WORSE_HELDOUT = "worse-heldout"
     """validation.heldout_check: the path's held-out loss with the update is above its current loss + heldout_tolerance"""
     LOW_SCORE = "low-score"

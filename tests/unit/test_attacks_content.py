@@ -35,6 +35,7 @@ class Clock:
         return self.now
 
 
+COPY_COSINE = 0.9999  # validation.copy_cosine as docs/security.md recommends it
 KEYS: dict[str, Identity] = {}  # one key per peer name, the same after a coordinator restart
 
 
@@ -452,3 +453,71 @@ def test_a_key_whose_deltas_keep_hurting_is_weighted_down_then_refused(tmp_path)
     # An honest delta from the low-scored key still counts: it lifts the score.
     assert [e["refused"] for e in mild if e["gain"] > 0] == [None] * len(refused)
     assert len(swarm.co.status().state["key_scores"]) == TOPO.num_paths
+
+
+def test_a_replayed_or_rescaled_copy_of_an_earlier_delta_is_refused_as_copied(tmp_path):
+    """A key that sends back its own delta of the last round, or another path's delta scaled by
+    2.9 (what a Sybil copies from its other key), gets no credit: both are refused as
+    ``copied``, counted as hostile, and nothing is stored; an honest delta then completes the
+    round as if the copies never came. A retry of the same task is not a copy of itself."""
+    copies = ValidationSection(copy_cosine=COPY_COSINE)
+    swarm, reference = Swarm(tmp_path / "s", validation=copies), Swarm(tmp_path / "r")
+    for s in (swarm, reference):
+        honest_round(s, 0)
+        honest_round(s, 1)
+    task = swarm.claim(0)
+    with pytest.raises(RejectedError) as err:
+        swarm.submit(task, honest(0, 1))  # its own last round's delta, sent again
+    assert err.value.reason == "copied" and "cosine 1.0000" in str(err.value)
+    scaled = {k: v * 2.9 for k, v in honest(1, 1).items() if k.startswith("S.")}
+    other = swarm.claim(1)
+    with pytest.raises(RejectedError) as err:
+        swarm.submit(other, {**honest(1, 2), **scaled})  # S.embed and S.head: path 1's, x2.9
+    assert err.value.reason == "copied"
+    assert swarm.co.rejections["copied"] == 2
+    assert swarm.co.access.offences  # hostile: counted towards a ban
+    assert all(not r["pending"] for r in swarm.co.status().state["modules"].values())
+    ack = swarm.submit(task, honest(0, 2))
+    assert swarm.submit(task, honest(0, 2)).accepted == ack.accepted  # the same task's retry
+    swarm.submit(other, honest(1, 2))
+    honest_round(swarm, 2, skip={0, 1})
+    honest_round(reference, 2)
+    for mid, params in reference.params().items():
+        for k, v in params.items():
+            assert torch.equal(v, swarm.co.store.params(mid)[k]), (mid, k)
+
+
+def test_copies_are_judged_on_a_secret_sample_of_each_module():
+    """The sketch of a module reads a fixed, secret sample of its coordinates: a copy with a
+    little noise added everywhere (0.5% of its scale) is still a copy at 0.9999,
+    independent noise is not, and two coordinators (two secrets) sample different
+    coordinates. Only a kept (stored) delta can be copied; a retry of its own task is not."""
+    from dipaco.coordinator.copies import DeltaCopies
+
+    cosine = COPY_COSINE
+    assert ValidationSection().copy_cosine is None  # off by default
+    g = torch.Generator().manual_seed(0)
+    first = {"w": torch.randn(300, 40, generator=g), "b": torch.randn(40, generator=g)}
+    copies = DeltaCopies(cosine)
+
+    def judged(task, peer, delta, keep=True):
+        found, sketches = copies.judge(task, {"M": delta})
+        if found is None and keep:
+            copies.keep(task, peer, sketches)
+        return found
+
+    assert judged("t0", "a", first, keep=False) is None  # judged, never stored
+    assert judged("t1", "a", first) is None  # so this is no copy
+    assert judged("t2", "b", {"w": torch.randn(300, 40), "b": torch.randn(40)}) is None
+    assert copies.nearest["M"] < 0.3  # independent noise
+    noise = torch.Generator().manual_seed(1)
+    patched = {k: v + 0.005 * torch.randn(v.shape, generator=noise) for k, v in first.items()}
+    found = judged("t3", "c", patched)
+    assert found is not None and found.task == "t1" and found.peer == "a"
+    assert found.cosine >= cosine
+    assert judged("t1", "a", first) is None  # its own task again: a retry
+    one, two = DeltaCopies(cosine), DeltaCopies(cosine)
+    one.judge("x", {"M": first})
+    two.judge("x", {"M": first})
+    assert not torch.equal(one._where["M"][0][1], two._where["M"][0][1])
+    assert DeltaCopies(None).judge("t9", {"M": first}) == (None, {})  # off
