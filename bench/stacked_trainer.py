@@ -68,6 +68,11 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="leave out the two compiled trainers")
     ap.add_argument("--quick", action="store_true", help="CI's short form: 4 paths, 3 steps")
     ap.add_argument("--profile", action="store_true", help="where a stacked step's time goes")
+    ap.add_argument(
+        "--no-hold-heap",
+        action="store_true",
+        help="leave glibc's heap settings as they are (what a stack paid before hold_heap)",
+    )
     add_report_args(ap)
     args = ap.parse_args()
     if args.quick:
@@ -94,7 +99,8 @@ def main() -> None:
         f"torch threads {torch.get_num_threads()}",
         flush=True,
     )
-    hold_heap()  # what a stacked peer does (peer/device.py); the same for every trainer here
+    if not args.no_hold_heap:
+        hold_heap()  # what a stacked peer does (peer/device.py); the same for every trainer here
     trainers = [("sequential", False), ("sequential, compiled", True)]
     trainers += [("stacked", False), ("stacked, compiled", True)]
     runs = {
@@ -115,15 +121,19 @@ def main() -> None:
     blocks = [list(r) for r in _blocks(args.warmup, args.warmup + args.steps, args.turns)]
     seconds = {name: [] for name in runs}
     faults = dict.fromkeys(runs, 0)
+    cpu = {name: [0.0, 0.0] for name in runs}  # user, kernel seconds (every thread)
     for block in blocks:
         for name, run in runs.items():
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            before = resource.getrusage(resource.RUSAGE_SELF)
             began = time.perf_counter()
             for k in block:
                 run.step(k)
             _sync(args.device)
             seconds[name].append(time.perf_counter() - began)
-            faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            faults[name] += after.ru_minflt - before.ru_minflt
+            cpu[name][0] += after.ru_utime - before.ru_utime
+            cpu[name][1] += after.ru_stime - before.ru_stime
     results: dict[str, tuple[float, float | None]] = {}
     ratios: dict[str, list[float]] = {}
     reference = runs["sequential"].states()
@@ -146,7 +156,9 @@ def main() -> None:
             f"{ratios[name][-1]:.2f})"
             + (f"; warm-up and compile {run.warm:.1f} s" if compiled_name(name) else "")
             + ("" if diff is None else f"; largest parameter difference {diff:.2e}")
-            + f"; {faults[name] / args.steps:,.0f} page faults a step",
+            + f"; {faults[name] / args.steps:,.0f} page faults, CPU "
+            f"{sum(cpu[name]) / args.steps * 1e3:.1f} ms ({cpu[name][1] / args.steps * 1e3:.1f} "
+            "in the kernel) a step",
             flush=True,
         )
     base = results["sequential"][0]
