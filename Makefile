@@ -25,7 +25,8 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP) lint
 	.ci/need-chromium
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial" $(ARGS) || [ $$? -eq 5 ]
+	.ci/need-netns
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial" --durations 25 $(ARGS) || [ $$? -eq 5 ]
 	$(PY) -m pytest -q -m serial $(ARGS) || [ $$? -eq 5 ]
 
 lint: $(STAMP)

@@ -259,6 +259,8 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     peer.on_setup = on_setup
     ended = False
+    sent: int | None = None  # hivemind links' bytes, where counted
+    received: int | None = None
     try:
         with progress if not console.lines else contextlib.nullcontext():
             done = peer.run()
@@ -299,6 +301,9 @@ def cmd_join(args: argparse.Namespace) -> int:
             # claims and downloads on the fetch thread (--fetch-ahead), and the tasks they got
             "fetched_ahead_s": round(peer.ahead.seconds, 4),
             "fetched_ahead_tasks": peer.ahead.tasks,
+            # the messages' bytes over hivemind links (the wire adds framing and headers)
+            "bytes_sent": sent,
+            "bytes_received": received,
         },
     )
     if group is not None:  # rank 0 leaves as its followers do (its group closed above)

@@ -13,6 +13,8 @@ def seed_summary(seeds: Any, server: Any) -> str:
         f"modules: {c['from_seeds']} from peers ({c['seed_bytes'] / 1e6:.1f} MB), "
         f"{c['from_owner']} from owners, {c['refused']} refused"
     )
+    if c.get("unreachable"):
+        line += f", {c['unreachable']} serving peer(s) behind another NAT skipped"
     if server is None:
         return line + "; this peer serves none (client mode: pass --serve-modules to serve)"
     return line + f"; served {server.served} to peers ({server.bytes_out / 1e6:.1f} MB)"

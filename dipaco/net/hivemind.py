@@ -234,8 +234,17 @@ class HivemindJoin:
         }
 
     def traffic(self) -> tuple[int, int]:
-        """Bytes sent and received over every link so far."""
-        return sum(t.bytes_sent for t in self.links), sum(t.bytes_received for t in self.links)
+        """Bytes sent and received so far: the messages over every link, to other peers serving
+        modules, and what this peer served (requests in, replies out). Not counted: the DHT, and
+        libp2p's and TCP's framing (what the kernel counts on the interface on top)."""
+        sent = sum(t.bytes_sent for t in self.links)
+        received = sum(t.bytes_received for t in self.links)
+        if self.seeds is not None:
+            up, down = self.seeds.traffic()
+            sent, received = sent + up, received + down
+        if self.seed_server is not None:
+            sent, received = sent + self.seed_server.wire[0], received + self.seed_server.wire[1]
+        return sent, received
 
     def close(self) -> None:
         self.run_over.set()

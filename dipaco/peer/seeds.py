@@ -26,6 +26,7 @@ import torch
 from dipaco.errors import DipacoError, RejectedError
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
+from dipaco.protocols.addresses import announceable, reachable
 from dipaco.protocols.discovery import key as dht_key
 from dipaco.protocols.limits import KeyBuckets
 from dipaco.protocols.reasons import Reason
@@ -103,6 +104,7 @@ class SeedServer:
         )
         self.served = 0  # module versions sent
         self.bytes_out = 0  # their tensor bytes
+        self.wire = [0, 0]  # bytes of the replies sent and of the requests read, all of them
         self.refused: Counter[str] = Counter()  # reason -> requests answered with an Error
 
     def handle(self, data: ByteBuffer) -> ByteBuffer:
@@ -124,7 +126,11 @@ class SeedServer:
             with self._lock:
                 self.refused[exc.reason] += 1
             reply = m.Error(reason=exc.reason, message=str(exc))
-        return auth.seal_reply(self.identity, nonce, m.encode_message(reply))
+        sealed = auth.seal_reply(self.identity, nonce, m.encode_message(reply))
+        with self._lock:
+            self.wire[0] += len(sealed)
+            self.wire[1] += len(data)
+        return sealed
 
     def _admit(self, key: str) -> dict[str, tuple[int, int]]:
         """What ``key`` fetched, with one of its request tokens taken; RejectedError
@@ -199,8 +205,10 @@ class SeedFetcher:
         self._links: dict[str, Any] = {}
         self.speed: dict[str, float] = {}  # holder id -> bytes per second, running estimate
         self.bad: set[str] = set()  # holders that sent a module failing its check: never again
+        self.unreachable: set[str] = set()  # holders with no address this machine can dial
         self.refused: Counter[str] = Counter()
         self.from_seeds = self.from_owner = self.seed_bytes = 0
+        self._gone = [0, 0]  # bytes sent and received over links since closed
         self._addresses: list[str] | None = None
         self._announced: dict[str, float] = {}  # DHT key -> when this peer last announced it
         self._found: dict[tuple[str, int], list] = {}  # (module, version) -> holders find read
@@ -209,23 +217,32 @@ class SeedFetcher:
 
     def holders(self, mid: str, version: int) -> list[tuple[str, dict]]:
         """The other peers that announced ``mid`` v``version``, fastest known first (unknown
-        ones after them, in the DHT's order); never this peer nor a refused one."""
+        ones after them, in the DHT's order), with the addresses this machine can dial; never
+        this peer, a refused one, or one with no such address (a peer behind another NAT:
+        ``addresses.reachable``; counted in ``unreachable``)."""
         try:
             found = self.node.get(seed_key(self.run_id, mid, version))
         except Exception:  # noqa: BLE001 - the DHT is best effort: no holders, ask the owner
             return []
         if not isinstance(found, dict):
             return []
-        out = [
-            (holder, info)
-            for holder, info in found.items()
-            if isinstance(holder, str)
-            and holder != self.node.peer_id
-            and holder not in self.bad
-            and isinstance(info, dict)
-            and isinstance(info.get("key"), str)
-            and isinstance(info.get("addresses"), list)
-        ]
+        out = []
+        for holder, info in found.items():
+            if not (
+                isinstance(holder, str)
+                and holder != self.node.peer_id
+                and holder not in self.bad
+                and isinstance(info, dict)
+                and isinstance(info.get("key"), str)
+                and isinstance(info.get("addresses"), list)
+            ):
+                continue
+            usable = [a for a in info["addresses"] if isinstance(a, str) and reachable(a)]
+            if not usable:  # behind another router's NAT: dialling it would only time out
+                with self._lock:
+                    self.unreachable.add(holder)
+                continue
+            out.append((holder, {**info, "addresses": usable}))
         out.sort(key=lambda item: -self.speed.get(item[0], 0.0))
         return out[: self.tries]
 
@@ -294,6 +311,8 @@ class SeedFetcher:
                 )  # fmt: skip
                 self.from_seeds += 1
                 self.seed_bytes += size
+            log.info("peer %s: %s v%d from peer %s (%s), %.1f MB/s", self.peer_id, mid, version,
+                     info.get("peer"), holder[:12], rate / 1e6)  # fmt: skip
             return tensors
         return None
 
@@ -336,9 +355,20 @@ class SeedFetcher:
                 self._links[holder] = link
         return link
 
+    def traffic(self) -> tuple[int, int]:
+        """Bytes sent and received over links to holders, closed ones included."""
+        with self._lock:
+            links = list(self._links.values())
+            sent, received = self._gone
+        return (sent + sum(link.bytes_sent for link in links),
+                received + sum(link.bytes_received for link in links))  # fmt: skip
+
     def _forget(self, holder: str) -> None:
         with self._lock:
             link = self._links.pop(holder, None)
+            if link is not None:
+                self._gone[0] += link.bytes_sent
+                self._gone[1] += link.bytes_received
         if link is not None:
             try:
                 link.close()
@@ -362,7 +392,7 @@ class SeedFetcher:
         self._announced = {k: t for k, t in self._announced.items() if now - t < SEED_TTL}
         self._announced[key] = now
         if self._addresses is None:
-            self._addresses = self.node.visible_maddrs()
+            self._addresses = announceable(self.node.visible_maddrs())
         record = {"peer": self.peer_id, "key": self.identity.public_key,
                   "addresses": self._addresses}  # fmt: skip
         try:
@@ -384,4 +414,5 @@ class SeedFetcher:
                 "from_owner": self.from_owner,
                 "seed_bytes": self.seed_bytes,
                 "refused": sum(self.refused.values()),
+                "unreachable": len(self.unreachable),
             }

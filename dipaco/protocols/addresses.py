@@ -6,7 +6,10 @@ busy port is refused at once: hivemind's daemon would share it with whatever is 
 from __future__ import annotations
 
 import errno
+import functools
+import ipaddress
 import socket
+import struct
 import time
 
 from dipaco.errors import ConfigError
@@ -112,3 +115,89 @@ def split_relayed(address: str) -> tuple[str, str, str] | None:
     if not relay_id or not target or "/" in target:
         raise ValueError(f"{address} is not RELAY/p2p/RELAY_ID{RELAYED}TARGET")
     return relay, relay_id, target
+
+
+# Networks a home or a lab keeps behind its router (RFC 1918, carrier-grade NAT, link-local,
+# loopback, IPv6 unique-local and link-local): an address in one is dialled only from its own
+# network. Any other address is taken as routable from anywhere.
+LOCAL_NETWORKS = tuple(
+    ipaddress.ip_network(n)
+    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
+              "169.254.0.0/16", "127.0.0.0/8", "fc00::/7", "fe80::/10", "::1/128")
+)  # fmt: skip
+
+
+def _ip_of(maddr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address a multiaddr dials first (``/ip4/A/...`` or ``/ip6/A/...``), else None."""
+    parts = maddr.split("/")
+    if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+        try:
+            return ipaddress.ip_address(parts[2])
+        except ValueError:
+            return None
+    return None
+
+
+def is_local(maddr: str) -> bool:
+    """True for a multiaddr on a network kept behind a router (``LOCAL_NETWORKS``)."""
+    ip = _ip_of(maddr)
+    return ip is not None and any(ip in net for net in LOCAL_NETWORKS)
+
+
+def announceable(maddrs: list[str]) -> list[str]:
+    """What a node that listens tells others: its addresses without loopback ones, unless it
+    listens on loopback only (a run on one machine). A peer elsewhere that dials 127.0.0.1 dials
+    itself."""
+    outside = [a for a in maddrs if (ip := _ip_of(a)) is None or not ip.is_loopback]
+    return outside or list(maddrs)
+
+
+def reachable(maddr: str) -> bool:
+    """Whether this machine can dial ``maddr``: a routable address (or a name, or a relayed
+    address) always; an address on a network behind a router (``LOCAL_NETWORKS``) only when
+    this machine is on that network itself (the address is on-link: the kernel's route to it
+    leaves from an interface whose subnet holds it). A peer behind one home's NAT is thus never
+    dialled from outside it, where its 192.168.x.y is someone else's network or none."""
+    ip = _ip_of(maddr)
+    if ip is None or split_relayed(maddr) is not None or not is_local(maddr):
+        return True
+    return _on_link(str(ip))
+
+
+@functools.lru_cache(maxsize=1024)
+def _on_link(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))  # no packet leaves: the kernel only picks a route
+            source = ipaddress.ip_address(probe.getsockname()[0].split("%")[0])
+    except OSError:  # no route at all
+        return False
+    if source == ip:
+        return True
+    prefix = _prefix_of(str(source)) if ip.version == 4 else 64
+    return ip in ipaddress.ip_network(f"{source}/{prefix}", strict=False)
+
+
+def _prefix_of(address: str) -> int:
+    """The prefix length of this machine's interface that holds ``address`` (Linux: asked of the
+    kernel per interface), else 24."""
+    try:
+        import fcntl
+
+        packed = socket.inet_aton(address)
+        for _, name in socket.if_nameindex():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                request = struct.pack("256s", name.encode()[:15])
+                try:
+                    mine = fcntl.ioctl(s.fileno(), 0x8915, request)[20:24]  # SIOCGIFADDR
+                except OSError:
+                    continue
+                if mine != packed:
+                    continue
+                mask = fcntl.ioctl(s.fileno(), 0x891B, request)[20:24]  # SIOCGIFNETMASK
+                return bin(int.from_bytes(mask, "big")).count("1")
+    except (ImportError, OSError):
+        pass
+    return 24

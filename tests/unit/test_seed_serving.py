@@ -7,10 +7,12 @@ import time
 
 import torch
 
+from dipaco.cli.peer_report import seed_summary
 from dipaco.peer import seeds
 from dipaco.peer.seeds import SEED_BURST, Held, Release, SeedFetcher, SeedServer, seed_key
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
+from dipaco.protocols.addresses import announceable, reachable
 from dipaco.protocols.reasons import Reason
 from dipaco.protocols.transport import LocalTransport
 from dipaco.protocols.wire import tensors_sha256
@@ -146,6 +148,28 @@ def test_holders_are_the_well_formed_records_of_others_fastest_first():
     assert [h for h, _ in f.holders("M", 1)] == ["fast", "slow"]
     f.node = Records(["not", "a", "dict"])
     assert f.holders("M", 1) == []
+
+
+def test_a_holder_behind_another_nat_is_never_chosen(monkeypatch):
+    # A serving peer behind a home router announces its LAN address: peers elsewhere cannot
+    # dial it (judged from inside real networks in tests/integration/test_internet.py).
+    monkeypatch.setattr(seeds, "reachable", lambda a: not a.startswith("/ip4/192.168.7."))
+    f = fetcher()
+    lan = {"key": "k", "addresses": ["/ip4/192.168.7.2/tcp/1"]}
+    both = {"key": "k", "addresses": ["/ip4/192.168.7.3/tcp/1", "/ip4/198.18.0.9/tcp/1"]}
+    f.node = Records({"behind": lan, "both": both})
+    assert f.holders("M", 1) == [("both", {"key": "k", "addresses": ["/ip4/198.18.0.9/tcp/1"]})]
+    assert f.unreachable == {"behind"} and f.counts()["unreachable"] == 1
+    assert "1 serving peer(s) behind another NAT skipped" in seed_summary(f, None)
+
+
+def test_a_serving_peer_announces_no_loopback_address_unless_it_has_no_other():
+    assert announceable(["/ip4/127.0.0.1/tcp/5", "/ip4/192.168.1.2/tcp/5"]) == [
+        "/ip4/192.168.1.2/tcp/5"
+    ]
+    assert announceable(["/ip4/127.0.0.1/tcp/5"]) == ["/ip4/127.0.0.1/tcp/5"]  # one machine
+    assert reachable("/ip4/127.0.0.1/tcp/5") and reachable("/dns4/example.org/tcp/5")
+    assert reachable("/ip4/198.18.0.9/tcp/5")  # not a network kept behind a router
 
 
 class LaterRecords:
