@@ -198,7 +198,8 @@ class Run:
         return proc
 
     def finish(self, timeout: float = 600) -> list[str]:
-        """Wait for every process to exit; what went wrong (empty when the run finished)."""
+        """Wait for every process to exit; what went wrong (empty when the run finished and
+        nothing was left running or listening in the testbed)."""
         problems = []
         if self.coordinator.finish(timeout) != 0:
             problems.append(f"the coordinator exited {self.coordinator.p.returncode}")
@@ -207,7 +208,7 @@ class Run:
                 problems.append(f"{proc.name} exited {proc.p.returncode}:\n{proc.tail()}")
         if not self.coordinator.saw("run finished"):
             problems.append(f"the run did not finish:\n{self.coordinator.tail()}")
-        return problems
+        return problems + self.leftovers()
 
     def log(self) -> list[dict]:
         out = events(self.root / "metrics.jsonl")
@@ -242,7 +243,7 @@ class Run:
 
     def leftovers(self) -> list[str]:
         """Processes still running in the testbed's namespaces once every process it started
-        has exited (a p2pd daemon that outlived its node, say)."""
+        has exited (a p2pd daemon that outlived its node, say), and sockets still listening."""
 
         def left() -> list[str]:
             out = []
@@ -258,7 +259,8 @@ class Run:
         deadline = time.monotonic() + 10.0  # a helper may take a moment to follow its parent
         while (found := left()) and time.monotonic() < deadline:
             time.sleep(0.5)
-        return found
+        hosts = self.net.publics + self.net.routers + [h for r in self.net.routers for h in r.hosts]
+        return found + [f"{h.ns}: still listening: {line}" for h in hosts for line in h.listening()]
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -299,10 +301,9 @@ def scenario_nat(net: Netbed, work: Path, long: bool = False) -> dict:
         run.peer(hosts["nat2"], "nat2", "--serve-modules")
         run.peer(hosts["pub"], "pub", "--serve-modules", hosts["pub"].address)
         problems = run.finish()
-        leftovers = run.leftovers()
     finally:
         run.stop()
-    problems += run.exactly_once() + leftovers
+    problems += run.exactly_once()
     relayed = re.findall(r"relayed (\d+) requests to module owners", "".join(run.coordinator.lines))
     # Where the public peer took module versions from: never a peer behind the home's NAT.
     from_nat = [line.strip() for line in run.peers["pub"].lines

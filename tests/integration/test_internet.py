@@ -37,6 +37,13 @@ def _testbed_possible():
     assert netbed.ours() == [], "a test left namespaces behind"
 
 
+@pytest.fixture
+def testbed():
+    """A testbed of one's own (bench/netbed.py), removed afterwards whatever happened."""
+    with netbed.Netbed() as net:
+        yield net
+
+
 def scenario(name: str, tmp_path, **kwargs) -> dict:
     result = internet.run_scenario(name, tmp_path / name, **kwargs)
     assert result["left"] == [], result
@@ -100,27 +107,26 @@ def test_a_flash_crowd_of_16_peers_behind_one_nat(tmp_path):
     assert result["trained"] == 4 * 2  # 2 rounds of 4 paths: each task trained once
 
 
-def test_who_can_dial_whom_is_judged_from_inside_each_network():
+def test_who_can_dial_whom_is_judged_from_inside_each_network(testbed):
     """``addresses.reachable``, asked in each namespace: a home's private addresses from the
     home itself and from outside, a public one from behind NAT."""
     code = (
         "import sys; from dipaco.protocols.addresses import reachable; "
         "print(' '.join(str(reachable(a)) for a in sys.argv[1:]))"
     )
-    with netbed.Netbed() as net:
-        outside = net.public("outside")
-        home = net.home("home")
-        first, second = home.host("first"), home.host("second")
-        other = net.home("other").host("elsewhere")  # 192.168.2.2: another home's LAN
-        addresses = [f"/ip4/{second.address}/tcp/4001", f"/ip4/{outside.address}/tcp/4001",
-                     "/ip4/127.0.0.1/tcp/4001"]  # fmt: skip
+    outside = testbed.public("outside")
+    home = testbed.home("home")
+    first, second = home.host("first"), home.host("second")
+    other = testbed.home("other").host("elsewhere")  # 192.168.2.2: another home's LAN
+    addresses = [f"/ip4/{second.address}/tcp/4001", f"/ip4/{outside.address}/tcp/4001",
+                 "/ip4/127.0.0.1/tcp/4001"]  # fmt: skip
 
-        def judged(host: netbed.Host) -> list[str]:
-            return host.run(sys.executable, "-c", code, *addresses).stdout.split()
+    def judged(host: netbed.Host) -> list[str]:
+        return host.run(sys.executable, "-c", code, *addresses).stdout.split()
 
-        assert judged(first) == ["True", "True", "True"]  # its LAN, the internet, itself
-        assert judged(outside) == ["False", "True", "True"]  # behind a NAT: not from outside
-        assert judged(other) == ["False", "True", "True"]  # nor from behind another one
+    assert judged(first) == ["True", "True", "True"]  # its LAN, the internet, itself
+    assert judged(outside) == ["False", "True", "True"]  # behind a NAT: not from outside
+    assert judged(other) == ["False", "True", "True"]  # nor from behind another one
 
 
 def test_a_crashed_testbed_is_swept_and_a_failed_one_leaves_nothing():
