@@ -15,6 +15,12 @@ coordinator's ``voter_of``): honest paths are one key each.
     one-key-50   8 hostile paths, two on each level module, all from one key
     sybil-50     the same 8 paths, 8 keys
 
+Lazy keys, on the sybil-25 paths (one key each), send something useless rather than harmful:
+
+    lazy-random-25  a random step (Gaussian, per module --lazy-scale times the trained delta's
+                    norm) in place of each round's trained delta
+    replay-25       from the second round on, the delta the path sent in its first round, again
+
 Defences (``validation`` settings): ``mean`` (the paper's weighted mean), ``trimmed_mean``,
 ``median`` (one vote per key in both), and ``mean+heldout`` / ``trimmed+heldout`` (the
 usefulness score: each delta's held-out loss change on its path, per-key scores, refusal).
@@ -50,11 +56,13 @@ from dipaco.run.factory import build_coordinator  # noqa: E402
 from dipaco.run.local import wait_for_end  # noqa: E402
 from dipaco.run.metrics_log import MetricsLog  # noqa: E402
 
-CASES = {  # name -> (hostile paths per level module, one key for all of them)
-    "clean": (0, False),
-    "sybil-25": (1, False),
-    "one-key-50": (2, True),
-    "sybil-50": (2, False),
+CASES = {  # name -> (hostile paths per level module, one key for all of them, what they send)
+    "clean": (0, False, "flip"),
+    "sybil-25": (1, False, "flip"),
+    "one-key-50": (2, True, "flip"),
+    "sybil-50": (2, False, "flip"),
+    "lazy-random-25": (1, False, "random"),
+    "replay-25": (1, False, "replay"),
 }
 DEFENCES = {
     "mean": {"aggregation": "mean"},
@@ -62,6 +70,7 @@ DEFENCES = {
     "median": {"aggregation": "median"},
     "mean+heldout": {"aggregation": "mean", "heldout_check": True},
     "trimmed+heldout": {"aggregation": "trimmed_mean", "heldout_check": True},
+    "trimmed+copies": {"aggregation": "trimmed_mean", "copy_cosine": 0.9999},
 }
 PLAN = [  # (case, defence): the default set of runs
     ("clean", "mean"),
@@ -78,6 +87,11 @@ PLAN = [  # (case, defence): the default set of runs
     ("sybil-50", "trimmed_mean"),
     ("sybil-50", "trimmed+heldout"),
     ("sybil-50", "mean+heldout"),
+    ("lazy-random-25", "trimmed_mean"),
+    ("lazy-random-25", "trimmed+heldout"),
+    ("replay-25", "trimmed_mean"),
+    ("replay-25", "trimmed+heldout"),
+    ("replay-25", "trimmed+copies"),
 ]
 
 
@@ -97,23 +111,56 @@ def hostile_paths(config: RunConfig, per_module: int) -> list[int]:
 
 
 class HostilePeer(Peer):
-    """A peer that trains every task honestly and pushes ``-flip`` times a hostile path's delta,
-    once per path and round: when that is refused, the task's next attempt is pushed as
+    """A peer that trains every task honestly and pushes, for a hostile path, once per path and
+    round: ``-flip`` times the trained delta (``mode`` "flip"), a random step of ``lazy_scale``
+    times its norm per module ("random"), or the path's first-round delta again ("replay",
+    from the second round). When that is refused, the task's next attempt is pushed as
     trained, as the honest peer that the path would go to next would push it."""
 
     hostile: frozenset[int] = frozenset()
     flip: float = 2.5
+    mode: str = "flip"
+    lazy_scale: float = 0.1
 
     def push(self, task, delta, tokens, losses, before_send=None):  # noqa: ANN001
         poisoned = self.__dict__.setdefault("poisoned", set())
+        first = self.__dict__.setdefault("first", {})  # path -> its first pushed delta
         if task.path in self.hostile and (task.path, task.round) not in poisoned:
             poisoned.add((task.path, task.round))
-            delta = {mid: {k: -self.flip * v for k, v in t.items()} for mid, t in delta.items()}
+            if self.mode == "flip":
+                delta = {mid: {k: -self.flip * v for k, v in t.items()} for mid, t in delta.items()}
+            elif self.mode == "random":
+                delta = {mid: random_step(t, self.lazy_scale, (task.path, task.round))
+                         for mid, t in delta.items()}  # fmt: skip
+            elif task.path in first:
+                delta = first[task.path]
+            else:
+                first[task.path] = delta
         return super().push(task, delta, tokens, losses, before_send)
 
 
+def random_step(tensors: dict, scale: float, seed: tuple[int, int]) -> dict:
+    """Gaussian noise shaped like ``tensors``, its norm ``scale`` times theirs."""
+    import torch
+
+    gen = torch.Generator().manual_seed(hash(seed) % (2**31))
+    noise = {
+        k: torch.randn(v.shape, generator=gen, dtype=torch.float32) for k, v in tensors.items()
+    }
+    norm = math.sqrt(sum(float(v.float().pow(2).sum()) for v in tensors.values()))
+    noise_norm = math.sqrt(sum(float(v.pow(2).sum()) for v in noise.values()))
+    factor = scale * norm / max(noise_norm, 1e-12)
+    return {k: (v * factor).to(tensors[k].dtype) for k, v in noise.items()}
+
+
 def run_case(
-    out: Path, base_root: Path | None, base: RunConfig, case: str, defence: str, flip: float
+    out: Path,
+    base_root: Path | None,
+    base: RunConfig,
+    case: str,
+    defence: str,
+    flip: float,
+    lazy_scale: float = 0.1,
 ) -> dict:
     key = f"{case}__{defence}"
     root = out / key
@@ -126,7 +173,7 @@ def run_case(
     data["name"] = key
     data["validation"] = {**data["validation"], **DEFENCES[defence]}
     config = load_config_dict(data, origin=f"poison {key}")
-    per_module, one_key = CASES[case]
+    per_module, one_key, mode = CASES[case]
     hostile = hostile_paths(config, per_module)
     t0 = time.monotonic()
     prep = prepare(root, config, stage=lambda s: print(f"[{key}] {s}", flush=True), reuse=base_root)
@@ -154,7 +201,8 @@ def run_case(
         prep.root / "peers",
         stop=stop,
     )
-    peer.hostile, peer.flip = frozenset(hostile), flip
+    peer.hostile, peer.flip, peer.mode = frozenset(hostile), flip, mode
+    peer.lazy_scale = lazy_scale
     thread = threading.Thread(target=peer.run, daemon=True)
     thread.start()
     try:
@@ -201,12 +249,13 @@ def _gain_text(values: list[float]) -> str:
     return f"{min(values):+.3f} / {statistics.median(values):+.3f} / {max(values):+.3f}"
 
 
-def markdown(rows: list[dict], source: str, flip: float) -> str:
+def markdown(rows: list[dict], source: str, flip: float, lazy_scale: float = 0.1) -> str:
     ref = {r["case"]: r["ppl"] for r in rows if r["defence"] == "mean"}.get("clean")
     lines = [
         f"Corpus {source}; tiny preset, DiPaCo 4x4; hostile deltas are -{flip:g} x the trained "
-        "delta. Ratio: ppl over the clean run's with the plain mean. Held-out gains "
-        "(loss before - after, nats/token): min / median / max.",
+        f"delta (lazy-random: a random step of {lazy_scale:g} x its norm; replay: the path's "
+        "first-round delta again). Ratio: ppl over the clean run's with the plain mean. "
+        "Held-out gains (loss before - after, nats/token): min / median / max.",
         "",
         "| case | defence | ppl | ratio | refused | honest gains | hostile gains |",
         "|---|---|---|---|---|---|---|",
@@ -227,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", default="builtin", help="corpus (as paper_table's --source)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--flip", type=float, default=2.5, help="hostile delta = -flip x trained")
+    ap.add_argument("--lazy-scale", type=float, default=0.1,
+                    help="lazy-random: the random step's norm over the trained delta's")  # fmt: skip
     ap.add_argument("--cases", nargs="*", choices=sorted(CASES), help="only these cases")
     ap.add_argument("--defences", nargs="*", choices=sorted(DEFENCES), help="only these")
     ap.add_argument("--quick", action="store_true", help="a tiny smoke run (CI)")
@@ -250,9 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, base_root = [], None
     t0 = time.monotonic()
     for case, defence in plan:
-        rows.append(run_case(out, base_root, base, case, defence, args.flip))
+        rows.append(run_case(out, base_root, base, case, defence, args.flip, args.lazy_scale))
         base_root = base_root or out / f"{case}__{defence}"
-    text = markdown(rows, args.source, args.flip)
+    text = markdown(rows, args.source, args.flip, args.lazy_scale)
     write_atomic(out / "poison.md", text.encode())
     write_json_atomic(out / "poison.json", {"source": args.source, "rows": rows})
     print(text)
