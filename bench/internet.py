@@ -22,20 +22,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from netbed import Host, Netbed, Router, pids_in
+from netbed import Host, Netbed, Router, counters_delta, ours, pids_in
 
 BIN = Path(sys.executable).parent
 # What the tests hold the scenarios to (the figures measured are in docs/operations.md):
@@ -100,9 +101,6 @@ class Proc:
         return "".join(self.lines[-n:])
 
     def kill(self) -> None:
-        import os
-        import signal
-
         try:
             os.killpg(self.p.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -270,7 +268,7 @@ class Run:
 
 def wire(host: Host, timings: dict, before: tuple[int, int]) -> dict:
     """The kernel's bytes on ``host``'s interface since ``before`` next to the program's own."""
-    sent, received = (a - b for a, b in zip(host.counters(), before, strict=True))
+    sent, received = counters_delta(before, host.counters())
     return {
         "kernel_up": sent,
         "kernel_down": received,
@@ -357,7 +355,7 @@ def scenario_thin(net: Netbed, work: Path, long: bool = False) -> dict:
     rows = {}
     for label, name in (("kernel", "kernel"), ("kernel+cap", "capped")):
         timings = run.timings(name)
-        sent, _ = (a - b for a, b in zip(hosts[label].counters(), before[label], strict=True))
+        sent, _ = counters_delta(before[label], hosts[label].counters())
         tasks = max(timings["tasks"], 1)
         push = timings["seconds"]["push"] / tasks
         floor = timings["bytes_sent"] / tasks * 8 / (mbit * 1e6)  # the messages alone
@@ -474,13 +472,9 @@ def run_scenario(name: str, work: Path, long: bool = False, **kwargs: Any) -> di
     """One scenario in a testbed of its own, removed afterwards; its result, with ``left``: the
     testbed's namespaces still there after it was removed."""
     work.mkdir(parents=True, exist_ok=True)
-    with ExitStack() as stack:
-        net = stack.enter_context(Netbed())
+    with Netbed() as net:
         result = SCENARIOS[name](net, work, long, **kwargs)
-    result["left"] = [ns for ns in net.names]
-    from netbed import ours
-
-    result["left"] += ours()
+    result["left"] = ours()
     return result
 
 

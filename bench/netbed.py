@@ -308,6 +308,7 @@ class Netbed:
 
 
 def counters_delta(before: tuple[int, int], after: tuple[int, int]) -> tuple[int, int]:
+    """Bytes sent and received between two readings of ``Host.counters``."""
     return after[0] - before[0], after[1] - before[1]
 
 

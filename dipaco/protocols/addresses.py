@@ -153,13 +153,15 @@ def announceable(maddrs: list[str]) -> list[str]:
 
 
 def reachable(maddr: str) -> bool:
-    """Whether this machine can dial ``maddr``: a routable address (or a name, or a relayed
-    address) always; an address on a network behind a router (``LOCAL_NETWORKS``) only when
+    """Whether this machine can dial ``maddr``: a routable address (or a name) always; an
+    address on a network behind a router (``LOCAL_NETWORKS``) only when
     this machine is on that network itself (the address is on-link: the kernel's route to it
     leaves from an interface whose subnet holds it). A peer behind one home's NAT is thus never
-    dialled from outside it, where its 192.168.x.y is someone else's network or none."""
+    dialled from outside it, where its 192.168.x.y is someone else's network or none. A
+    relayed address is judged by its relay's, the address it dials first. Never raises: the
+    addresses come from anyone's DHT record."""
     ip = _ip_of(maddr)
-    if ip is None or split_relayed(maddr) is not None or not is_local(maddr):
+    if ip is None or not is_local(maddr):
         return True
     return _on_link(str(ip))
 

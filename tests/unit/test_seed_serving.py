@@ -170,6 +170,12 @@ def test_a_serving_peer_announces_no_loopback_address_unless_it_has_no_other():
     assert announceable(["/ip4/127.0.0.1/tcp/5"]) == ["/ip4/127.0.0.1/tcp/5"]  # one machine
     assert reachable("/ip4/127.0.0.1/tcp/5") and reachable("/dns4/example.org/tcp/5")
     assert reachable("/ip4/198.18.0.9/tcp/5")  # not a network kept behind a router
+    # Anyone writes the DHT's records: malformed or relayed addresses never raise.
+    for junk in ("/ip4/8.8.8.8/tcp/1/p2p-circuit/p2p/", "/ip4/999.1.1.1/tcp/1", "", "/ip4"):
+        assert reachable(junk) in (True, False)
+    assert not reachable("/ip4/192.168.254.77/tcp/1/p2p/R/p2p-circuit/p2p/T") or reachable(
+        "/ip4/192.168.254.77/tcp/1"
+    )  # a relayed address is judged by its relay's
 
 
 class LaterRecords:
