@@ -57,7 +57,11 @@ console = Console(width=150)
 
 def tiny(source: str, topology: str = "2x2"):
     """The tiny preset on a corpus (builtin, builtin:mixed, a file...) and topology."""
-    return preset_config("tiny").replace(data={"source": source}, topology={"levels": topology})
+    return preset_config("tiny").replace(
+        data={"source": source},
+        topology={"levels": topology},
+        validation={"heldout_check": False},  # the wire, not an open run's scoring
+    )
 
 
 def one_run(

@@ -179,8 +179,13 @@ PRESET_ROWS: dict[str, list[str]] = {"capacity": CORE}
 PRESET_CURVES = {"capacity"}
 
 # Local runs: every peer is a thread of this process, so rounds wait for every path and every
-# task is H steps: results are deterministic.
-LOCAL = {"scheduler": {"quorum": 1.0, "min_step_fraction": 1.0}}
+# task is H steps: results are deterministic. No peer is hostile: the paper's outer step, with no
+# delta scored on held-out documents (an open run's default; bench/poison.py measures what it
+# costs an honest run).
+LOCAL = {
+    "scheduler": {"quorum": 1.0, "min_step_fraction": 1.0},
+    "validation": {"heldout_check": False},
+}
 PLAIN = {"lr": 1.0, "momentum": 0.0, "nesterov": False, "rescale": "none"}  # theta <- theta_i
 DILOCO = {"lr": 0.7, "momentum": 0.9, "nesterov": True, "rescale": "none"}
 DEFAULT_RESCALE = OuterSection().rescale

@@ -119,6 +119,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     device = resolve_device(args.device)
     heads = args.heads or (2 if args.dim < 128 else args.dim // 64)
     config = preset_config("tiny").replace(
+        validation={"heldout_check": False},  # the peer's speed, not the coordinator's scoring
         model={
             "vocab_size": args.vocab,
             "dim": args.dim,

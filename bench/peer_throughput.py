@@ -183,6 +183,7 @@ def path_config(args: argparse.Namespace, rounds: int) -> Any:
     """The tiny preset with the benchmarked path (``args``: vocab, dim, layers, heads, seq,
     batch, steps), no pretraining, long leases: also bench/task_costs.py's."""
     return preset_config("tiny").replace(
+        validation={"heldout_check": False},  # the peer's speed, not the coordinator's scoring
         model={
             "vocab_size": args.vocab,
             "dim": args.dim,

@@ -21,7 +21,8 @@ Lazy keys, on the sybil-25 paths (one key each), send something useless rather t
                     norm) in place of each round's trained delta
     replay-25       from the second round on, the delta the path sent in its first round, again
 
-Defences (``validation`` settings): ``mean`` (the paper's weighted mean), ``trimmed_mean``,
+Defences (``validation`` settings): ``default`` (an open run's: every delta scored on held-out
+documents, the mean where every path is scored), ``mean`` (the paper's weighted mean), ``trimmed_mean``,
 ``median`` (one vote per key in both), and ``mean+heldout`` / ``trimmed+heldout`` (the
 usefulness score: each delta's held-out loss change on its path, per-key scores, refusal).
 Prints each run's final validation perplexity and its ratio to the clean run with the plain
@@ -65,15 +66,28 @@ CASES = {  # name -> (hostile paths per level module, one key for all of them, w
     "replay-25": (1, False, "replay"),
 }
 DEFENCES = {
-    "mean": {"aggregation": "mean"},
-    "trimmed_mean": {"aggregation": "trimmed_mean"},
-    "median": {"aggregation": "median"},
+    # An open run's defaults: the held-out check "auto" (on), aggregation "auto" (the mean where
+    # every path is scored); set here because the local runs' settings (paper_table.LOCAL) turn
+    # the check off.
+    "default": {"heldout_check": "auto", "aggregation": "auto"},
+    "mean": {"aggregation": "mean", "heldout_check": False},
+    "trimmed_mean": {"aggregation": "trimmed_mean", "heldout_check": False},
+    "median": {"aggregation": "median", "heldout_check": False},
     "mean+heldout": {"aggregation": "mean", "heldout_check": True},
     "trimmed+heldout": {"aggregation": "trimmed_mean", "heldout_check": True},
-    "trimmed+copies": {"aggregation": "trimmed_mean", "copy_cosine": 0.9999},
+    "trimmed+copies": {
+        "aggregation": "trimmed_mean",
+        "heldout_check": False,
+        "copy_cosine": 0.9999,
+    },
 }
 PLAN = [  # (case, defence): the default set of runs
     ("clean", "mean"),
+    ("clean", "default"),
+    ("sybil-25", "default"),
+    ("sybil-50", "default"),
+    ("lazy-random-25", "default"),
+    ("replay-25", "default"),
     ("clean", "trimmed_mean"),
     ("clean", "median"),
     ("clean", "trimmed+heldout"),
@@ -161,17 +175,20 @@ def run_case(
     defence: str,
     flip: float,
     lazy_scale: float = 0.1,
+    heldout_docs: int | None = None,
 ) -> dict:
-    key = f"{case}__{defence}"
+    key = f"{case}__{defence}" + (f"__docs{heldout_docs}" if heldout_docs else "")
     root = out / key
     done = root / "poison.json"
     if done.exists():
         print(f"[{key}] already done", flush=True)
         row = json.loads(done.read_text())
-        return {**row, "gains": gains_of(root, row["hostile_paths"])}
+        return {**row, **gains_of(root, row["hostile_paths"])}
     data = base.to_dict()
     data["name"] = key
     data["validation"] = {**data["validation"], **DEFENCES[defence]}
+    if heldout_docs:
+        data["validation"]["heldout_docs"] = heldout_docs
     config = load_config_dict(data, origin=f"poison {key}")
     per_module, one_key, mode = CASES[case]
     hostile = hostile_paths(config, per_module)
@@ -214,13 +231,15 @@ def run_case(
         thread.join(60)
     result = evaluate_modules(prep, coordinator.store.params)
     row = {
+        "key": key,
         "case": case,
         "defence": defence,
         "hostile_paths": hostile,
         "flip": flip,
         "ppl": result["ppl"],
         "rejections": dict(coordinator.rejections),
-        "gains": gains_of(root, hostile),
+        "heldout_docs": config.validation.heldout_docs,
+        **gains_of(root, hostile),
         "seconds": round(time.monotonic() - t0, 1),
     }
     print(f"[{key}] ppl {row['ppl']:.2f}, refused {row['rejections']}", flush=True)
@@ -228,10 +247,12 @@ def run_case(
     return row
 
 
-def gains_of(root: Path, hostile: list[int]) -> dict[str, list[float]]:
-    """The held-out gains of the run's honest and hostile deltas. A hostile path's first delta
-    of each round is the poisoned one; a retry after its refusal is pushed as trained."""
+def gains_of(root: Path, hostile: list[int]) -> dict[str, dict[str, list[float]]]:
+    """The held-out gains of the run's honest and hostile deltas (``gains``), and the weight
+    factors of those accepted (``weights``). A hostile path's first delta of each round is the
+    poisoned one; a retry after its refusal is pushed as trained."""
     gains: dict[str, list[float]] = {"honest": [], "hostile": []}
+    weights: dict[str, list[float]] = {"honest": [], "hostile": []}
     seen: set[tuple[int, str]] = set()
     for e in MetricsLog(root / "metrics.jsonl").read():
         if e["event"] != "heldout_check" or not math.isfinite(e.get("gain", math.nan)):
@@ -239,8 +260,11 @@ def gains_of(root: Path, hostile: list[int]) -> dict[str, list[float]]:
         round_ = e["task"].split("-e")[0]  # task ids are P<path>-r<round>-e<epoch>-a<attempt>
         first = (e["path"], round_) not in seen
         seen.add((e["path"], round_))
-        gains["hostile" if e["path"] in hostile and first else "honest"].append(e["gain"])
-    return gains
+        side = "hostile" if e["path"] in hostile and first else "honest"
+        gains[side].append(e["gain"])
+        if not e.get("refused"):
+            weights[side].append(e.get("trust", 1.0))
+    return {"gains": gains, "weights": weights}
 
 
 def _gain_text(values: list[float]) -> str:
@@ -257,15 +281,19 @@ def markdown(rows: list[dict], source: str, flip: float, lazy_scale: float = 0.1
         "first-round delta again). Ratio: ppl over the clean run's with the plain mean. "
         "Held-out gains (loss before - after, nats/token): min / median / max.",
         "",
-        "| case | defence | ppl | ratio | refused | honest gains | hostile gains |",
-        "|---|---|---|---|---|---|---|",
+        "| case | defence | docs | ppl | ratio | refused | honest gains | hostile gains | "
+        "hostile weight |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = f"{r['ppl'] / ref:.3f}" if ref else "-"
         refused = ", ".join(f"{k} {v}" for k, v in sorted(r["rejections"].items())) or "none"
+        hostile_w = r.get("weights", {}).get("hostile", [])
+        weight = f"{statistics.median(hostile_w):.3f}" if hostile_w else "-"
         lines.append(
-            f"| {r['case']} | {r['defence']} | {r['ppl']:.2f} | {ratio} | {refused} | "
-            f"{_gain_text(r['gains']['honest'])} | {_gain_text(r['gains']['hostile'])} |"
+            f"| {r['case']} | {r['defence']} | {r.get('heldout_docs', '-')} | {r['ppl']:.2f} | "
+            f"{ratio} | {refused} | {_gain_text(r['gains']['honest'])} | "
+            f"{_gain_text(r['gains']['hostile'])} | {weight} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -280,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="lazy-random: the random step's norm over the trained delta's")  # fmt: skip
     ap.add_argument("--cases", nargs="*", choices=sorted(CASES), help="only these cases")
     ap.add_argument("--defences", nargs="*", choices=sorted(DEFENCES), help="only these")
+    ap.add_argument("--heldout-docs", type=int, nargs="*",
+                    help="rerun the held-out-scored runs with these validation.heldout_docs")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="a tiny smoke run (CI)")
     args = ap.parse_args(argv)
     slug = args.source.replace(":", "-").replace("/", "_")
@@ -301,8 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     rows, base_root = [], None
     t0 = time.monotonic()
     for case, defence in plan:
-        rows.append(run_case(out, base_root, base, case, defence, args.flip, args.lazy_scale))
-        base_root = base_root or out / f"{case}__{defence}"
+        for docs in args.heldout_docs or [None]:
+            if docs and DEFENCES[defence].get("heldout_check") is False:
+                continue  # nothing scored: the document count changes nothing
+            rows.append(
+                run_case(out, base_root, base, case, defence, args.flip, args.lazy_scale, docs)
+            )
+            base_root = base_root or out / rows[-1]["key"]
     text = markdown(rows, args.source, args.flip, args.lazy_scale)
     write_atomic(out / "poison.md", text.encode())
     write_json_atomic(out / "poison.json", {"source": args.source, "rows": rows})

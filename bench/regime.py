@@ -166,9 +166,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 # Local benchmark runs: every round waits for every path; no peer is hostile, so the delta-norm
-# check (which would refuse a fast-growing delta again and again) is off: a run that diverges
-# shows as a training loss that is not finite (a failed row).
-LOCAL = {"validation": {"norm_check": "off"}}
+# check (which would refuse a fast-growing delta again and again) is off, and so is the held-out
+# scoring of an open run: a run that diverges shows as a training loss that is not finite (a
+# failed row).
+LOCAL = {"validation": {"norm_check": "off", "heldout_check": False}}
 FAMILIES = ("dense", "DiLoCo-4", "DiLoCo-16", "DiPaCo 2x2", "DiPaCo 4x4")
 
 

@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dipaco.errors import ConfigError
 from dipaco.model.topology import Topology
@@ -148,15 +148,29 @@ class ValidationSection(_Section):
     min_paths_for_robust: int = Field(3, ge=2)
     # Score the path with the proposed update on held-out documents; reject ("worse-heldout")
     # when its loss rises by more than heldout_tolerance (nats per token) over the current one,
-    # and keep a usefulness score per key (validation.KeyScores: "low-score", trust weights).
-    heldout_check: bool = False
+    # keep a usefulness score per key (validation.KeyScores: "low-score", trust weights) and
+    # weigh a delta by its gain against other keys' recent gains (a step that helps nobody
+    # counts next to nothing). "auto": on when anyone may join (security.join = "open"), off on
+    # an allow-list (docs/security.md, "What one key can do", has the measurements).
+    heldout_check: bool | Literal["auto"] = "auto"
     heldout_tolerance: float = Field(0.1, ge=0)
     heldout_docs: int = Field(8, ge=1)  # held-out documents scored per check
     # Refuse a delta that copies one this coordinator stored before at the module ("copied"):
     # at least this correlation on a secret sample of the module's coordinates (copies.py; honest
-    # deltas measured at most 0.995; 0.9999 refuses copies). None (the default): off, for a
-    # diverging run's honest deltas are copies of each other (docs/security.md).
-    copy_cosine: float | None = Field(None, gt=0, le=1)
+    # deltas measured at most 0.995; 0.9999 refuses copies). None: off. "auto" (the default):
+    # 0.9999 where the held-out check is on, which tells a diverging run (whose honest deltas
+    # are copies of each other: its paths' held-out losses above where they started), and then
+    # lets copies through; off where it is not (docs/security.md). false: off.
+    copy_cosine: float | None | Literal["auto"] = "auto"
+
+    @field_validator("copy_cosine", mode="before")
+    @classmethod
+    def _cosine(cls, v: object) -> object:
+        if v is False:
+            return None
+        if isinstance(v, bool) or (isinstance(v, float | int) and not 0 < v <= 1):
+            raise ValueError(f'copy_cosine is a correlation in (0, 1], "auto" or false, got {v}')
+        return v
 
     @model_validator(mode="after")
     def _window(self) -> ValidationSection:

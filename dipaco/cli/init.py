@@ -106,10 +106,10 @@ FIELDS: dict[str, str] = {
     "validation.aggregation": "how a module combines its paths' deltas",
     "validation.trim_fraction": "for trimmed_mean: fraction of paths dropped at each end",
     "validation.min_paths_for_robust": "paths needed before trimmed_mean/median apply",
-    "validation.heldout_check": "reject an update that makes the held-out loss worse",
+    "validation.heldout_check": "score each delta on held-out documents (auto: in open runs)",
     "validation.heldout_tolerance": "allowed rise of the held-out loss (nats per token)",
     "validation.heldout_docs": "held-out documents scored per check",
-    "validation.copy_cosine": "refuse a delta this close to an earlier one of its module (0.9999)",
+    "validation.copy_cosine": "refuse a copy of an earlier delta (0.9999; auto: with heldout_check; false: off)",
     "scheduler.lease_seconds": "a peer silent this long has vanished; its task is re-issued",
     "scheduler.heartbeat_seconds": "how often peers send a heartbeat",
     "scheduler.deadline_mads": "round deadline: median + max(k * MAD, slack * median) of durations",
@@ -164,8 +164,10 @@ def _type_text(ann: Any) -> tuple[str, bool]:
     origin, args = typing.get_origin(ann), typing.get_args(ann)
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
-        return _type_text(rest[0])[0], len(rest) < len(args)
+        return ", or ".join(_type_text(a)[0] for a in rest), len(rest) < len(args)
     if origin is Literal:
+        if len(args) == 1:
+            return json.dumps(args[0]), False
         return "one of " + ", ".join(json.dumps(a) for a in args), False
     if origin is list:
         inner = _type_text(args[0])[0]
@@ -185,7 +187,7 @@ def _allowed(info: Any) -> str:
             if isinstance(m, cls):
                 bounds.append(f"{op} {getattr(m, attr)}")
     text = words + (" " + " and ".join(bounds) if bounds else "")
-    return text + ("; may be left unset" if optional else "")
+    return text + ("; may be left unset" if optional and info.default is None else "")
 
 
 def _toml_value(value: Any) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from dipaco.coordinator import rounds
 from dipaco.coordinator.base import CoordinatorBase
-from dipaco.coordinator.copies import Sketches
+from dipaco.coordinator.copies import Copied, Sketches
 from dipaco.coordinator.gate import RequestSlot
 from dipaco.coordinator.leased import task_of
 from dipaco.coordinator.records import Task
@@ -430,12 +430,7 @@ def check_content(
             )
     copied, sketches = core.copies.judge(req.task_id, {mid: deltas[mid] for mid in mids})
     if copied is not None:
-        core.refusals.refuse(
-            req.peer_id,
-            Reason.COPIED,
-            f"delta for {copied.module} copies task {copied.task}'s (cosine {copied.cosine:.4f} "
-            "on a sample of its coordinates)",
-        )
+        let_through(core, req, path, copied)
     norms = {}
     for mid, j in judged.items():
         norms[mid] = j.norm
@@ -444,7 +439,7 @@ def check_content(
             deltas[mid] = {k: v * factor for k, v in deltas[mid].items()}
             norms[mid] = j.limit
     trust = 1.0
-    if core.validation.heldout_check and core.heldout_loss is not None and mids:
+    if core.heldout_loss is not None and mids:
         trust = check_heldout(core, req, path, deltas, mids)
     for mid, j in judged.items():
         if j.action == "clip":
@@ -461,6 +456,54 @@ def check_content(
                 }
             )
     return norms, trust, sketches
+
+
+def path_params(core: CoordinatorBase, path: int) -> dict[str, dict[str, torch.Tensor]] | None:
+    """Every module of the path as it is now, to score it with; None where this coordinator
+    does not own them all. Read under the lock; they stay valid outside it while held (the
+    store does not reuse their buffers for a later step: store.spare_buffers)."""
+    path_mids = core.topology.path_modules(path)
+    with core.lock:
+        if not all(core.owns(mid) for mid in path_mids):
+            return None
+        return {mid: core.store.params(mid) for mid in path_mids}
+
+
+def let_through(core: CoordinatorBase, req: m.SubmitDelta, path: int, copied: Copied) -> None:
+    """A copy of an earlier delta is refused (``copied``), unless the held-out check says the
+    run is diverging (half its paths or more, this one scored now, worse than where they
+    started), when honest deltas copy one another: then it goes on to be judged as any other,
+    with a ``copy_let_through`` event. The path is scored here, before the refusal: the deltas
+    of a round that diverged copy each other from its second delta on, before their own paths
+    were scored again; each copy refused meanwhile scores one more path."""
+    diverging = False
+    if core.heldout_loss is not None:
+        current = path_params(core, path)
+        if current is not None:  # the path as it is now, scored (as check_heldout's "before")
+            before = core.heldout_loss(path, current)
+            del current
+            with core.lock:
+                core.key_scores.scored(path, before)
+                diverging = core.key_scores.diverging()
+    if not diverging:
+        core.refusals.refuse(
+            req.peer_id,
+            Reason.COPIED,
+            f"delta for {copied.module} copies task {copied.task}'s (cosine {copied.cosine:.4f} "
+            "on a sample of its coordinates)",
+        )
+    core.metrics(
+        {
+            "event": "copy_let_through",
+            "why": "diverging",
+            "module": copied.module,
+            "path": path,
+            "task": req.task_id,
+            "peer": req.peer_id,
+            "copies": copied.task,
+            "cosine": copied.cosine,
+        }
+    )
 
 
 def check_heldout(
@@ -483,11 +526,9 @@ def check_heldout(
     step (store.spare_buffers). Only the key's score, shared state, is judged under the lock.
     """
     assert core.heldout_loss is not None
-    path_mids = core.topology.path_modules(path)
-    with core.lock:
-        if not all(core.owns(mid) for mid in path_mids):
-            return 1.0
-        current = {mid: core.store.params(mid) for mid in path_mids}
+    current = path_params(core, path)
+    if current is None:
+        return 1.0
     proposed = dict(current)
     for mid in mids:
         proposed[mid] = {k: v - deltas[mid][k].to(v.dtype) for k, v in current[mid].items()}
@@ -497,7 +538,8 @@ def check_heldout(
     after = core.heldout_loss(path, proposed)
     del current, proposed  # the store may reuse those buffers again
     with core.lock:  # the key's score is shared state
-        verdict = core.key_scores.judge(core.voter_of(req), before, after)
+        trained_in = min(req.base_versions.values(), default=0)
+        verdict = core.key_scores.judge(core.voter_of(req), before, after, trained_in, path)
         core.key_scores.save()
         core.metrics(
             {
@@ -509,6 +551,8 @@ def check_heldout(
                 "after": after,
                 "gain": verdict.gain,
                 "key_score": verdict.score,
+                "relative": verdict.relative,
+                "useful": verdict.useful,
                 "trust": verdict.trust,
                 "refused": verdict.refuse,
             }
@@ -519,6 +563,14 @@ def check_heldout(
             Reason.WORSE_HELDOUT,
             f"path {path}'s held-out loss would go from {before:.4f} to {after:.4f} "
             f"(tolerance {core.validation.heldout_tolerance:g})",
+        )
+    if verdict.refuse == "useless":
+        core.refusals.refuse(
+            req.peer_id,
+            Reason.LOW_SCORE,
+            f"this key's deltas help their paths next to nothing: this one takes path {path} "
+            f"from {before:.4f} to {after:.4f}, {verdict.relative or 0.0:.3f} of what other "
+            "keys' deltas typically gain",
         )
     if verdict.refuse == "low-score":
         core.refusals.refuse(

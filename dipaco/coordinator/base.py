@@ -20,7 +20,7 @@ import torch
 
 from dipaco.config import SchedulerSection, SecuritySection, ValidationSection
 from dipaco.coordinator.access import AccessPolicy
-from dipaco.coordinator.copies import DeltaCopies
+from dipaco.coordinator.copies import AUTO_COSINE, DeltaCopies
 from dipaco.coordinator.durable import Journal
 from dipaco.coordinator.gate import Gate
 from dipaco.coordinator.outer import OuterSettings, for_sharing
@@ -200,13 +200,24 @@ class CoordinatorBase:
             max_norm=v.max_norm,
             window=v.norm_window,
         )
-        self.copies = DeltaCopies(v.copy_cosine)  # copies of earlier deltas refused
-        self.heldout_loss = heldout_loss
+        # The held-out check ("auto": when anyone may join) needs a scorer to run.
+        on = v.heldout_check
+        if on == "auto":
+            on = self.security.join == "open"
+        self.heldout_loss = heldout_loss if on else None
+        # Copies of earlier deltas refused ("auto": with the held-out check, which tells a
+        # diverging run, whose copies are let through: admission.check_content).
+        cosine = v.copy_cosine
+        if cosine == "auto":
+            cosine = AUTO_COSINE if self.heldout_loss is not None else None
+        self.copies = DeltaCopies(cosine)
         self.key_scores = KeyScores(self.root / "key_scores.json", v.heldout_tolerance)
         # "auto" aggregation with the held-out check: the modules whose every delta is scored
         # take the paper's mean, the others the robust combiner (outer_settings_of).
         self.checked_mean = (
-            v.aggregation == "auto" and v.heldout_check and outer.aggregation != "mean"
+            v.aggregation == "auto"
+            and self.heldout_loss is not None
+            and outer.aggregation != "mean"
         )
 
     @property

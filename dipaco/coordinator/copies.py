@@ -16,9 +16,11 @@ retry of the same task is not a copy of itself, and two tasks of one path and ro
 copy) never both reach here: the module keeps the first and drops the second before its
 content is judged (admission.plan).
 
-The sketches live in memory: after a restart a copy of a delta stored before it passes. Off by
-default (``copy_cosine`` None): a diverging run's honest deltas are copies of each other
-(docs/security.md).
+The sketches live in memory: after a restart a copy of a delta stored before it passes. On by
+default where the held-out check is (``copy_cosine`` "auto": an open run), at ``AUTO_COSINE``:
+a diverging run's honest deltas are copies of each other, and the held-out check tells such a
+run (its paths score worse than where they started), where a copy is let through
+(admission.let_through; docs/security.md).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 SKETCH_SIZE = 512  # coordinates sampled per module
+AUTO_COSINE = 0.9999  # validation.copy_cosine "auto", where it is on (docs/security.md)
 KEPT = 64  # sketches kept per module, the newest
 
 Sketches = dict[str, torch.Tensor | None]  # module -> its unit sketch (None: not judged)

@@ -313,10 +313,29 @@ class Verdict:
     score: float  # the key's score with this check counted
     checks: int  # the key's checks, this one included
     trust: float  # the factor its delta's weight is multiplied by (0 < trust <= 1)
-    refuse: str | None  # "worse-heldout", "low-score", or None
+    refuse: str | None  # "worse-heldout", "low-score", "useless", or None
+    # The gain over the typical gain of other keys' recent deltas (None: too few to compare)
+    # and the weight factor it gave (part of ``trust``).
+    relative: float | None = None
+    useful: float = 1.0
 
 
 MIN_TRUST = 0.1  # the least weight factor of an accepted delta (a weight must stay positive)
+# Relative usefulness: a delta's gain against the typical gain (TYPICAL_QUANTILE of the gains
+# of other keys' deltas trained in the USEFUL_ROUNDS rounds before its own, at least
+# USEFUL_MIN_SEEN of them). A delta that gains USEFUL_FULL of the typical gain or more counts in
+# full; below, its weight falls linearly to MIN_USEFUL at no gain.
+# Measured in docs/security.md ("Lazy keys").
+USEFUL_ROUNDS = 2
+USEFUL_MIN_SEEN = 3
+TYPICAL_QUANTILE = 0.75
+USEFUL_FULL = 0.25
+MIN_USEFUL = 0.02
+# A delta below USELESS relative gain is useless; one from a key with at least USELESS_AFTER
+# useless deltas, half or more of those judged, is refused ("low-score"): its task goes back to
+# be trained.
+USELESS = 0.1
+USELESS_AFTER = 2
 
 
 class KeyScores:
@@ -336,6 +355,26 @@ class KeyScores:
       -tolerance / 4 nothing changes: an honest key's rare slightly negative gain leaves the
       outer step exactly as it was.)
 
+    Harmless but useless deltas (a small random step: g near 0, under every tolerance) are
+    weighed by *relative usefulness*: r = g / the typical gain of other keys' deltas trained in
+    the ``USEFUL_ROUNDS`` rounds before this one (``TYPICAL_QUANTILE`` of them), and the key's
+    running mean of r (the same ``decay``, starting at 0). The delta's weight is multiplied by
+    ``r / USEFUL_FULL``, clamped to [``MIN_USEFUL``, 1]: a delta that helps a quarter as much as
+    others' typical one counts in full, one that helps nobody next to nothing, whatever its
+    key did before (a key that alternates trained and useless deltas gets no credit for the
+    useless ones). Other keys are the
+    yardstick because gains shrink as a run converges and differ between corpora; earlier
+    rounds' gains, because they are all in before a round's deltas come (with a quorum of 1),
+    so that a delta's weight does not depend on the order in which its round's deltas arrive.
+    A run's first round has no yardstick: its deltas count in full. A delta below ``USELESS``
+    is useless; once a key has sent ``USELESS_AFTER`` of them and they are half or more of its
+    judged deltas, each further one is refused (``useless``, counted as ``low-score``): it
+    loses weight, then tasks, which go back to be trained by someone else. Once per key, path
+    and round: a key that trains the task again gets the same delta (the same base, the same
+    windows), which is let through at its low weight rather than refused for ever. An honest
+    key's rare delta that happens to help little on the few documents scored only counts less.
+    In a diverging run (``diverging``) nothing is refused as useless: nothing helps there.
+
     A refused delta's gain still counts in its key's score. Persisted (``key_scores.json``) so
     that a restarted coordinator remembers who it trusts.
     """
@@ -345,6 +384,14 @@ class KeyScores:
         self.tolerance = tolerance
         self.decay = decay
         self.scores: dict[str, tuple[float, int]] = {}  # key -> (score, checks)
+        # key -> (running mean of its relative gains, deltas judged, useless ones among them)
+        self.relative: dict[str, tuple[float, int, int]] = {}
+        # (key, path, round) whose delta was refused as useless: the next is let through
+        self._refused_useless: set[tuple[str, int | None, int]] = set()
+        self.recent: dict[int, list[tuple[str, float]]] = {}  # round -> [(key, gain)]
+        # Per path, its held-out loss when first scored and now: a run whose paths score worse
+        # than where they started, half of them or more, is diverging (``diverging``).
+        self.paths: dict[int, tuple[float, float]] = {}
         if self.path.exists():
             self._load()
 
@@ -352,15 +399,32 @@ class KeyScores:
         try:
             saved = json.loads(self.path.read_text())
             scores = {str(k): (float(v[0]), int(v[1])) for k, v in saved["scores"].items()}
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            relative = {
+                str(k): (float(v[0]), int(v[1]), int(v[2]))
+                for k, v in saved.get("relative", {}).items()
+            }
+            recent = [(int(r), str(k), float(g)) for r, k, g in saved.get("recent", [])]
+            paths = {int(p): (float(a), float(b)) for p, (a, b) in saved.get("paths", {}).items()}
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             raise CorruptFileError(f"{self.path}: key scores are damaged ({exc})") from None
-        if not all(math.isfinite(s) and n >= 0 for s, n in scores.values()):
+        values = [s for s, _ in scores.values()] + [v[0] for v in relative.values()]
+        values += [g for _, _, g in recent] + [x for pair in paths.values() for x in pair]
+        counts = [n for _, n in scores.values()] + [n for v in relative.values() for n in v[1:]]
+        if not all(map(math.isfinite, values)) or any(n < 0 for n in counts):
             raise CorruptFileError(f"{self.path}: key scores are damaged (not finite)")
-        self.scores = scores
+        self.scores, self.relative, self.paths = scores, relative, paths
+        for r, k, g in recent:
+            self.recent.setdefault(r, []).append((k, g))
 
     def save(self) -> None:
         write_json_atomic(
-            self.path, {"scores": {k: [s, n] for k, (s, n) in sorted(self.scores.items())}}
+            self.path,
+            {
+                "scores": {k: [s, n] for k, (s, n) in sorted(self.scores.items())},
+                "relative": {k: list(v) for k, v in sorted(self.relative.items())},
+                "recent": [[r, k, g] for r, gains in sorted(self.recent.items()) for k, g in gains],
+                "paths": {str(p): list(v) for p, v in sorted(self.paths.items())},
+            },
         )
 
     def score(self, key: str) -> float:
@@ -372,19 +436,72 @@ class KeyScores:
             return 1.0
         return max(MIN_TRUST, 1.0 - (1.0 - MIN_TRUST) * (-s - t / 4) / (t / 4))
 
-    def judge(self, key: str, before: float, after: float) -> Verdict:
-        """Count one check of ``key``'s delta and say what to do with it (call ``save`` after)."""
+    def scored(self, path: int, loss: float) -> None:
+        """Note the path's held-out loss as it is now (a check's ``before``)."""
+        if math.isfinite(loss):
+            self.paths[path] = (self.paths.get(path, (loss, loss))[0], loss)
+
+    def diverging(self) -> bool:
+        """Whether the run is diverging: half or more of the paths scored have a held-out loss
+        now above where it was first scored by more than the tolerance. Then its honest deltas
+        may copy one another (docs/security.md, "Copies"). Half, not one: in a run that trains,
+        a path with few documents of its own can score worse than at its start while the
+        modules it shares serve the other paths (seen on builtin:mixed)."""
+        worse = sum(now > first + self.tolerance for first, now in self.paths.values())
+        return worse > 0 and 2 * worse >= len(self.paths)
+
+    def typical_gain(self, key: str, round_: int) -> float | None:
+        """The yardstick of relative usefulness for a delta trained in round ``round_``: a high
+        quantile of other keys' gains in the rounds before; None with too few of them, or when
+        they gain nothing."""
+        earlier = range(round_ - USEFUL_ROUNDS, round_)
+        others = sorted(g for r in earlier for k, g in self.recent.get(r, ()) if k != key)
+        if len(others) < USEFUL_MIN_SEEN:
+            return None
+        typical = others[min(len(others) - 1, int(TYPICAL_QUANTILE * len(others)))]
+        return typical if typical > 0 else None
+
+    def judge(
+        self, key: str, before: float, after: float, round_: int = 0, path: int | None = None
+    ) -> Verdict:
+        """Count one check of ``key``'s delta for ``path``, trained in round ``round_`` (its
+        base version), and say what to do with it (call ``save`` after). The path's loss now
+        (``before``) is noted first: in a diverging run nothing is refused as useless (nothing
+        helps there, and a refused task would come back for ever)."""
+        if path is not None:
+            self.scored(path, before)
         gain = before - after if math.isfinite(before) and math.isfinite(after) else -math.inf
         old, n = self.scores.get(key, (0.0, 0))
         counted = max(gain, -10.0 * max(self.tolerance, 1e-3))  # one NaN does not sink a key
         score = (1.0 - self.decay) * old + self.decay * counted
         self.scores[key] = (score, n + 1)
+        relative, useful, useless = None, 1.0, False
+        typical = self.typical_gain(key, round_)
+        if typical is not None:
+            relative = max(-1.0, min(counted / typical, 1.0))
+            mean, judged, wasted = self.relative.get(key, (0.0, 0, 0))
+            mean = (1.0 - self.decay) * mean + self.decay * relative
+            judged, wasted = judged + 1, wasted + (relative < USELESS)
+            self.relative[key] = (mean, judged, wasted)
+            useful = min(1.0, max(MIN_USEFUL, relative / USEFUL_FULL))
+            useless = relative < USELESS and wasted >= USELESS_AFTER and 2 * wasted >= judged
+        if math.isfinite(gain):
+            self.recent.setdefault(round_, []).append((key, gain))
+            for old_round in [r for r in self.recent if r < round_ - USEFUL_ROUNDS]:
+                del self.recent[old_round]
+            self._refused_useless = {e for e in self._refused_useless if e[2] >= round_ - 1}
         refuse = None
         if not gain >= -self.tolerance:
             refuse = "worse-heldout"
         elif gain <= 0 and score < -self.tolerance / 2:
             refuse = "low-score"
-        return Verdict(gain, score, n + 1, self.trust(key), refuse)
+        elif useless and not self.diverging() and (key, path, round_) not in self._refused_useless:
+            refuse = "useless"
+            self._refused_useless.add((key, path, round_))
+        return Verdict(gain, score, n + 1, self.trust(key) * useful, refuse, relative, useful)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        return {k: {"score": s, "checks": n} for k, (s, n) in self.scores.items()}
+        return {
+            k: {"score": s, "checks": n, "relative": self.relative.get(k, (0.0, 0, 0))[0]}
+            for k, (s, n) in self.scores.items()
+        }

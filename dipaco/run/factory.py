@@ -44,6 +44,13 @@ def aggregation(c: RunConfig) -> str:
     return "trimmed_mean" if c.security.join == "open" else "mean"
 
 
+def heldout_check(c: RunConfig) -> bool:
+    """Whether the run's coordinator scores every delta on held-out documents:
+    ``validation.heldout_check``, with "auto" resolved by who may join (on when anyone may)."""
+    v = c.validation.heldout_check
+    return c.security.join == "open" if v == "auto" else bool(v)
+
+
 def outer_settings(c: RunConfig) -> OuterSettings:
     """The outer step of the run config, with the validation section's aggregation."""
     v = c.validation
@@ -155,7 +162,7 @@ def build_coordinator(
         owner_id=owner_id,
         identity=identity,
         files=run_files(prep),
-        heldout_loss=heldout_scorer(prep, device) if c.validation.heldout_check else None,
+        heldout_loss=heldout_scorer(prep, device) if heldout_check(c) else None,
         eval_note=lambda: work.eval_note,
     )
     work.attach(coordinator)

@@ -42,10 +42,12 @@ rounds = {ROUNDS}
 lease_seconds = 4.0
 heartbeat_seconds = 0.5
 """
-# The paper's mean: a robust combiner gives each key one vote, so its result depends on which
-# peer (key) trained which path, and the scenarios compare modules bit for bit across runs whose
-# task assignment differs.
-CONFIG = BASE_CONFIG + '[validation]\naggregation = "mean"\n'
+# The paper's mean, unscored: a robust combiner gives each key one vote, so its result depends
+# on which peer (key) trained which path, and the held-out check weighs a delta by its gain
+# against the gains that arrived before it; the scenarios compare modules bit for bit across
+# runs whose task assignment and arrival order differ. (tests/faults/test_hostile.py runs an
+# open run's defaults.)
+CONFIG = BASE_CONFIG + '[validation]\naggregation = "mean"\nheldout_check = false\n'
 
 
 def write_config(folder: Path, text: str = CONFIG) -> Path:

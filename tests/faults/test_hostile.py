@@ -3,9 +3,10 @@
 The honest peers are ``dipaco-peer`` processes; the hostile keys are threads of this test over
 real loopback connections (tests/faults/hostile.py): a poisoner that pushes sign-flipped deltas
 at 2.5x their trained size, a staller (claims reported done without deltas, stale tickets) and
-a malformer (oversized, non-finite, out-of-range and forged requests). The run has the
-held-out usefulness check on (``validation.heldout_check``): in a 2x2 every level module has
-two paths, too few for a robust combiner to outvote one poisoned delta.
+a malformer (oversized, non-finite, out-of-range and forged requests). The run keeps an open
+run's defaults: anyone may join, so every delta is scored on held-out documents
+(``validation.heldout_check = "auto"``), nothing switched on by hand. In a 2x2 every level
+module has two paths, too few for a robust combiner to outvote one poisoned delta.
 
 After the run: it finished; every module made every round's outer step; nothing acknowledged
 was lost; no task leased to a hostile key was applied; the final perplexity is within 2% of
@@ -26,15 +27,16 @@ from dipaco.protocols import auth
 
 pytestmark = pytest.mark.slow
 
-# The defaults (open joining: a trimmed mean, one vote per key), with the held-out check on.
-HELDOUT = BASE_CONFIG + "[validation]\nheldout_check = true\n"
+# The defaults of an open run: every delta scored on held-out documents, the mean where every
+# path is scored (validation "auto"); nothing is set by hand.
+DEFAULTS = BASE_CONFIG
 HONEST = 8
 UNVERIFIABLE = {"unsigned", "bad-envelope", "bad-signature"}
 
 
 @pytest.fixture(scope="module")
-def prepared_heldout(tmp_path_factory):
-    return prepare_run(tmp_path_factory.mktemp("hostile") / "prepared", HELDOUT)
+def prepared_defaults(tmp_path_factory):
+    return prepare_run(tmp_path_factory.mktemp("hostile") / "prepared", DEFAULTS)
 
 
 def final_ppl(root) -> float:
@@ -48,16 +50,16 @@ def final_ppl(root) -> float:
 def new_cluster(prepared, tmp_path, name):
     root = tmp_path / name
     shutil.copytree(prepared, root)
-    return Cluster(root, tmp_path / f"{name}-work", peers=HONEST, config=HELDOUT, lead_peer=0)
+    return Cluster(root, tmp_path / f"{name}-work", peers=HONEST, config=DEFAULTS, lead_peer=0)
 
 
-def test_eight_honest_peers_finish_a_run_through_three_hostile_keys(prepared_heldout, tmp_path):
+def test_eight_honest_peers_finish_a_run_through_three_hostile_keys(prepared_defaults, tmp_path):
     # The same run without the hostile keys: honest peers in threads of this process (eight
     # peer processes would spend half a minute starting up).
-    clean = local_run(prepared_heldout, tmp_path / "clean", HONEST)
+    clean = local_run(prepared_defaults, tmp_path / "clean", HONEST)
     assert check_run(clean).ok
 
-    c = new_cluster(prepared_heldout, tmp_path, "hostile")
+    c = new_cluster(prepared_defaults, tmp_path, "hostile")
     stop = threading.Event()
     attackers: list = []
     poison = None

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
         ("state_files", []),
         ("lock_handoffs", []),
         ("task_costs", ["--loopback"]),
+        ("scoring_cost", []),
     ],
 )
 def test_the_benchmark_runs_prints_its_ratio_and_records_its_row(bench, extra, tmp_path):
@@ -75,10 +76,12 @@ def test_the_scale_bench_with_a_slow_peer_and_overlap_trains_ahead_and_applies_o
     assert "waiting" in done.stdout and "| scale | overlap" in doc.read_text()
 
 
-def test_the_poison_bench_short_form_shows_the_attack_and_the_defence(tmp_path):
+def test_the_poison_bench_short_form_shows_the_attack_and_the_default_defence(tmp_path):
+    """Sign-flipped deltas from Sybil keys ruin the plain mean; an open run's defaults (every
+    delta scored on held-out documents) refuse them."""
     done = subprocess.run(
         [sys.executable, REPO / "bench" / "poison.py", "--quick", "--out", tmp_path,
-         "--cases", "clean", "sybil-25", "--defences", "mean", "mean+heldout"],
+         "--cases", "clean", "sybil-25", "--defences", "mean", "default"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -88,11 +91,12 @@ def test_the_poison_bench_short_form_shows_the_attack_and_the_defence(tmp_path):
     }
     assert len(rows) == 4 and "| sybil-25 | mean |" in (tmp_path / "poison.md").read_text()
     clean, attacked = rows[("clean", "mean")], rows[("sybil-25", "mean")]
-    defended = rows[("sybil-25", "mean+heldout")]
+    defended = rows[("sybil-25", "default")]
     assert attacked["ppl"] > clean["ppl"]  # the sign flips do harm under the plain mean
     assert defended["rejections"].get("worse-heldout", 0) >= 1
     assert defended["ppl"] < attacked["ppl"]
     assert min(defended["gains"]["honest"]) > max(defended["gains"]["hostile"])
+    assert rows[("clean", "default")]["gains"]["honest"]  # an honest run is scored too
 
 
 def test_the_fuzz_bench_counts_its_examples(tmp_path):

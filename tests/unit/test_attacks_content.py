@@ -449,10 +449,73 @@ def test_a_key_whose_deltas_keep_hurting_is_weighted_down_then_refused(tmp_path)
     trusts = [e["trust"] for e in mild if not e["refused"]]
     assert trusts and trusts[0] < 1.0  # weighted down before it was refused
     assert all(e["trust"] == 1.0 and not e["refused"] for e in checks if e["peer"] != "peer0")
-    assert all(e["key_score"] < -cost / 2 for e in mild if e["refused"])
+    # Refused for its score, or first for helping far less than the honest keys (useless).
+    assert {e["refused"] for e in mild if e["refused"]} <= {"low-score", "useless"}
+    assert all(e["key_score"] < -cost / 2 for e in mild if e["refused"] == "low-score")
     # An honest delta from the low-scored key still counts: it lifts the score.
     assert [e["refused"] for e in mild if e["gain"] > 0] == [None] * len(refused)
     assert len(swarm.co.status().state["key_scores"]) == TOPO.num_paths
+
+
+def test_a_key_whose_deltas_help_nobody_is_weighed_to_near_zero(tmp_path):
+    """A key that turns lazy after its first round sends a small random step in place of
+    training (harmless: under every tolerance, no norm outlier). Its gain is near zero where
+    honest keys' gains in the round before were not, so its first such delta is weighed to next
+    to nothing, and the next ones are refused (``low-score``): the path goes back and is
+    trained. The modules end where honest deltas alone put them; without the check the random
+    step is half of the update of every module on two paths."""
+
+    def loss(path, modules):  # the parameters' mean: every honest delta lowers it by 0.01
+        values = [modules[mid][k].reshape(-1) for mid in TOPO.path_modules(path) for k in INIT[mid]]
+        return float(torch.cat(values).mean())
+
+    def good(path):
+        return {
+            f"{mid}/{k}": torch.full_like(v, 0.01)
+            for mid in TOPO.path_modules(path)
+            for k, v in INIT[mid].items()
+        }
+
+    def lazy(rnd):  # zero-mean noise, half an honest delta's size
+        g = torch.Generator().manual_seed(77 + rnd)
+        return {k: torch.randn(v.shape, generator=g) * 0.005 for k, v in good(0).items()}
+
+    def run(name, lazy_key, check=True):
+        validation = ValidationSection(heldout_check=check, heldout_tolerance=0.1)
+        swarm = Swarm(tmp_path / name, rounds=5, validation=validation, heldout_loss=loss)
+        for rnd in range(4):
+            for p in (0, 1, 2, 3):  # the yardstick is the round before: the order is no matter
+                task = swarm.claim(p)
+                try:
+                    swarm.submit(task, lazy(rnd) if lazy_key and p == 0 and rnd else good(p))
+                except RejectedError as err:
+                    refused.setdefault(name, []).append((rnd, p, err.reason))
+                    swarm.tr("peer0").request(m.ReleaseTask(peer_id="peer0", task_id=task.task_id))
+                    swarm.submit(swarm.claim(p), good(p))  # trained by someone honest
+        return swarm
+
+    refused: dict[str, list] = {}
+
+    reference, scored, unchecked = run("ref", False), run("lazy", True), run("plain", True, False)
+    events = [e for e in scored.events if e["event"] == "heldout_check"]
+    lazy_checks = [e for e in events if e["peer"] == "peer0" and e["gain"] < 0.005]
+    assert len(lazy_checks) == 3
+    gain = next(e["gain"] for e in events if e["peer"] == "peer1")
+    assert all(abs(e["gain"]) < gain / 10 for e in lazy_checks)  # under every tolerance
+    assert lazy_checks[0]["trust"] <= 0.05 and not lazy_checks[0]["refused"]  # weighed down
+    assert [e["refused"] for e in lazy_checks[1:]] == ["useless", "useless"]  # then refused
+    assert refused == {"lazy": [(2, 0, "low-score"), (3, 0, "low-score")]}
+    assert all(e["trust"] == 1.0 and not e["refused"] for e in events if e not in lazy_checks)
+
+    def moved(swarm):
+        return torch.cat(
+            [(swarm.params()["L0.M0"][k] - INIT["L0.M0"][k]).reshape(-1) for k in INIT["L0.M0"]]
+        )
+
+    honest_step = moved(reference)
+    off_scored = float((moved(scored) - honest_step).norm() / honest_step.norm())
+    off_unchecked = float((moved(unchecked) - honest_step).norm() / honest_step.norm())
+    assert off_scored < 0.2 * off_unchecked, (off_scored, off_unchecked)
 
 
 def test_a_replayed_or_rescaled_copy_of_an_earlier_delta_is_refused_as_copied(tmp_path):
@@ -487,15 +550,51 @@ def test_a_replayed_or_rescaled_copy_of_an_earlier_delta_is_refused_as_copied(tm
             assert torch.equal(v, swarm.co.store.params(mid)[k]), (mid, k)
 
 
+def test_an_open_runs_defaults_refuse_a_replay_unless_the_run_is_diverging(tmp_path):
+    """With nothing set (an open run: the held-out check and the copy check "auto"), a key that
+    sends its last round's delta again is refused as ``copied``. A diverging run (its paths'
+    held-out losses above where they started) makes honest copies: there the copy is let
+    through, with a ``copy_let_through`` event, and judged as any other delta."""
+
+    def run(name, drift):
+        level = {"loss": 5.0}
+
+        def loss(path, modules):  # a stand-in that honest (zero-mean) deltas barely move
+            values = [
+                modules[mid][k].reshape(-1) for mid in TOPO.path_modules(path) for k in INIT[mid]
+            ]
+            return level["loss"] + float(torch.cat(values).mean())
+
+        swarm = Swarm(tmp_path / name, heldout_loss=loss)  # the defaults of an open run
+        honest_round(swarm, 0)
+        level["loss"] += drift
+        honest_round(swarm, 1)
+        return swarm, swarm.claim(0)
+
+    steady, task = run("steady", 0.0)
+    with pytest.raises(RejectedError) as err:
+        steady.submit(task, honest(0, 1))  # its own last round's delta, sent again
+    assert err.value.reason == "copied" and steady.co.rejections["copied"] == 1
+    diverging, task = run("diverging", 1.0)
+    diverging.submit(task, honest(0, 1))  # the same copy, in a run gone worse than its start
+    let = [e for e in diverging.events if e["event"] == "copy_let_through"]
+    assert [(e["path"], e["why"]) for e in let] == [(0, "diverging")]
+    assert "copied" not in diverging.co.rejections
+    assert [e["task"] for e in diverging.events if e["event"] == "heldout_check"][
+        -1
+    ] == task.task_id
+
+
 def test_copies_are_judged_on_a_secret_sample_of_each_module():
     """The sketch of a module reads a fixed, secret sample of its coordinates: a copy with a
     little noise added everywhere (0.5% of its scale) is still a copy at 0.9999,
     independent noise is not, and two coordinators (two secrets) sample different
     coordinates. Only a kept (stored) delta can be copied; a retry of its own task is not."""
-    from dipaco.coordinator.copies import DeltaCopies
+    from dipaco.coordinator.copies import AUTO_COSINE, DeltaCopies
 
     cosine = COPY_COSINE
-    assert ValidationSection().copy_cosine is None  # off by default
+    assert ValidationSection().copy_cosine == "auto"  # on where the held-out check is on
+    assert cosine == AUTO_COSINE
     g = torch.Generator().manual_seed(0)
     first = {"w": torch.randn(300, 40, generator=g), "b": torch.randn(40, generator=g)}
     copies = DeltaCopies(cosine)

@@ -61,13 +61,15 @@ def events(root: Path, kind: str) -> list[dict]:
 
 @pytest.fixture
 def strict(run_copy):
-    """A run folder whose rounds wait for every path, with the paper's mean (bit-for-bit
-    comparisons: a robust combiner gives each key one vote, so its result depends on which
-    node or peer trained which path)."""
+    """A run folder whose rounds wait for every path, with the paper's mean, unscored
+    (bit-for-bit comparisons: a robust combiner gives each key one vote, so its result depends
+    on which node or peer trained which path; the held-out check's weights, on the order in
+    which deltas arrive)."""
 
     def make(name: str) -> Path:
         root = run_copy(name)
-        configure(root, scheduler={"quorum": 1.0}, validation={"aggregation": "mean"})
+        validation = {"aggregation": "mean", "heldout_check": False}
+        configure(root, scheduler={"quorum": 1.0}, validation=validation)
         return root
 
     return make

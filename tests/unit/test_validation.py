@@ -19,7 +19,7 @@ from dipaco.coordinator.validation import (
     weighted_mean,
 )
 from dipaco.errors import ConfigError, CorruptFileError
-from dipaco.run.factory import outer_settings
+from dipaco.run.factory import heldout_check, outer_settings
 
 
 def t(*xs):
@@ -156,6 +156,10 @@ def test_tracker_window_and_persistence_across_restart(tmp_path):
         NormTracker(path)
 
 
+def _listed():
+    return {"security": {"join": "allow-list"}}
+
+
 def test_validation_config_defaults_and_errors():
     cfg = load_config_dict({})
     v = cfg.validation
@@ -163,12 +167,22 @@ def test_validation_config_defaults_and_errors():
         "reject",
         "auto",
         None,
-        False,
+        "auto",
     )
-    # "auto": robust where anyone may join, the paper's mean on an allow-list.
-    assert outer_settings(cfg).aggregation == "trimmed_mean"
+    # "auto": robust and scored where anyone may join, the paper's mean unscored on an allow-list.
+    assert outer_settings(cfg).aggregation == "trimmed_mean" and heldout_check(cfg)
     listed = load_config_dict({"security": {"join": "allow-list"}})
-    assert outer_settings(listed).aggregation == "mean"
+    assert outer_settings(listed).aggregation == "mean" and not heldout_check(listed)
+    assert heldout_check(load_config_dict({"validation": {"heldout_check": True}, **_listed()}))
+    assert not heldout_check(load_config_dict({"validation": {"heldout_check": False}}))
+    with pytest.raises(ConfigError, match="validation.heldout_check"):
+        load_config_dict({"validation": {"heldout_check": "sometimes"}})
+    assert cfg.validation.copy_cosine == "auto"
+    assert load_config_dict({"validation": {"copy_cosine": False}}).validation.copy_cosine is None
+    assert load_config_dict({"validation": {"copy_cosine": 0.999}}).validation.copy_cosine == 0.999
+    for bad in (0, 1.5, True, "sometimes"):
+        with pytest.raises(ConfigError, match="validation.copy_cosine"):
+            load_config_dict({"validation": {"copy_cosine": bad}})
     chosen = load_config_dict(
         {"security": {"join": "allow-list"}, "validation": {"aggregation": "median"}}
     )
@@ -203,7 +217,11 @@ def test_auto_takes_the_mean_where_the_heldout_check_scores_every_delta(tmp_path
     assert {
         checked.outer_settings_of(mid).aggregation for mid in checked.topology.module_ids()
     } == {"mean"}
-    plain = build("plain", {})  # no held-out check: every module robust
+    default = build("default", {})  # an open run scores every delta by default
+    assert default.heldout_loss is not None
+    assert default.outer_settings_of("S.embed").aggregation == "mean"
+    plain = build("plain", {"heldout_check": False})  # no held-out check: every module robust
+    assert plain.heldout_loss is None
     assert plain.outer_settings_of("S.embed").aggregation == "trimmed_mean"
     chosen = build("chosen", {"heldout_check": True, "aggregation": "median"})
     assert chosen.outer_settings_of("S.embed").aggregation == "median"
@@ -232,3 +250,57 @@ def test_a_modules_norm_and_its_nan_or_inf_are_found_whatever_the_dtype(dtype, s
         spoiled["b"][7] = bad
         assert nonfinite(spoiled) == "b"
         assert not math.isfinite(delta_norm(spoiled))
+
+
+def test_a_run_is_diverging_when_half_its_paths_score_worse_than_at_their_start(tmp_path):
+    from dipaco.coordinator.validation import KeyScores
+
+    scores = KeyScores(tmp_path / "k.json", 0.1)
+    for p in range(4):
+        scores.scored(p, 4.0)
+    scores.scored(3, 4.8)  # one path worse: a path that loses to the others, not a divergence
+    assert not scores.diverging()
+    scores.scored(2, 4.5)
+    assert scores.diverging()
+    scores.scored(2, 4.05)  # within the tolerance
+    assert not scores.diverging()
+
+
+def test_key_scores_survive_a_restart_and_refuse_a_damaged_file(tmp_path):
+    """What a coordinator knows of each key (its score, its relative gains, the gains of the
+    rounds before that are the yardstick, each path's first and latest held-out loss) is the
+    same after a restart: the next verdict is the one it would have been."""
+    from dipaco.coordinator.validation import KeyScores
+
+    def fill(scores):
+        for rnd in range(3):
+            for k in range(4):
+                scores.judge(f"k{k}", 5.0, 5.0 - 0.2 * (k > 0) - 0.001, rnd)
+                scores.scored(k, 5.0 + rnd)
+        scores.save()
+
+    path = tmp_path / "key_scores.json"
+    first = KeyScores(path, 0.1)
+    fill(first)
+    again = KeyScores(path, 0.1)
+    assert (again.scores, again.relative, again.recent, again.paths) == (
+        first.scores,
+        first.relative,
+        first.recent,
+        first.paths,
+    )
+    assert again.diverging() and again.relative["k0"][2] >= 2  # k0 helps nobody
+    assert again.judge("k0", 5.0, 5.0, 3) == first.judge("k0", 5.0, 5.0, 3)
+    assert again.judge("k0", 8.0, 8.0, 4, path=0).refuse is None  # the run is diverging
+    for p in range(4):  # its paths back where they started: no longer diverging
+        again.scored(p, 5.0)
+    assert not again.diverging()
+    assert again.judge("k0", 5.0, 5.0, 4, path=9).refuse == "useless"
+    # Trained again from the same base, the same delta: let through at its low weight.
+    assert again.judge("k0", 5.0, 5.0, 4, path=9).refuse is None
+    path.write_text('{"scores": {"k": [NaN, 1]}}')
+    with pytest.raises(CorruptFileError):
+        KeyScores(path, 0.1)
+    path.write_text('{"scores": {}, "relative": {"k": [0.5]}}')
+    with pytest.raises(CorruptFileError):
+        KeyScores(path, 0.1)
