@@ -40,8 +40,10 @@ from dipaco.protocols.wire import Frame, write_tensor_file
 from dipaco.routing.kmeans import fit_router
 from dipaco.routing.routers import Router
 
-# Sections that may change when a run resumes: they do not change what is trained.
-OPERATIONAL = {"name", "scheduler", "eval", "security", "flower", "baseline"}
+# Sections that may change when a run resumes: they do not change what is trained (validation:
+# how a coordinator judges the deltas it is sent, which it may tighten or loosen on a restart,
+# as it may who may join).
+OPERATIONAL = {"name", "scheduler", "eval", "security", "flower", "baseline", "validation"}
 
 
 def inner_settings(config: RunConfig) -> InnerSettings:

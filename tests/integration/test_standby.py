@@ -25,6 +25,7 @@ import torch
 from _waiting import wait_for
 from test_hivemind_run import (
     BIN,
+    UNSCORED_ALL_PATHS,
     Proc,
     config_file,
     final_modules,
@@ -67,7 +68,7 @@ def standby_copy(root: Path, dest: Path) -> Path:
 
 def test_the_standby_takes_over_a_scheduler_killed_mid_round(run_copy, tmp_path, monkeypatch):
     monkeypatch.setattr(Proc, "log_dir", tmp_path)  # each process's output, to read after a failure
-    config = config_file(tmp_path, extra="quorum = 1.0\n")  # rounds wait for every path
+    config = config_file(tmp_path, extra=UNSCORED_ALL_PATHS)  # bit for bit: test_hivemind_run
     local = run_copy("local")
     prep = prepare(local, load_config(config))
     reference = build_coordinator(prep, MetricsLog(local / "metrics.jsonl"), evaluate=False)
