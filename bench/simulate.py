@@ -96,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the coordinator's Topology as it is (module lists recomputed per call)",
     )
+    ap.add_argument(
+        "--cpu-seconds",
+        type=float,
+        default=None,
+        help="charge each coordinator call this many CPU seconds instead of measuring it "
+        "(a run that repeats whatever the machine's load)",
+    )
     ap.add_argument("--doc", action="store_true", help=f"append the table to {DOC.name}")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
@@ -116,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 hedge=args.hedge,
                 paths_per_peer=args.paths_per_peer,
                 cache_topology=not args.no_cache_topology,
+                cpu_seconds=args.cpu_seconds,
             )
             print(f"{n} peers, {owners} owners:", flush=True)
             result = simulate.run(settings, progress=lambda line: print(line, flush=True))

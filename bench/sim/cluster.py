@@ -36,6 +36,18 @@ TINY = ModelConfig(vocab_size=16, dim=8, n_layers=2, n_heads=2, max_seq_len=8)
 SCHEDULER = "scheduler"
 
 
+class FixedCpu:
+    """A CPU clock that advances ``seconds`` each time it is read twice (a call's start and its
+    end): every handler call costs the same, whatever this machine's load."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.reads = seconds, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return (self.reads // 2) * self.seconds
+
+
 class Node:
     """One coordinator: the real core, its CPU queue, its NIC (owners), its metrics events."""
 
@@ -52,17 +64,20 @@ class Node:
         self.report_gen = 0
         self.after: Callable[[Node], None] = lambda node: None  # after every request served
         self.by_kind: dict[str, float] = {}  # CPU seconds per request kind
+        # What a handler's CPU costs: measured (this thread's CPU seconds), or, with
+        # Settings.cpu_seconds, a fixed charge per call (a run that repeats to the bit).
+        self.cpu_time: Callable[[], float] = time.thread_time
 
     def on_event(self, event: dict) -> None:
         self.events.append({**event, "t": self.loop.now, "node": self.name})
 
     def handle(self, data: bytes) -> bytes:
         """The real handler, timed: its CPU seconds are kept in ``last_cost``."""
-        t = time.thread_time()
+        t = self.cpu_time()
         try:
             return self.core.handle(data)
         finally:
-            self.last_cost = time.thread_time() - t
+            self.last_cost = self.cpu_time() - t
 
     def transport(self, identity: auth.Identity) -> LocalTransport:
         tr = self.transports.get(identity.public_key)
@@ -211,6 +226,8 @@ class Cluster:
     def _node(self, core: Coordinator, name: str, scale: float) -> Node:
         node = Node(self.loop, core, name, scale)
         node.sizes = self.sizes
+        if self.settings.cpu_seconds is not None:
+            node.cpu_time = FixedCpu(self.settings.cpu_seconds)
         core.metrics = node.on_event
         return node
 
@@ -222,9 +239,9 @@ class Cluster:
     def _tick(self, node: Node) -> None:
         def work() -> tuple[float, Callable[[], None]]:
             before = len(node.events)
-            t = time.thread_time()
+            t = node.cpu_time()
             node.core.tick()
-            cost = time.thread_time() - t + node.stepped_cost(before)
+            cost = node.cpu_time() - t + node.stepped_cost(before)
             return cost * node.cpu_scale, lambda: (self.changed(node), self.work_changed(node))
 
         node.cpu.submit(work)
@@ -245,10 +262,10 @@ class Cluster:
         lat = self.settings.owner_latency
 
         def build() -> tuple[float, Callable[[], None]]:
-            t = time.thread_time()
+            t = node.cpu_time()
             node.core.changed.clear()
             msg = node.core.report()
-            cost = (time.thread_time() - t) * node.cpu_scale
+            cost = (node.cpu_time() - t) * node.cpu_scale
             return cost, lambda: self.loop.after(lat, send, msg)
 
         def send(msg: m.OwnerReport) -> None:
@@ -259,14 +276,14 @@ class Cluster:
         def back(ack: Any) -> None:
             def apply() -> tuple[float, Callable[[], None]]:
                 before = len(node.events)
-                t = time.thread_time()
+                t = node.cpu_time()
                 co = node.core
                 if isinstance(ack, m.ReportAck):
                     with co.lock:
                         co.book.follow(ack.overdue, ack.ended)
                         co.gathered = set(ack.gathered)
                 co.tick()
-                cost = time.thread_time() - t + node.stepped_cost(before)
+                cost = node.cpu_time() - t + node.stepped_cost(before)
                 return cost * node.cpu_scale, done
 
             node.cpu.submit(apply)

@@ -125,7 +125,7 @@ class CoordinatorBase:
         self.lock = threading.RLock()
         self.steps = ModuleSteps(self.lock)
         # Claims and TaskDones that wait, and who polled in vain lately (polls.py).
-        self.polls = LongPolls(self.lock)
+        self.polls = LongPolls(self.lock, clock=clock)
         self.clock = clock
         self.roster = Roster(clock)  # the peers as seen (roster.py)
         self.epoch = 0

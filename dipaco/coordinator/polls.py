@@ -37,8 +37,14 @@ class LongPolls:
     ``work`` is the condition waiting claims sleep on, woken one at a time (``changed``): a
     change that opens nothing wakes one claim, not every waiting one."""
 
-    def __init__(self, lock: threading.RLock, slots: int = 256) -> None:
+    def __init__(
+        self,
+        lock: threading.RLock,
+        slots: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.work = threading.Condition(lock)
+        self.clock = clock  # the coordinator's (a simulation's virtual one): who polled when
         self.waiting = 0
         self.slots = slots
         self.generation = 0
@@ -103,7 +109,7 @@ class LongPolls:
         and a look at the paths; with 1,000 idle peers every 0.5 s that was most of a core
         (docs/operations.md, capacity planning), and a round's paths are picked up within
         this delay of opening."""
-        now = time.monotonic()
+        now = self.clock()
         self.pollers[who] = now
         self.pollers.move_to_end(who)
         while self.pollers and next(iter(self.pollers.values())) < now - POLL_WINDOW:
