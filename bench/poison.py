@@ -20,6 +20,8 @@ Lazy keys, on the sybil-25 paths (one key each), send something useless rather t
     lazy-random-25  a random step (Gaussian, per module --lazy-scale times the trained delta's
                     norm) in place of each round's trained delta
     replay-25       from the second round on, the delta the path sent in its first round, again
+    other-shard-25  every task of the path trained on another path's shard (path p + 8 of 16:
+                    no download of its own shard), pushed as trained
 
 Defences (``validation`` settings): ``default`` (an open run's: every delta scored on held-out
 documents, the mean where every path is scored), ``mean`` (the paper's weighted mean), ``trimmed_mean``,
@@ -47,6 +49,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from paper_table import LOCAL, PRESETS  # noqa: E402
 
 from dipaco.config import RunConfig, load_config_dict  # noqa: E402
+from dipaco.errors import RejectedError  # noqa: E402
 from dipaco.fileio import write_atomic, write_json_atomic  # noqa: E402
 from dipaco.peer.peer import Peer  # noqa: E402
 from dipaco.prepare.pipeline import prepare  # noqa: E402
@@ -64,12 +67,16 @@ CASES = {  # name -> (hostile paths per level module, one key for all of them, w
     "sybil-50": (2, False, "flip"),
     "lazy-random-25": (1, False, "random"),
     "replay-25": (1, False, "replay"),
+    "other-shard-25": (1, False, "other-shard"),
 }
 DEFENCES = {
     # An open run's defaults: the held-out check "auto" (on), aggregation "auto" (the mean where
     # every path is scored); set here because the local runs' settings (paper_table.LOCAL) turn
     # the check off.
     "default": {"heldout_check": "auto", "aggregation": "auto"},
+    # ...and the off-shard rule (validation.offshard_check: each delta also scored on other
+    # paths' documents)
+    "default+offshard": {"heldout_check": "auto", "aggregation": "auto", "offshard_check": True},
     "mean": {"aggregation": "mean", "heldout_check": False},
     "trimmed_mean": {"aggregation": "trimmed_mean", "heldout_check": False},
     "median": {"aggregation": "median", "heldout_check": False},
@@ -88,6 +95,10 @@ PLAN = [  # (case, defence): the default set of runs
     ("sybil-50", "default"),
     ("lazy-random-25", "default"),
     ("replay-25", "default"),
+    ("other-shard-25", "default"),
+    ("other-shard-25", "mean"),
+    ("clean", "default+offshard"),
+    ("other-shard-25", "default+offshard"),
     ("clean", "trimmed_mean"),
     ("clean", "median"),
     ("clean", "trimmed+heldout"),
@@ -132,6 +143,7 @@ class HostilePeer(Peer):
     trained, as the honest peer that the path would go to next would push it."""
 
     hostile: frozenset[int] = frozenset()
+    honest_next: set[int]  # other-shard: paths whose next task trains on their own shard
     flip: float = 2.5
     mode: str = "flip"
     lazy_scale: float = 0.1
@@ -139,6 +151,16 @@ class HostilePeer(Peer):
     def push(self, task, delta, tokens, losses, before_send=None):  # noqa: ANN001
         poisoned = self.__dict__.setdefault("poisoned", set())
         first = self.__dict__.setdefault("first", {})  # path -> its first pushed delta
+        if self.mode == "other-shard":  # trained on the wrong data (shard_source): as trained
+            # A refused task goes to the honest peer the path would go to next: its retry is
+            # trained on the path's own shard (``honest_next``), the path's next round not.
+            try:
+                pushed = super().push(task, delta, tokens, losses, before_send)
+            except RejectedError:
+                self.honest_next.add(task.path)
+                raise
+            self.honest_next.discard(task.path)
+            return pushed
         if task.path in self.hostile and (task.path, task.round) not in poisoned:
             poisoned.add((task.path, task.round))
             if self.mode == "flip":
@@ -151,6 +173,22 @@ class HostilePeer(Peer):
             else:
                 first[task.path] = delta
         return super().push(task, delta, tokens, losses, before_send)
+
+
+def other_shard(root: Path, hostile: frozenset[int], paths: int, honest_next: set[int]):
+    """A peer's shard source that gives a hostile path p the shard of path p + paths / 2
+    (unless ``honest_next`` holds p: a refused task's retry, as the next peer trains it)."""
+    import re
+
+    from dipaco.data.shards import TokenShard
+
+    def source(name: str, files: dict) -> TokenShard:
+        p = int(re.search(r"P(\d+)", name).group(1))
+        if p in hostile and p not in honest_next:
+            name = re.sub(r"P\d+", f"P{(p + paths // 2) % paths}", name)
+        return TokenShard(root / name)
+
+    return source
 
 
 def random_step(tensors: dict, scale: float, seed: tuple[int, int]) -> dict:
@@ -183,7 +221,8 @@ def run_case(
     if done.exists():
         print(f"[{key}] already done", flush=True)
         row = json.loads(done.read_text())
-        return {**row, **gains_of(root, row["hostile_paths"])}
+        every = CASES[row["case"]][2] == "other-shard"
+        return {**row, **gains_of(root, row["hostile_paths"], every)}
     data = base.to_dict()
     data["name"] = key
     data["validation"] = {**data["validation"], **DEFENCES[defence]}
@@ -220,6 +259,10 @@ def run_case(
     )
     peer.hostile, peer.flip, peer.mode = frozenset(hostile), flip, mode
     peer.lazy_scale = lazy_scale
+    if mode == "other-shard":
+        paths = config.build_topology().num_paths
+        peer.honest_next = set()
+        peer.shard_source = other_shard(prep.root, frozenset(hostile), paths, peer.honest_next)
     thread = threading.Thread(target=peer.run, daemon=True)
     thread.start()
     try:
@@ -239,7 +282,7 @@ def run_case(
         "ppl": result["ppl"],
         "rejections": dict(coordinator.rejections),
         "heldout_docs": config.validation.heldout_docs,
-        **gains_of(root, hostile),
+        **gains_of(root, hostile, mode == "other-shard"),
         "seconds": round(time.monotonic() - t0, 1),
     }
     print(f"[{key}] ppl {row['ppl']:.2f}, refused {row['rejections']}", flush=True)
@@ -247,11 +290,17 @@ def run_case(
     return row
 
 
-def gains_of(root: Path, hostile: list[int]) -> dict[str, dict[str, list[float]]]:
-    """The held-out gains of the run's honest and hostile deltas (``gains``), and the weight
-    factors of those accepted (``weights``). A hostile path's first delta of each round is the
-    poisoned one; a retry after its refusal is pushed as trained."""
+def gains_of(
+    root: Path, hostile: list[int], every: bool = False
+) -> dict[str, dict[str, list[float]]]:
+    """The held-out gains of the run's honest and hostile deltas (``gains``), the weight
+    factors of those accepted (``weights``), and their gains less their gains on other paths'
+    documents (``specific``). A hostile path's first delta of each round is the poisoned one; a
+    retry after its refusal is pushed as trained (``every``: every delta of a hostile path is
+    hostile, as a lazy key's trained on another shard)."""
     gains: dict[str, list[float]] = {"honest": [], "hostile": []}
+    # own gain minus the gain on other paths' documents (heldout_check's foreign_gain)
+    specific: dict[str, list[float]] = {"honest": [], "hostile": []}
     weights: dict[str, list[float]] = {"honest": [], "hostile": []}
     seen: set[tuple[int, str]] = set()
     for e in MetricsLog(root / "metrics.jsonl").read():
@@ -260,11 +309,13 @@ def gains_of(root: Path, hostile: list[int]) -> dict[str, dict[str, list[float]]
         round_ = e["task"].split("-e")[0]  # task ids are P<path>-r<round>-e<epoch>-a<attempt>
         first = (e["path"], round_) not in seen
         seen.add((e["path"], round_))
-        side = "hostile" if e["path"] in hostile and first else "honest"
+        side = "hostile" if e["path"] in hostile and (first or every) else "honest"
         gains[side].append(e["gain"])
+        if math.isfinite(e.get("foreign_gain", math.nan)):
+            specific[side].append(e["gain"] - e["foreign_gain"])
         if not e.get("refused"):
             weights[side].append(e.get("trust", 1.0))
-    return {"gains": gains, "weights": weights}
+    return {"gains": gains, "weights": weights, "specific": specific}
 
 
 def _gain_text(values: list[float]) -> str:
@@ -279,21 +330,28 @@ def markdown(rows: list[dict], source: str, flip: float, lazy_scale: float = 0.1
         f"Corpus {source}; tiny preset, DiPaCo 4x4; hostile deltas are -{flip:g} x the trained "
         f"delta (lazy-random: a random step of {lazy_scale:g} x its norm; replay: the path's "
         "first-round delta again). Ratio: ppl over the clean run's with the plain mean. "
-        "Held-out gains (loss before - after, nats/token): min / median / max.",
+        "Held-out gains (loss before - after, nats/token): min / median / max. Specific: the "
+        "gain on the path's own documents less the gain on other paths', median honest / "
+        "hostile.",
         "",
         "| case | defence | docs | ppl | ratio | refused | honest gains | hostile gains | "
-        "hostile weight |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "hostile weight | specific |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = f"{r['ppl'] / ref:.3f}" if ref else "-"
         refused = ", ".join(f"{k} {v}" for k, v in sorted(r["rejections"].items())) or "none"
         hostile_w = r.get("weights", {}).get("hostile", [])
         weight = f"{statistics.median(hostile_w):.3f}" if hostile_w else "-"
+        spec = r.get("specific", {})
+        specific = " / ".join(
+            f"{statistics.median(v):+.4f}" if (v := spec.get(side)) else "-"
+            for side in ("honest", "hostile")
+        )
         lines.append(
             f"| {r['case']} | {r['defence']} | {r.get('heldout_docs', '-')} | {r['ppl']:.2f} | "
             f"{ratio} | {refused} | {_gain_text(r['gains']['honest'])} | "
-            f"{_gain_text(r['gains']['hostile'])} | {weight} |"
+            f"{_gain_text(r['gains']['hostile'])} | {weight} | {specific} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -2,12 +2,15 @@
 
 An open run scores every delta on held-out documents (``validation.heldout_check = "auto"``):
 the path is built from the module tensors twice (as it is and with the delta) and each time
-``heldout_docs`` documents are run forward (``run/evaluate.heldout_scorer``, as admission calls
-it). A task is H inner steps of ``batch`` sequences. Both are timed here on this machine, at
-the paper's path size by default (12 blocks, width 896, 16 heads, vocabulary 32,000, sequence
-1,024: about 150M parameters), the same process, the same threads:
+``heldout_docs`` documents are run forward (``run/evaluate.heldout_scorer``, as
+heldout.check_heldout calls it); with ``--offshard`` (``validation.offshard_check``) as many
+documents of other paths again (``foreign_scorer``). A task is H inner steps of ``batch``
+sequences. Both are timed here on this machine, at the paper's path size by default (12
+blocks, width 896, 16 heads, vocabulary 32,000, sequence 1,024: about 150M parameters), the
+same process, the same threads:
 
-    score    the scorer's two calls, path build included (the best of --repeats)
+    score    the scorer's two calls (four with --offshard), path builds included (the best of
+             --repeats)
     step     one training step (forward, backward, AdamW) of --micro-batch sequences, the
              best of --repeats, after one untimed warm-up step
     task     step / micro-batch x batch x H: the task's training time on this machine
@@ -69,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--prefix", type=int, default=32, help="routing prefix, not scored")
     ap.add_argument("--docs", type=int, nargs="+", default=[8], help="held-out documents scored")
+    ap.add_argument("--offshard", action="store_true",
+                    help="validation.offshard_check: also score on other paths' documents")  # fmt: skip
     ap.add_argument("--inner-steps", type=int, default=62, help="H (the paper: 62 or 150)")
     ap.add_argument("--batch", type=int, default=512, help="sequences per inner step")
     ap.add_argument("--micro-batch", type=int, default=1, help="sequences per timed step")
@@ -100,16 +105,21 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for n in args.docs:
-        docs = [rng.integers(0, args.vocab, args.seq + 1).astype(np.int32) for _ in range(n)]
+        pools = [
+            [rng.integers(0, args.vocab, args.seq + 1).astype(np.int32) for _ in range(n)]
+            for _ in range(2 if args.offshard else 1)
+        ]
 
-        def score(docs: list = docs) -> None:
-            for tensors in (current, proposed):  # admission.check_heldout: before, then after
-                path = topology.build_path(cfg, 0, tensors)
-                with torch.no_grad():
-                    heldout_loss(path, docs, seq_len=args.seq, prefix_tokens=args.prefix)
+        def score(pools: list = pools) -> None:
+            # heldout.check_heldout: its own documents before and after (then other paths')
+            for docs in pools:
+                for tensors in (current, proposed):
+                    path = topology.build_path(cfg, 0, tensors)
+                    with torch.no_grad():
+                        heldout_loss(path, docs, seq_len=args.seq, prefix_tokens=args.prefix)
 
         t_score = best(score, args.repeats)
-        tokens = n * (args.seq - args.prefix)
+        tokens = len(pools) * n * (args.seq - args.prefix)
         ratio = t_score / task
         print(f"{n} documents ({tokens} scored tokens): scoring {t_score:.2f} s", flush=True)
         print(f"ratio (scoring / task, {n} documents): {ratio:.5f}", flush=True)
@@ -118,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         args,
         "scoring_cost",
         f"{params / 1e6:.1f}M path; task H = {args.inner_steps} x {args.batch} x {args.seq} "
-        f"= {task:.0f} s (step of {args.micro_batch}: {t_step:.2f} s); scoring a delta: "
+        f"= {task:.0f} s (step of {args.micro_batch}: {t_step:.2f} s); scoring a delta"
+        + (" (with offshard_check)" if args.offshard else "")
+        + ": "
         + "; ".join(rows),
     )
     return 0

@@ -155,6 +155,14 @@ class ValidationSection(_Section):
     heldout_check: bool | Literal["auto"] = "auto"
     heldout_tolerance: float = Field(0.1, ge=0)
     heldout_docs: int = Field(8, ge=1)  # held-out documents scored per check
+    # With the held-out check, also score each delta on one held-out document of each of
+    # heldout_docs other paths (two more forward passes): a key whose deltas help other paths'
+    # documents more than their own (twice, half the time or more, in a run where three in four
+    # of other keys' deltas do the opposite) was likely trained on another path's shard, and its
+    # further such deltas are weighed 0.02 and refused ("low-score"). Off by default: some honest
+    # paths help others' documents more at every round (4 and 2 honest deltas refused in the two
+    # bench corpora, docs/security.md "Lazy keys").
+    offshard_check: bool = False
     # Refuse a delta that copies one this coordinator stored before at the module ("copied"):
     # at least this correlation on a secret sample of the module's coordinates (copies.py; honest
     # deltas measured at most 0.995; 0.9999 refuses copies). None: off. "auto" (the default):

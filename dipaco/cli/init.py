@@ -109,6 +109,7 @@ FIELDS: dict[str, str] = {
     "validation.heldout_check": "score each delta on held-out documents (auto: in open runs)",
     "validation.heldout_tolerance": "allowed rise of the held-out loss (nats per token)",
     "validation.heldout_docs": "held-out documents scored per check",
+    "validation.offshard_check": "also score on other paths' documents; refuse keys that help those more",
     "validation.copy_cosine": "refuse a copy of an earlier delta (0.9999; auto: with heldout_check; false: off)",
     "scheduler.lease_seconds": "a peer silent this long has vanished; its task is re-issued",
     "scheduler.heartbeat_seconds": "how often peers send a heartbeat",

@@ -14,14 +14,15 @@ import errno
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from dipaco.coordinator import rounds
+from dipaco.coordinator import heldout, rounds, verdicts
 from dipaco.coordinator.base import CoordinatorBase
-from dipaco.coordinator.copies import Copied, Sketches
+from dipaco.coordinator.copies import Sketches
 from dipaco.coordinator.gate import RequestSlot
 from dipaco.coordinator.leased import task_of
 from dipaco.coordinator.records import Task
@@ -114,6 +115,7 @@ def admit(
 ) -> Plan:
     """Decode, check, reserve and durably store the delta; its plan once committed."""
     slot.take()
+    scored = heldout.scored_verdict(core, req, task, mids)  # None: not scored first
     deltas, measured = split_delta(core, req, path_mids, mids)  # decoding, norms: no lock
     weight = delta_weight(core, task, req.tokens)
     checked: dict[tuple[str, ...], Checked] = {}  # judged once; a retry reuses the verdicts
@@ -121,7 +123,7 @@ def admit(
         with core.lock:
             plan = reserve(core, req, task, mids)
         try:
-            if write(core, req, plan, deltas, measured, checked, weight, slot):
+            if write(core, req, plan, deltas, measured, checked, weight, slot, scored):
                 return plan
         finally:
             with core.lock:
@@ -243,6 +245,7 @@ def write(
     checked: dict[tuple[str, ...], Checked],
     weight: float,
     slot: RequestSlot,
+    scored: verdicts.ScoredVerdict | None = None,
 ) -> bool:
     """Judge the planned deltas (once: ``checked`` keeps the verdicts for a retry), write them
     durably (outside the lock, in the request's ``slot``), then commit them (under the lock, the
@@ -255,7 +258,7 @@ def write(
         if mids not in checked:
             judged = dict(deltas)  # check_content replaces a clipped module's delta here
             checked[mids] = Checked(
-                judged, *check_content(core, req, req.path, judged, list(mids), measured)
+                judged, *check_content(core, req, req.path, judged, list(mids), measured, scored)
             )
         deltas, norms, trust, sketches = checked[mids]
         for mid, base, stale, _, rnd in plan.store:
@@ -331,11 +334,17 @@ def delta_weight(core: CoordinatorBase, task: Task, tokens: int) -> float:
 
 
 def split_delta(
-    core: CoordinatorBase, req: m.SubmitDelta, path_mids: list[str], mids: list[str]
+    core: CoordinatorBase,
+    req: m.SubmitDelta | m.ScoreDelta,
+    path_mids: list[str],
+    mids: list[str],
+    params: Callable[[str], dict[str, torch.Tensor]] | None = None,
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
     """This owner's modules of the delta, decoded and checked (names, shapes, dtypes, codec,
     finiteness), and each module's norm (validation.delta_norm: measured once, here; the norm
-    is not finite exactly when a value is not)."""
+    is not finite exactly when a value is not). ``params``: each module's parameters to decode
+    against (the store's; the scorer's include other owners' modules)."""
+    params_of = params or core.store.params
     wire: dict[str, dict[str, torch.Tensor]] = {mid: {} for mid in mids}
     for key, tensor in req.tensors.items():
         mid, _, name = key.partition("/")
@@ -357,7 +366,7 @@ def split_delta(
         core.refusals.refuse(req.peer_id, Reason.BAD_CODEC, f"unknown codec {req.codec!r}")
     deltas, norms = {}, {}
     for mid in mids:
-        params = core.store.params(mid)
+        ref_params = params_of(mid)
         got = wire[mid]
         if not got:
             core.refusals.refuse(
@@ -366,15 +375,16 @@ def split_delta(
                 f"the delta lacks module {mid} of path {req.path}, which this coordinator owns",
             )
         if req.codec == "lossless":
-            if set(got) != set(params):
-                missing, extra = sorted(set(params) - set(got)), sorted(set(got) - set(params))
+            if set(got) != set(ref_params):
+                missing = sorted(set(ref_params) - set(got))
+                extra = sorted(set(got) - set(ref_params))
                 core.refusals.refuse(
                     req.peer_id,
                     Reason.WRONG_TENSORS,
                     f"delta for {mid}: missing {missing[:3]}, unexpected {extra[:3]}",
                 )
             for name, tensor in got.items():
-                ref = params[name]
+                ref = ref_params[name]
                 if tensor.shape != ref.shape:
                     core.refusals.refuse(
                         req.peer_id,
@@ -392,7 +402,7 @@ def split_delta(
             decoded = got
         else:
             try:
-                decoded = codecs.decode(req.codec, got, params)
+                decoded = codecs.decode(req.codec, got, ref_params)
             except WireError as exc:
                 core.refusals.refuse(req.peer_id, Reason.BAD_ENCODING, f"delta for {mid}: {exc}")
         norms[mid] = delta_norm(decoded)  # the module at once, in NumPy
@@ -410,6 +420,7 @@ def check_content(
     deltas: dict[str, dict[str, torch.Tensor]],
     mids: list[str],
     measured: dict[str, float],
+    scored: verdicts.ScoredVerdict | None = None,
 ) -> tuple[dict[str, float], float, Sketches]:
     """Judge the deltas about to be stored by their norms (and, optionally, held-out loss).
 
@@ -418,6 +429,9 @@ def check_content(
     deltas are replaced in ``deltas``. Returns each module's norm as it will be stored, for
     the statistics once the delta is durable, the factor of the delta's weight (its key's
     trust; 1 without the held-out check), and its sketches (copies.py), kept once stored.
+    With the scheduler's verdict (``scored``: the path's delta was scored whole, scoring.py),
+    its weight factor is the verdict's, and a copy is let through where the verdict says the
+    run was diverging.
     """
     with core.lock:  # the norms were measured once, in split_delta
         judged = {mid: core.norms.judge(mid, measured[mid]) for mid in mids}
@@ -430,7 +444,7 @@ def check_content(
             )
     copied, sketches = core.copies.judge(req.task_id, {mid: deltas[mid] for mid in mids})
     if copied is not None:
-        let_through(core, req, path, copied)
+        heldout.let_through(core, req, path, copied, scored.diverging if scored else None)
     norms = {}
     for mid, j in judged.items():
         norms[mid] = j.norm
@@ -439,8 +453,10 @@ def check_content(
             deltas[mid] = {k: v * factor for k, v in deltas[mid].items()}
             norms[mid] = j.limit
     trust = 1.0
-    if core.heldout_loss is not None and mids:
-        trust = check_heldout(core, req, path, deltas, mids)
+    if scored is not None:
+        trust = scored.trust
+    elif core.heldout_loss is not None and mids:
+        trust = heldout.check_heldout(core, req, path, deltas, mids)
     for mid, j in judged.items():
         if j.action == "clip":
             core.metrics(
@@ -456,128 +472,3 @@ def check_content(
                 }
             )
     return norms, trust, sketches
-
-
-def path_params(core: CoordinatorBase, path: int) -> dict[str, dict[str, torch.Tensor]] | None:
-    """Every module of the path as it is now, to score it with; None where this coordinator
-    does not own them all. Read under the lock; they stay valid outside it while held (the
-    store does not reuse their buffers for a later step: store.spare_buffers)."""
-    path_mids = core.topology.path_modules(path)
-    with core.lock:
-        if not all(core.owns(mid) for mid in path_mids):
-            return None
-        return {mid: core.store.params(mid) for mid in path_mids}
-
-
-def let_through(core: CoordinatorBase, req: m.SubmitDelta, path: int, copied: Copied) -> None:
-    """A copy of an earlier delta is refused (``copied``), unless the held-out check says the
-    run is diverging (half its paths or more, this one scored now, worse than where they
-    started), when honest deltas copy one another: then it goes on to be judged as any other,
-    with a ``copy_let_through`` event. The path is scored here, before the refusal: the deltas
-    of a round that diverged copy each other from its second delta on, before their own paths
-    were scored again; each copy refused meanwhile scores one more path."""
-    diverging = False
-    if core.heldout_loss is not None:
-        current = path_params(core, path)
-        if current is not None:  # the path as it is now, scored (as check_heldout's "before")
-            before = core.heldout_loss(path, current)
-            del current
-            with core.lock:
-                core.key_scores.scored(path, before)
-                diverging = core.key_scores.diverging()
-    if not diverging:
-        core.refusals.refuse(
-            req.peer_id,
-            Reason.COPIED,
-            f"delta for {copied.module} copies task {copied.task}'s (cosine {copied.cosine:.4f} "
-            "on a sample of its coordinates)",
-        )
-    core.metrics(
-        {
-            "event": "copy_let_through",
-            "why": "diverging",
-            "module": copied.module,
-            "path": path,
-            "task": req.task_id,
-            "peer": req.peer_id,
-            "copies": copied.task,
-            "cosine": copied.cosine,
-        }
-    )
-
-
-def check_heldout(
-    core: CoordinatorBase,
-    req: m.SubmitDelta,
-    path: int,
-    deltas: dict[str, dict[str, torch.Tensor]],
-    mids: list[str],
-) -> float:
-    """Score the delta's usefulness and its key's (validation.KeyScores); refuse or weight it.
-
-    The path is scored as it is now and with the proposed update (current parameters minus
-    the delta: for a late delta an approximation, as its base is gone). Needs every module
-    of the path: an owner of only some modules skips the check. Returns the delta's weight
-    factor, its key's trust.
-
-    The two evaluations (forward passes over the held-out documents) run outside the
-    coordinator's lock, which every other request needs. The parameters read under it stay
-    valid meanwhile: while this holds them, the store does not reuse their buffers for a later
-    step (store.spare_buffers). Only the key's score, shared state, is judged under the lock.
-    """
-    assert core.heldout_loss is not None
-    current = path_params(core, path)
-    if current is None:
-        return 1.0
-    proposed = dict(current)
-    for mid in mids:
-        proposed[mid] = {k: v - deltas[mid][k].to(v.dtype) for k, v in current[mid].items()}
-    before = core.heldout_loss(path, current)
-    if math.isnan(before):
-        return 1.0  # no held-out documents for this path: nothing to judge by
-    after = core.heldout_loss(path, proposed)
-    del current, proposed  # the store may reuse those buffers again
-    with core.lock:  # the key's score is shared state
-        trained_in = min(req.base_versions.values(), default=0)
-        verdict = core.key_scores.judge(core.voter_of(req), before, after, trained_in, path)
-        core.key_scores.save()
-        core.metrics(
-            {
-                "event": "heldout_check",
-                "path": path,
-                "task": req.task_id,
-                "peer": req.peer_id,
-                "before": before,
-                "after": after,
-                "gain": verdict.gain,
-                "key_score": verdict.score,
-                "relative": verdict.relative,
-                "useful": verdict.useful,
-                "trust": verdict.trust,
-                "refused": verdict.refuse,
-            }
-        )
-    if verdict.refuse == "worse-heldout":
-        core.refusals.refuse(
-            req.peer_id,
-            Reason.WORSE_HELDOUT,
-            f"path {path}'s held-out loss would go from {before:.4f} to {after:.4f} "
-            f"(tolerance {core.validation.heldout_tolerance:g})",
-        )
-    if verdict.refuse == "useless":
-        core.refusals.refuse(
-            req.peer_id,
-            Reason.LOW_SCORE,
-            f"this key's deltas help their paths next to nothing: this one takes path {path} "
-            f"from {before:.4f} to {after:.4f}, {verdict.relative or 0.0:.3f} of what other "
-            "keys' deltas typically gain",
-        )
-    if verdict.refuse == "low-score":
-        core.refusals.refuse(
-            req.peer_id,
-            Reason.LOW_SCORE,
-            f"this key's deltas have made their paths worse (score {verdict.score:.4f} "
-            f"after {verdict.checks} checks, below {-core.validation.heldout_tolerance / 2:g})"
-            f"; this one does not improve path {path} ({before:.4f} -> {after:.4f})",
-        )
-    return verdict.trust

@@ -36,6 +36,7 @@ from dipaco.coordinator.steps import ModuleSteps
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.tickets import SchedulerKeys
 from dipaco.coordinator.validation import KeyScores, NormTracker
+from dipaco.coordinator.verdicts import Verdicts
 from dipaco.model.topology import Topology
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
@@ -95,6 +96,7 @@ class CoordinatorBase:
         phase_rounds: list[int] | tuple[int, ...] = (),
         validation: ValidationSection | None = None,
         heldout_loss: Callable[[int, dict[str, dict[str, torch.Tensor]]], float] | None = None,
+        foreign_loss: Callable[[int, dict[str, dict[str, torch.Tensor]]], float] | None = None,
         eval_note: Callable[[], str | None] | None = None,
     ) -> None:
         self.root = Path(root)
@@ -205,6 +207,9 @@ class CoordinatorBase:
         if on == "auto":
             on = self.security.join == "open"
         self.heldout_loss = heldout_loss if on else None
+        # The path's loss on other paths' documents (optional): a delta trained on its own shard
+        # helps its own documents more (heldout.check_heldout).
+        self.foreign_loss = foreign_loss if on else None
         # Copies of earlier deltas refused ("auto": with the held-out check, which tells a
         # diverging run, whose copies are let through: admission.check_content).
         cosine = v.copy_cosine
@@ -212,6 +217,8 @@ class CoordinatorBase:
             cosine = AUTO_COSINE if self.heldout_loss is not None else None
         self.copies = DeltaCopies(cosine)
         self.key_scores = KeyScores(self.root / "key_scores.json", v.heldout_tolerance)
+        # Verdicts on whole paths for their several owners (the scheduler's; scoring.py).
+        self.verdicts = Verdicts()
         # "auto" aggregation with the held-out check: the modules whose every delta is scored
         # take the paper's mean, the others the robust combiner (outer_settings_of).
         self.checked_mean = (
@@ -282,7 +289,7 @@ class CoordinatorBase:
         self.security = security
         self.access.use(security)
 
-    def voter_of(self, req: m.SubmitDelta) -> str:
+    def voter_of(self, req: m.SubmitDelta | m.ScoreDelta) -> str:
         """Whose vote a delta is in a robust combiner: the key that signed it (a peer id for an
         unsigned local transport). One key holding many paths of a module is one vote."""
         return self._caller or req.peer_id

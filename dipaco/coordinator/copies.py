@@ -20,7 +20,7 @@ The sketches live in memory: after a restart a copy of a delta stored before it 
 default where the held-out check is (``copy_cosine`` "auto": an open run), at ``AUTO_COSINE``:
 a diverging run's honest deltas are copies of each other, and the held-out check tells such a
 run (its paths score worse than where they started), where a copy is let through
-(admission.let_through; docs/security.md).
+(heldout.let_through; docs/security.md).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ coordinator as their first argument and are bound here as its methods:
 - ``tasks.py``: hello, claim, fetch, heartbeat, release, run files;
 - ``leased.py``: the task behind a request (its ticket or lease), a lease's end;
 - ``admission.py``: a delta's admission (SubmitDelta);
+- ``heldout.py``: a delta judged by its path's held-out loss, and the verdicts of scoring.py;
+- ``scoring.py``: a whole path's delta scored for its several owners (ScoreDelta);
 - ``rounds.py``: open paths, quorum and outer steps, the ticker, finished tasks and rounds;
 - ``ownership.py``: owners' reports and the hand-over of modules;
 - ``phases.py``: routing phases;

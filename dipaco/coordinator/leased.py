@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from dipaco.coordinator import heldout
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.leases import Lease
 from dipaco.coordinator.records import Task
@@ -60,6 +61,7 @@ def lease_task(core: CoordinatorBase, lease: Lease, key: str | None = None) -> T
         key,
         full_steps=core.inner_steps,
         tokens_per_step=train.get("batch_size", 0) * train.get("seq_len", 0),
+        scored=heldout.scores_first(core, lease.path),
     )
 
 

@@ -28,6 +28,9 @@ class Task:
     weight: float | None = None
     key: str | None = None
     tokens: int | None = None
+    # The path's delta is scored whole by the scheduler before its owners take it (ScoreDelta,
+    # scoring.py): its owners admit it only with the scheduler's verdict.
+    scored: bool = False
 
     @classmethod
     def of_lease(
@@ -38,6 +41,7 @@ class Task:
         *,
         full_steps: int = 0,
         tokens_per_step: int = 0,
+        scored: bool = False,
     ) -> Task:
         """The task a lease is; with ``full_steps`` (H), a lease of fewer steps scales the
         weight down in proportion, and with ``tokens_per_step`` the task knows its tokens."""
@@ -46,7 +50,7 @@ class Task:
         tokens = lease.steps * tokens_per_step if tokens_per_step > 0 else None
         return cls(
             lease.task_id, lease.peer_id, lease.path, lease.round,
-            dict(lease.module_versions), weight, key, tokens,
+            dict(lease.module_versions), weight, key, tokens, scored,
         )  # fmt: skip
 
     def ticket_payload(self) -> dict[str, Any]:
@@ -60,6 +64,7 @@ class Task:
             "weight": self.weight,
             "key": self.key,
             "tokens": self.tokens,
+            **({"scored": True} if self.scored else {}),  # absent where not: older tickets
         }
 
     @classmethod
@@ -82,7 +87,7 @@ class Task:
             return None
         return cls(
             fields[0], fields[1], payload["path"], payload["round"], versions, weight, fields[2],
-            tokens,
+            tokens, payload.get("scored") is True,
         )  # fmt: skip
 
 

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from dipaco.coordinator import admission, ownership, rounds, standby, status, tasks
+from dipaco.coordinator import admission, ownership, rounds, scoring, standby, status, tasks
 from dipaco.coordinator.base import CoordinatorBase, acting_for
 from dipaco.coordinator.durable import deferring
 from dipaco.coordinator.gate import RequestSlot
@@ -46,6 +46,7 @@ OPS: dict[type[m.Message], Op] = {
     m.FetchModules: Op(tasks.fetch, slotted=True),
     m.Heartbeat: Op(tasks.heartbeat),
     m.SubmitDelta: Op(admission.submit, locked=False, slotted=True),
+    m.ScoreDelta: Op(scoring.score, locked=False, slotted=True),
     m.ReleaseTask: Op(tasks.release),
     m.GetStatus: Op(status.status),
     m.TaskDone: Op(rounds.task_done),

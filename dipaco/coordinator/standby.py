@@ -29,7 +29,15 @@ from dipaco.protocols.reasons import Reason
 STATE = "coordinator.json"
 # The files a standby copies, and the only names it ever writes (a reply naming any other
 # file is refused whole).
-FILES = (STATE, "access.json", "peers.json", "key_rotations.json", "decided_phases.json")
+# key_scores.json: who the scheduler trusts (validation.KeyScores), which a takeover keeps.
+FILES = (
+    STATE,
+    "access.json",
+    "peers.json",
+    "key_rotations.json",
+    "decided_phases.json",
+    "key_scores.json",
+)
 
 
 def standby_sync(core: CoordinatorBase, req: m.StandbySync) -> m.StandbyState:

@@ -131,6 +131,7 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
         codec=core.codec,
         shard=phase.shard(lease.path),
         shard_files=phase.shard_files(lease.path),
+        score_first=task.scored,
     )
 
 

@@ -25,14 +25,18 @@ from typing import Any
 
 from dipaco.protocols.auth import Identity, canonical, check_payload, sign_payload, verify
 
+# What a signature is for, signed with the payload: a ticket is never read as a verdict.
+TICKET, VERDICT = b"ticket\n", b"verdict\n"
 
-def sign_ticket(identity: Identity, payload: dict[str, Any]) -> str:
+
+def sign_ticket(identity: Identity, payload: dict[str, Any], domain: bytes = TICKET) -> str:
     body = canonical(payload)
-    return base64.urlsafe_b64encode(body).decode() + "." + identity.sign(b"ticket\n" + body)
+    return base64.urlsafe_b64encode(body).decode() + "." + identity.sign(domain + body)
 
 
-def read_ticket(public_key: str, ticket: str) -> dict[str, Any] | None:
-    """The ticket's payload, or None when it is malformed or was not signed by ``public_key``."""
+def read_ticket(public_key: str, ticket: str, domain: bytes = TICKET) -> dict[str, Any] | None:
+    """The ticket's payload, or None when it is malformed or was not signed by ``public_key``
+    (for ``domain``: a ticket, or a scorer's verdict)."""
     if not isinstance(ticket, str):
         return None
     encoded, _, sig = ticket.partition(".")
@@ -40,7 +44,7 @@ def read_ticket(public_key: str, ticket: str) -> dict[str, Any] | None:
         body = base64.urlsafe_b64decode(encoded.encode())
     except (binascii.Error, ValueError):
         return None
-    if not verify(public_key, sig, b"ticket\n" + body):
+    if not verify(public_key, sig, domain + body):
         return None
     try:
         payload = json.loads(body)
@@ -58,11 +62,13 @@ def epoch_of(task_id: Any) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def read_ticket_from(keys: Iterable[tuple[str, int | None]], ticket: str) -> dict[str, Any] | None:
+def read_ticket_from(
+    keys: Iterable[tuple[str, int | None]], ticket: str, domain: bytes = TICKET
+) -> dict[str, Any] | None:
     """The payload of a ticket signed by one of ``keys``: (key, None) for the current scheduler
     key, (key, epoch) for a retired one, good only for tasks of that epoch or earlier."""
     for key, last_epoch in keys:
-        payload = read_ticket(key, ticket)
+        payload = read_ticket(key, ticket, domain)
         if payload is None:
             continue
         epoch = epoch_of(payload.get("task"))
@@ -115,6 +121,7 @@ class SchedulerKeys:
         the statements that retire the old key are read next, with ``accept``)."""
         self.current = key
 
-    def read(self, ticket: str) -> dict[str, Any] | None:
-        """The payload of ``ticket`` if one of these keys signed it for its epoch."""
-        return read_ticket_from(self.trusted(), ticket)
+    def read(self, ticket: str, domain: bytes = TICKET) -> dict[str, Any] | None:
+        """The payload of ``ticket`` (or of a verdict, ``domain``) if one of these keys signed
+        it for its task's epoch."""
+        return read_ticket_from(self.trusted(), ticket, domain)

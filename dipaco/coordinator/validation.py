@@ -313,7 +313,7 @@ class Verdict:
     score: float  # the key's score with this check counted
     checks: int  # the key's checks, this one included
     trust: float  # the factor its delta's weight is multiplied by (0 < trust <= 1)
-    refuse: str | None  # "worse-heldout", "low-score", "useless", or None
+    refuse: str | None  # "worse-heldout", "low-score", "useless", "off-shard", or None
     # The gain over the typical gain of other keys' recent deltas (None: too few to compare)
     # and the weight factor it gave (part of ``trust``).
     relative: float | None = None
@@ -336,6 +336,15 @@ MIN_USEFUL = 0.02
 # be trained.
 USELESS = 0.1
 USELESS_AFTER = 2
+# A delta that gains less on its path's own held-out documents than on other paths' (its
+# *specific* gain, own minus foreign, below 0) was likely trained on other data; a key with at
+# least OFF_SHARD_AFTER such deltas, half or more of those compared, has each further one weighed
+# MIN_USEFUL and refused once per path and round ("off-shard", counted as low-score). Measured in
+# docs/security.md ("Lazy keys"): one honest delta in eight has a specific gain below 0.
+OFF_SHARD_AFTER = 2
+# ...and only in a run whose paths' deltas show it: where at least SPECIALISED of other keys'
+# recent deltas gain more on their own path's documents than on others' (KeyScores.specialised).
+SPECIALISED = 0.75
 
 
 class KeyScores:
@@ -375,6 +384,13 @@ class KeyScores:
     key's rare delta that happens to help little on the few documents scored only counts less.
     In a diverging run (``diverging``) nothing is refused as useless: nothing helps there.
 
+    Deltas trained on other data than the path's shard (a key that never downloads its own):
+    where the coordinator also measures each delta's gain on other paths' held-out documents
+    (``foreign``), a delta that gains less on its own path's documents than on theirs counts
+    against its key; once a key has ``OFF_SHARD_AFTER`` of them, half or more of those
+    compared, each further one is weighed ``MIN_USEFUL`` and refused once per key, path and
+    round (``off-shard``, counted as ``low-score``), as a useless one is.
+
     A refused delta's gain still counts in its key's score. Persisted (``key_scores.json``) so
     that a restarted coordinator remembers who it trusts.
     """
@@ -388,7 +404,10 @@ class KeyScores:
         self.relative: dict[str, tuple[float, int, int]] = {}
         # (key, path, round) whose delta was refused as useless: the next is let through
         self._refused_useless: set[tuple[str, int | None, int]] = set()
-        self.recent: dict[int, list[tuple[str, float]]] = {}  # round -> [(key, gain)]
+        # key -> (deltas whose foreign gain was measured, those with a specific gain below 0)
+        self.offshard: dict[str, tuple[int, int]] = {}
+        # round -> [(key, gain, specific gain: own less foreign, NaN where not measured)]
+        self.recent: dict[int, list[tuple[str, float, float]]] = {}
         # Per path, its held-out loss when first scored and now: a run whose paths score worse
         # than where they started, half of them or more, is diverging (``diverging``).
         self.paths: dict[int, tuple[float, float]] = {}
@@ -403,18 +422,27 @@ class KeyScores:
                 str(k): (float(v[0]), int(v[1]), int(v[2]))
                 for k, v in saved.get("relative", {}).items()
             }
-            recent = [(int(r), str(k), float(g)) for r, k, g in saved.get("recent", [])]
+            recent = [
+                (int(e[0]), str(e[1]), float(e[2]), float(e[3]) if len(e) > 3 else math.nan)
+                for e in saved.get("recent", [])
+            ]
             paths = {int(p): (float(a), float(b)) for p, (a, b) in saved.get("paths", {}).items()}
+            offshard = {
+                str(k): (int(v[0]), int(v[1])) for k, v in saved.get("offshard", {}).items()
+            }
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             raise CorruptFileError(f"{self.path}: key scores are damaged ({exc})") from None
         values = [s for s, _ in scores.values()] + [v[0] for v in relative.values()]
-        values += [g for _, _, g in recent] + [x for pair in paths.values() for x in pair]
+        values += [g for _, _, g, _ in recent] + [x for pair in paths.values() for x in pair]
+        values += [x for *_, x in recent if not math.isnan(x)]
         counts = [n for _, n in scores.values()] + [n for v in relative.values() for n in v[1:]]
+        counts += [n for v in offshard.values() for n in v]
         if not all(map(math.isfinite, values)) or any(n < 0 for n in counts):
             raise CorruptFileError(f"{self.path}: key scores are damaged (not finite)")
         self.scores, self.relative, self.paths = scores, relative, paths
-        for r, k, g in recent:
-            self.recent.setdefault(r, []).append((k, g))
+        self.offshard = offshard
+        for r, k, g, x in recent:
+            self.recent.setdefault(r, []).append((k, g, x))
 
     def save(self) -> None:
         write_json_atomic(
@@ -422,8 +450,13 @@ class KeyScores:
             {
                 "scores": {k: [s, n] for k, (s, n) in sorted(self.scores.items())},
                 "relative": {k: list(v) for k, v in sorted(self.relative.items())},
-                "recent": [[r, k, g] for r, gains in sorted(self.recent.items()) for k, g in gains],
+                "recent": [
+                    [r, k, g] + ([] if math.isnan(x) else [x])
+                    for r, gains in sorted(self.recent.items())
+                    for k, g, x in gains
+                ],
                 "paths": {str(p): list(v) for p, v in sorted(self.paths.items())},
+                "offshard": {k: list(v) for k, v in sorted(self.offshard.items())},
             },
         )
 
@@ -455,19 +488,42 @@ class KeyScores:
         quantile of other keys' gains in the rounds before; None with too few of them, or when
         they gain nothing."""
         earlier = range(round_ - USEFUL_ROUNDS, round_)
-        others = sorted(g for r in earlier for k, g in self.recent.get(r, ()) if k != key)
+        others = sorted(g for r in earlier for k, g, _ in self.recent.get(r, ()) if k != key)
         if len(others) < USEFUL_MIN_SEEN:
             return None
         typical = others[min(len(others) - 1, int(TYPICAL_QUANTILE * len(others)))]
         return typical if typical > 0 else None
 
+    def specialised(self, key: str, round_: int) -> bool:
+        """Whether other keys' deltas of the rounds before ``round_`` help their own paths'
+        documents more than other paths' (``SPECIALISED`` of them, at least
+        ``USEFUL_MIN_SEEN``): only then does a delta that does not tell anything. In a run
+        whose shards do not differ (DiLoCo's random ones) about half of them do, by chance."""
+        earlier = range(round_ - USEFUL_ROUNDS, round_)
+        others = [
+            x
+            for r in earlier
+            for k, _, x in self.recent.get(r, ())
+            if k != key and not math.isnan(x)
+        ]
+        if len(others) < USEFUL_MIN_SEEN:
+            return False
+        return sum(x > 0 for x in others) >= SPECIALISED * len(others)
+
     def judge(
-        self, key: str, before: float, after: float, round_: int = 0, path: int | None = None
+        self,
+        key: str,
+        before: float,
+        after: float,
+        round_: int = 0,
+        path: int | None = None,
+        foreign: float = math.nan,
     ) -> Verdict:
         """Count one check of ``key``'s delta for ``path``, trained in round ``round_`` (its
         base version), and say what to do with it (call ``save`` after). The path's loss now
         (``before``) is noted first: in a diverging run nothing is refused as useless (nothing
-        helps there, and a refused task would come back for ever)."""
+        helps there, and a refused task would come back for ever). ``foreign``: the delta's
+        gain on other paths' held-out documents, where measured (``OFF_SHARD_AFTER``)."""
         if path is not None:
             self.scored(path, before)
         gain = before - after if math.isfinite(before) and math.isfinite(after) else -math.inf
@@ -485,8 +541,18 @@ class KeyScores:
             self.relative[key] = (mean, judged, wasted)
             useful = min(1.0, max(MIN_USEFUL, relative / USEFUL_FULL))
             useless = relative < USELESS and wasted >= USELESS_AFTER and 2 * wasted >= judged
+        off_shard = False
+        specific = gain - foreign if math.isfinite(foreign) and math.isfinite(gain) else math.nan
+        if self.specialised(key, round_) and not math.isnan(specific):
+            compared, off = self.offshard.get(key, (0, 0))
+            below = specific < 0  # it helps other paths' documents more than its own
+            compared, off = compared + 1, off + below
+            self.offshard[key] = (compared, off)
+            off_shard = below and off >= OFF_SHARD_AFTER and 2 * off >= compared
+            if off_shard:
+                useful = MIN_USEFUL
         if math.isfinite(gain):
-            self.recent.setdefault(round_, []).append((key, gain))
+            self.recent.setdefault(round_, []).append((key, gain, specific))
             for old_round in [r for r in self.recent if r < round_ - USEFUL_ROUNDS]:
                 del self.recent[old_round]
             self._refused_useless = {e for e in self._refused_useless if e[2] >= round_ - 1}
@@ -495,8 +561,12 @@ class KeyScores:
             refuse = "worse-heldout"
         elif gain <= 0 and score < -self.tolerance / 2:
             refuse = "low-score"
-        elif useless and not self.diverging() and (key, path, round_) not in self._refused_useless:
-            refuse = "useless"
+        elif (
+            (useless or off_shard)
+            and not self.diverging()
+            and (key, path, round_) not in self._refused_useless
+        ):
+            refuse = "useless" if useless else "off-shard"
             self._refused_useless.add((key, path, round_))
         return Verdict(gain, score, n + 1, self.trust(key) * useful, refuse, relative, useful)
 

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 Connect = Callable[[str, list[str]], Transport]
 # An owner is busy handing modules over, or its disk is full for now: try again shortly.
-RETRIABLE = {Reason.HANDOVER, Reason.DISK_FULL}
+RETRIABLE = {Reason.HANDOVER, Reason.DISK_FULL, Reason.NOT_READY}
 # A leased task, its progress ("step", sent with each heartbeat) and the event set once the
 # scheduler no longer knows the lease as this peer's.
 Lease = tuple[m.TaskOffer, dict, threading.Event]

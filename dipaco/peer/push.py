@@ -134,6 +134,7 @@ class Pusher:
         codec = task.codec or "lossless"
         remaining = list(modules)
         scheduler_done, acked, over = False, 0, None
+        verdict = self._score(task, wire, tokens) if task.score_first else ""
         while remaining:
             owner, mids = next(iter(links.by_owner(remaining).items()))
             try:
@@ -150,6 +151,7 @@ class Pusher:
                         tensors={k: v for k, v in wire.items() if k.partition("/")[0] in mids},
                         ticket=task.ticket,
                         codec=codec,
+                        verdict=verdict,
                     ),
                     f"keeps the delta of {task.task_id}",
                 )
@@ -190,6 +192,28 @@ class Pusher:
             raise over  # every module of the path had made all its rounds
         if not scheduler_done:
             self._task_done(task, tokens, losses, modules)
+
+    def _score(self, task: m.TaskOffer, wire: dict, tokens: int) -> str:
+        """The scheduler's signed verdict on the whole path's delta, which each owner of a path
+        shared between coordinators admits its modules' deltas with (``TaskOffer.score_first``).
+        A refusal (the delta makes its path worse, or its key's help nobody) is the push's."""
+        log.info("peer %s: the scheduler scores %s's delta first", self.peer_id, task.task_id)
+        reply = self.links.ask(
+            self.links.scheduler_id,
+            functools.partial(
+                m.ScoreDelta,
+                peer_id=self.peer_id,
+                task_id=task.task_id,
+                path=task.path,
+                base_versions=task.module_versions,
+                tokens=tokens,
+                tensors=wire,
+                ticket=task.ticket,
+                codec=task.codec or "lossless",
+            ),
+            f"waits for the verdict on {task.task_id}",
+        )
+        return reply.verdict
 
     def _task_done(
         self, task: m.TaskOffer, tokens: int, losses: list[float], modules: list[str]

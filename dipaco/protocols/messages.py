@@ -109,6 +109,26 @@ class SubmitDelta:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     ticket: str = ""
     codec: str = "lossless"  # how ``tensors`` are encoded (dipaco.protocols.codecs)
+    # The scorer's signed verdict on the whole path's delta (``ScoreDelta``), where the task
+    # said to get one (``TaskOffer.score_first``): the owners of a path shared between
+    # coordinators apply their modules' deltas only with it (coordinator/scoring.py).
+    verdict: str = field(default="", metadata={"omit_empty": True})
+
+
+@message
+class ScoreDelta:
+    """The whole path's encoded delta to the scheduler, before any owner gets its modules, when
+    the path's modules belong to more than one coordinator and the run scores every delta
+    (``TaskOffer.score_first``): answered with ``Scored``, the verdict each owner checks."""
+
+    peer_id: str
+    task_id: str
+    path: int
+    base_versions: dict[str, int]
+    tokens: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    ticket: str = ""
+    codec: str = "lossless"
 
 
 @message
@@ -249,6 +269,10 @@ class TaskOffer:
     # phase's "shards/phase1/P3/train") and its files' sizes and SHA-256 for download.
     shard: str = ""
     shard_files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The path's modules belong to more than one coordinator and the run scores every delta:
+    # send the whole delta to the scheduler first (``ScoreDelta``) and its verdict with each
+    # owner's ``SubmitDelta``.
+    score_first: bool = field(default=False, metadata={"omit_empty": True})
 
 
 @message
@@ -282,6 +306,13 @@ class DeltaAck:
     # without its path, or hold the path's delta for that round from an earlier task of it):
     # their deltas were dropped, not applied
     dropped: list[str] = field(default_factory=list)
+
+
+@message
+class Scored:
+    """The scorer's verdict on a path's delta, signed: what the delta's owners apply it with."""
+
+    verdict: str
 
 
 @message

@@ -43,17 +43,17 @@ def path_loader(
     return load
 
 
-def heldout_scorer(
-    prep: PreparedRun, device: str = "cpu"
-) -> Callable[[int, dict[str, dict[str, torch.Tensor]]], float]:
-    """The coordinator's held-out check (``validation.heldout_check``): path p's mean loss, with
-    the given module tensors, on the first ``validation.heldout_docs`` documents of its held-out
-    slice; NaN when the slice is empty (then there is nothing to judge by)."""
+Scorer = Callable[[int, dict[str, dict[str, torch.Tensor]]], float]
+
+
+def _scorer(prep: PreparedRun, docs_for: Callable[[int], list], device: str) -> Scorer:
+    """Path p's mean loss, with the given module tensors, on ``docs_for(p)``; NaN when there
+    are none (then there is nothing to judge by)."""
     c = prep.config
     cfg, topology = c.build_model_config(), c.build_topology()
 
     def score(p: int, modules: dict[str, dict[str, torch.Tensor]]) -> float:
-        docs = prep.heldout_docs(p)[: c.validation.heldout_docs]
+        docs = docs_for(p)
         if not docs:
             return float("nan")
         model = topology.build_path(cfg, p, modules).to(device)
@@ -63,6 +63,33 @@ def heldout_scorer(
         return loss
 
     return score
+
+
+def heldout_scorer(prep: PreparedRun, device: str = "cpu") -> Scorer:
+    """The coordinator's held-out check (``validation.heldout_check``): path p's mean loss, with
+    the given module tensors, on the first ``validation.heldout_docs`` documents of its held-out
+    slice."""
+    count = prep.config.validation.heldout_docs
+    return _scorer(prep, lambda p: prep.heldout_docs(p)[:count], device)
+
+
+def foreign_scorer(prep: PreparedRun, device: str = "cpu") -> Scorer:
+    """Path p's mean loss, with the given module tensors, on other paths' held-out documents:
+    the first document of each of ``validation.heldout_docs`` other paths, spread evenly over
+    them (``validation.offshard_check``). Against its own documents' loss it tells a delta
+    trained on the path's own shard (which should help its own documents more) from one
+    trained on other data (docs/security.md, "Trained on another path's shard")."""
+    n, k = prep.config.build_topology().num_paths, prep.config.validation.heldout_docs
+    pools: dict[int, list] = {}
+
+    def pool(p: int) -> list:
+        if p not in pools:
+            others = [q for q in range(n) if q != p]
+            picks = others[:: max(1, len(others) // k)][:k]
+            pools[p] = [docs[0] for q in picks if (docs := prep.heldout_docs(q))]
+        return pools[p]
+
+    return _scorer(prep, pool, device)
 
 
 def evaluate_modules(

@@ -25,6 +25,7 @@ from dipaco.fileio import write_json_atomic
 from dipaco.prepare.folder import PreparedRun
 from dipaco.protocols.auth import Identity
 from dipaco.run.evaluate import (
+    foreign_scorer,
     heldout_scorer,
 )
 from dipaco.run.manifest import peer_config, phase_files, run_files, shard_tokens
@@ -163,6 +164,11 @@ def build_coordinator(
         identity=identity,
         files=run_files(prep),
         heldout_loss=heldout_scorer(prep, device) if heldout_check(c) else None,
+        foreign_loss=(
+            foreign_scorer(prep, device)
+            if heldout_check(c) and c.validation.offshard_check
+            else None
+        ),
         eval_note=lambda: work.eval_note,
     )
     work.attach(coordinator)

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from dipaco.coordinator.access import change_access
-from dipaco.coordinator.gather import gather, whole_run
+from dipaco.coordinator.gather import fetch_current, gather, whole_run
 from dipaco.coordinator.owner import Reporter, take_over
-from dipaco.errors import DataError
+from dipaco.errors import DataError, RejectedError
 from dipaco.peer.peer import Peer
 from dipaco.prepare.pipeline import prepare
+from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LocalTransport
 from dipaco.run.export import open_run
@@ -138,3 +139,156 @@ def test_two_owners_match_one_coordinator_bit_for_bit(run_copy, tiny_config):
         DataError, match=r"owner-b.*L1\.M1 v2 is not the release the scheduler recorded"
     ):
         gather(root, connect=connect)
+
+
+class Poisoner(Peer):
+    """Trains honestly, pushes -2.5 times its delta (tests/faults/hostile.py's poisoner)."""
+
+    def push(self, task, delta, tokens, losses, before_send=None):  # noqa: ANN001
+        delta = {mid: {k: -2.5 * v for k, v in t.items()} for mid, t in delta.items()}
+        return super().push(task, delta, tokens, losses, before_send)
+
+
+def two_owners(root, config):
+    """A scheduler owning every module but SECOND, an owner of SECOND reporting to it, and the
+    scheduler's way to fetch the owner's current releases (FetchReleases, signature-checked)."""
+    prep = prepare(root, config)
+    primary = build_coordinator(prep, MetricsLog(root / "metrics.jsonl"), evaluate=False)
+    second = build_owner(
+        root.parent / "owner",
+        primary.peer_config,
+        MetricsLog(root.parent / "owner" / "metrics.jsonl"),
+        owner_id="owner-b",
+    )
+    change_access(primary.root, second.identity.public_key, allow=True, owner=True)
+    assert take_over(second, LocalTransport(primary.handle), SECOND) == SECOND
+
+    def connect(owner, addresses, key):
+        return LocalTransport(second.handle).authenticate(primary.identity, key)
+
+    def fetch(mids):
+        return fetch_current(
+            connect,
+            primary.run_id,
+            {mid: ("owner-b", [], second.identity.public_key) for mid in mids},
+        )
+
+    primary.set_remote_fetcher(fetch)
+    return prep, primary, second
+
+
+def test_two_owners_score_every_path_whole_and_refuse_a_poisoner_at_both(run_copy, tiny_config):
+    """With an open run's defaults, every path's modules split between two owners: the
+    scheduler scores each path's delta whole (ScoreDelta) and signs a verdict, each owner
+    admits its modules' deltas only with it. A poisoner's deltas are refused before either
+    owner takes them; a delta without the verdict, or not the one scored, is refused."""
+    config = tiny_config.replace(scheduler={"quorum": 1.0})
+    assert config.security.join == "open" and config.validation.heldout_check == "auto"
+    root = run_copy("scored")
+    prep, primary, second = two_owners(root, config)
+    reporter = Reporter(second, LocalTransport(primary.handle), interval=0.2)
+    reporter.start()
+    stop = threading.Event()
+    owner_link = lambda owner, addrs: LocalTransport(second.handle)  # noqa: E731
+    honest = [
+        Peer(
+            LocalTransport(primary.handle),
+            f"peer-{i}",
+            root / "peers",
+            stop=stop,
+            connect=owner_link,
+        )
+        for i in range(2)
+    ]
+    bad = Poisoner(
+        LocalTransport(primary.handle),
+        "poisoner",
+        root / "bad",
+        stop=stop,
+        connect=owner_link,
+        give_up_seconds=20.0,
+    )
+    threads = [threading.Thread(target=p.run, daemon=True) for p in [*honest, bad]]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads[:2]:
+            t.join(300)
+        assert all(p.run_finished for p in honest), [p.error for p in honest]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        reporter.close()
+    assert primary.finished and second.finished
+
+    events = MetricsLog(root / "metrics.jsonl").read()
+    owner_events = MetricsLog(root.parent / "owner" / "metrics.jsonl").read()
+    scored = [e for e in events if e["event"] == "delta_scored"]
+    assert scored and all(e["peer"] != "poisoner" for e in scored)
+    # Every delta either owner took was scored whole first; none of the poisoner's.
+    for log in (events, owner_events):
+        acked = {e["task"] for e in log if e["event"] == "delta_acked"}
+        assert acked and acked <= {e["task"] for e in scored}
+        assert not [e for e in log if e["event"] == "delta_acked" and e["peer"] == "poisoner"]
+    refused = primary.status().state["rejections_by_peer"]
+    assert refused.get("poisoner", {}).get("worse-heldout", 0) >= 1, refused
+
+
+def test_an_owner_refuses_a_delta_without_the_verdict_or_not_the_one_scored(run_copy, tiny_config):
+    root = run_copy("unscored")
+    _, primary, second = two_owners(root, tiny_config)
+    me = auth.Identity.generate()
+    to_scheduler = LocalTransport(primary.handle).authenticate(me)
+    to_owner = LocalTransport(second.handle).authenticate(me, second.identity.public_key)
+    to_scheduler.request(m.Hello(peer_id="mallory", device="cpu"))
+    offer = to_scheduler.request(m.ClaimTask(peer_id="mallory"))
+    assert isinstance(offer, m.TaskOffer) and offer.score_first
+    zeros = {
+        f"{mid}/{name}": torch.zeros_like(t)
+        for mid in offer.module_versions
+        for name, t in (second if mid in SECOND else primary).store.params(mid).items()
+    }
+
+    def submit(tensors, verdict=""):
+        return m.SubmitDelta(
+            peer_id="mallory",
+            task_id=offer.task_id,
+            path=offer.path,
+            base_versions=offer.module_versions,
+            tokens=1000,
+            losses=[1.0],
+            tensors={k: v for k, v in tensors.items() if k.split("/")[0] in SECOND},
+            ticket=offer.ticket,
+            verdict=verdict,
+        )
+
+    with pytest.raises(RejectedError, match="no verdict signed by the scheduler") as no_verdict:
+        to_owner.request(submit(zeros))
+    assert no_verdict.value.reason == "unscored"
+    scored = to_scheduler.request(
+        m.ScoreDelta(
+            peer_id="mallory",
+            task_id=offer.task_id,
+            path=offer.path,
+            base_versions=offer.module_versions,
+            tokens=1000,
+            tensors=zeros,
+            ticket=offer.ticket,
+        )
+    )
+    assert isinstance(scored, m.Scored)
+    # Another delta under the verdict: refused; the delta scored: admitted with it.
+    other = {k: v + 0.01 for k, v in zeros.items()}
+    with pytest.raises(RejectedError, match="is not the one the scheduler scored") as swapped:
+        to_owner.request(submit(other, scored.verdict))
+    assert swapped.value.reason == "unscored"
+    # A ticket is not a verdict (signed for another purpose), nor a verdict a ticket.
+    with pytest.raises(RejectedError, match="no verdict signed") as ticket_as_verdict:
+        to_owner.request(submit(zeros, offer.ticket))
+    assert ticket_as_verdict.value.reason == "unscored"
+    ack = to_owner.request(submit(zeros, scored.verdict))
+    theirs = [mid for mid in offer.module_versions if mid in SECOND]
+    assert isinstance(ack, m.DeltaAck) and ack.accepted == theirs
+    counted = second.status().state["rejections_by_peer"]["mallory"]
+    assert counted == {"unscored": 3}, counted

@@ -50,6 +50,9 @@ def test_a_standby_copies_the_leases_and_resumes_them_in_a_new_epoch(tmp_path):
     folder = tmp_path / "standby"
     folder.mkdir()
     shutil.copy(tmp_path / "active" / "signing.key", folder / "signing.key")
+    # A key the scheduler learnt to distrust (its delta made path 2 worse).
+    active.key_scores.judge("ed25519:mallory", 5.0, 5.5, 0, 2)
+    active.key_scores.save()
     reply = sync(active, Identity.load_or_create(folder / "signing.key"))
     assert standby.keep(folder, reply) == active.epoch
     assert {p.name for p in folder.iterdir()} >= {"coordinator.json", "signing.key"}
@@ -57,6 +60,9 @@ def test_a_standby_copies_the_leases_and_resumes_them_in_a_new_epoch(tmp_path):
 
     taken = make(folder, "standby")  # the takeover: a restart from the copied state
     assert taken.epoch == active.epoch + 1
+    # ...is still distrusted after the takeover (key_scores.json copied).
+    assert taken.key_scores.score("ed25519:mallory") == active.key_scores.score("ed25519:mallory")
+    assert taken.key_scores.score("ed25519:mallory") < 0
     assert taken.identity.public_key == active.identity.public_key
     assert taken.owned_modules() == []  # the modules stay with their owner
     beat = LocalTransport(taken.handle).authenticate(alice.identity)

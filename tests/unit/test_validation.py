@@ -266,6 +266,51 @@ def test_a_run_is_diverging_when_half_its_paths_score_worse_than_at_their_start(
     assert not scores.diverging()
 
 
+def test_a_key_whose_deltas_help_other_paths_more_than_their_own_is_weighed_then_refused(
+    tmp_path,
+):
+    """A delta trained on another path's shard helps its own path's held-out documents less
+    than other paths' (bench/poison.py other-shard-25: the median specific gain of such deltas
+    was below 0, an honest one's above). Once a key has sent two, half or more of its compared
+    deltas, each further one is weighed 0.02 and refused once per path and round; an honest
+    key with one such delta among several keeps its full weight."""
+    from dipaco.coordinator.validation import MIN_USEFUL, KeyScores
+
+    scores = KeyScores(tmp_path / "k.json", 0.1)
+    for k in range(4):  # round 0: the yardstick (other keys' gains of 0.2)
+        scores.judge(f"honest{k}", 5.0, 4.8, 0, path=k, foreign=0.1)
+    honest = scores.judge("honest0", 5.0, 4.85, 1, path=0, foreign=0.2)  # one below: 0.15 < 0.2
+    assert honest.refuse is None and honest.trust == 1.0
+    assert scores.judge("honest0", 5.0, 4.8, 2, path=0, foreign=0.1).trust == 1.0
+    first = scores.judge("lazy", 5.0, 4.85, 1, path=5, foreign=0.2)
+    assert first.refuse is None and first.trust == 1.0  # one is no pattern
+    second = scores.judge("lazy", 5.0, 4.85, 2, path=5, foreign=0.2)
+    assert second.refuse == "off-shard" and second.trust == MIN_USEFUL
+    again = scores.judge("lazy", 5.0, 4.85, 2, path=5, foreign=0.2)  # its retry: let through
+    assert again.refuse is None and again.trust == MIN_USEFUL
+    trained = scores.judge("lazy", 5.0, 4.8, 2, path=5, foreign=0.1)  # trained on its shard
+    assert trained.refuse is None and trained.trust == 1.0
+    # Without a foreign measurement (a coordinator without other paths' documents): no change.
+    assert scores.judge("lazy", 5.0, 4.85, 2, path=6).refuse is None
+    scores.save()
+    assert (
+        KeyScores(tmp_path / "k.json", 0.1).offshard
+        == scores.offshard
+        == {
+            "honest0": (2, 1),
+            "lazy": (4, 3),
+        }
+    )
+    # A run whose shards do not differ (DiLoCo's random ones): half of the honest deltas help
+    # other paths' documents more, by chance; nothing is judged off-shard there.
+    diloco = KeyScores(tmp_path / "d.json", 0.1)
+    for k in range(4):
+        diloco.judge(f"honest{k}", 5.0, 4.8, 0, path=k, foreign=0.1 if k % 2 else 0.3)
+    for rnd in (1, 2, 3):
+        verdict = diloco.judge("lazy", 5.0, 4.85, rnd, path=5, foreign=0.2)
+        assert verdict.refuse is None and verdict.trust == 1.0
+
+
 def test_key_scores_survive_a_restart_and_refuse_a_damaged_file(tmp_path):
     """What a coordinator knows of each key (its score, its relative gains, the gains of the
     rounds before that are the yardstick, each path's first and latest held-out loss) is the
