@@ -27,7 +27,7 @@ from pydantic import (
     field_validator,
 )
 
-from dipaco.coordinator import rotation, rounds
+from dipaco.coordinator import rotation, rounds, verdicts
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.records import ReportedModule
 from dipaco.coordinator.statetext import dumps, json_object
@@ -82,6 +82,8 @@ def start(
     owned_bytes = sum(
         t.numel() * t.element_size() for mid in mine for t in core.store.params(mid).values()
     )
+    if core.is_scheduler:  # a ScoreDelta carries a whole path's delta (scoring.py)
+        owned_bytes = max(owned_bytes, verdicts.path_bytes(core.peer_config.get("model")))
     core.gate.size_for(owned_bytes)
     for mid in mine:
         # A crash may have left a module with every delta on disk but its step not committed.

@@ -29,6 +29,21 @@ Tensors = dict[str, torch.Tensor]
 KEEP_VERDICTS = 4096  # verdicts remembered for retries (a task's is asked for once or twice)
 
 
+def path_bytes(model: dict[str, Any] | None) -> int:
+    """A whole path's parameters in float32 (a ScoreDelta's largest lossless delta), from the
+    run's model config (the manifest's ``model``); 0 without one."""
+    from dipaco.model.transformer import ModelConfig, PathModel
+
+    if not model:
+        return 0
+    try:
+        with torch.device("meta"):  # shapes only: no memory
+            path = PathModel(ModelConfig(**model))
+    except (TypeError, ValueError):  # a model config of another version: the owned size rules
+        return 0
+    return 4 * sum(p.numel() for p in path.parameters())
+
+
 def digest(tensors: dict[str, torch.Tensor], mid: str) -> str:
     """A digest of module ``mid``'s encoded tensors (``mid/name`` keys) as they travel: names,
     dtypes, shapes and bytes. The scorer and each owner compute it over what each received."""
