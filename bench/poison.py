@@ -24,7 +24,9 @@ Lazy keys, on the sybil-25 paths (one key each), send something useless rather t
                     no download of its own shard), pushed as trained
 
 Defences (``validation`` settings): ``default`` (an open run's: every delta scored on held-out
-documents, the mean where every path is scored), ``mean`` (the paper's weighted mean), ``trimmed_mean``,
+documents, the mean where every path is scored), ``default-2owners`` (the same with the level-1
+modules held by a second owner, in-process: every path's modules split, each path scored whole
+by the scheduler, whose verdict each owner admits its share with), ``mean`` (the paper's weighted mean), ``trimmed_mean``,
 ``median`` (one vote per key in both), and ``mean+heldout`` / ``trimmed+heldout`` (the
 usefulness score: each delta's held-out loss change on its path, per-key scores, refusal).
 Prints each run's final validation perplexity and its ratio to the clean run with the plain
@@ -77,6 +79,7 @@ DEFENCES = {
     # ...and the off-shard rule (validation.offshard_check: each delta also scored on other
     # paths' documents)
     "default+offshard": {"heldout_check": "auto", "aggregation": "auto", "offshard_check": True},
+    "default-2owners": {"heldout_check": "auto", "aggregation": "auto"},
     "mean": {"aggregation": "mean", "heldout_check": False},
     "trimmed_mean": {"aggregation": "trimmed_mean", "heldout_check": False},
     "median": {"aggregation": "median", "heldout_check": False},
@@ -99,6 +102,8 @@ PLAN = [  # (case, defence): the default set of runs
     ("other-shard-25", "mean"),
     ("clean", "default+offshard"),
     ("other-shard-25", "default+offshard"),
+    ("clean", "default-2owners"),
+    ("sybil-25", "default-2owners"),
     ("clean", "trimmed_mean"),
     ("clean", "median"),
     ("clean", "trimmed+heldout"),
@@ -247,15 +252,20 @@ def run_case(
         p: ("hostile" if one_key else f"hostile-{p}") if p in hostile else f"honest-{p}"
         for p in range(config.build_topology().num_paths)
     }
-    coordinator.voter_of = lambda req: voters.get(req.path, req.peer_id)
-    # One local key sends every delta, honest and hostile: it must not be banned for them.
-    coordinator.set_security(coordinator.security.model_copy(update={"ban_after": 0}))
+    second = reporter = None
+    if defence.endswith("2owners"):
+        second, reporter = second_owner(prep, coordinator, metrics)
+    for co in (coordinator, second) if second else (coordinator,):
+        co.voter_of = lambda req: voters.get(req.path, req.peer_id)
+        # One local key sends every delta, honest and hostile: it must not be banned for them.
+        co.set_security(co.security.model_copy(update={"ban_after": 0}))
     stop = threading.Event()
     peer = HostilePeer(
         LocalTransport(coordinator.handle).authenticate(Identity.generate()),
         "local-0",
         prep.root / "peers",
         stop=stop,
+        connect=(lambda owner, addresses: LocalTransport(second.handle)) if second else None,
     )
     peer.hostile, peer.flip, peer.mode = frozenset(hostile), flip, mode
     peer.lazy_scale = lazy_scale
@@ -272,7 +282,10 @@ def run_case(
     finally:
         stop.set()
         thread.join(60)
-    result = evaluate_modules(prep, coordinator.store.params)
+        if reporter is not None:
+            reporter.close()
+    owner_of = {mid: second for mid in second.owned_modules()} if second else {}
+    result = evaluate_modules(prep, lambda mid: owner_of.get(mid, coordinator).store.params(mid))
     row = {
         "key": key,
         "case": case,
@@ -281,6 +294,7 @@ def run_case(
         "flip": flip,
         "ppl": result["ppl"],
         "rejections": dict(coordinator.rejections),
+        **({"owner_rejections": dict(second.rejections)} if second else {}),
         "heldout_docs": config.validation.heldout_docs,
         **gains_of(root, hostile, mode == "other-shard"),
         "seconds": round(time.monotonic() - t0, 1),
@@ -288,6 +302,36 @@ def run_case(
     print(f"[{key}] ppl {row['ppl']:.2f}, refused {row['rejections']}", flush=True)
     write_json_atomic(done, row)
     return row
+
+
+def second_owner(prep, coordinator, metrics: MetricsLog):  # noqa: ANN001, ANN201
+    """A second owner, in this process, of the level-1 modules (every path's modules then split
+    between two owners), reporting to ``coordinator``, which fetches its releases to score
+    whole paths (as ``dipaco-coordinator start --join --owns`` and the scheduler's fetcher)."""
+    from dipaco.coordinator.access import change_access
+    from dipaco.coordinator.gather import fetch_current
+    from dipaco.coordinator.owner import Reporter, take_over
+    from dipaco.run.factory import build_owner
+
+    mids = [mid for mid in coordinator.topology.module_ids() if mid.startswith("L1.")]
+    second = build_owner(
+        prep.root / "owner-b", coordinator.peer_config, metrics, owner_id="owner-b"
+    )
+    change_access(coordinator.root, second.identity.public_key, allow=True, owner=True)
+    take_over(second, LocalTransport(coordinator.handle), mids)
+    reporter = Reporter(second, LocalTransport(coordinator.handle), interval=0.2)
+    reporter.start()
+    key = second.identity.public_key
+
+    def connect(owner, addresses, key):  # noqa: ANN001, ANN202
+        return LocalTransport(second.handle).authenticate(coordinator.identity, key)
+
+    coordinator.set_remote_fetcher(
+        lambda wanted: fetch_current(
+            connect, coordinator.run_id, {mid: ("owner-b", [], key) for mid in wanted}
+        )
+    )
+    return second, reporter
 
 
 def gains_of(

@@ -264,7 +264,14 @@ def write(
         for mid, base, stale, _, rnd in plan.store:
             damped = weight * trust * core.policy.stale_damping**stale
             meta = delta_meta(
-                req.path, damped, req.task_id, req.peer_id, base, core.voter_of(req), rnd
+                req.path,
+                damped,
+                req.task_id,
+                req.peer_id,
+                base,
+                core.voter_of(req),
+                rnd,
+                scored=scored is not None,
             )
             staged[mid] = (core.store.stage_delta(mid, req.task_id, meta, deltas[mid]), meta)
         slot.give()

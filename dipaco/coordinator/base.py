@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import replace
@@ -34,6 +34,7 @@ from dipaco.coordinator.scheduler import DeadlinePolicy, Scheduler
 from dipaco.coordinator.serial import Serial
 from dipaco.coordinator.steps import ModuleSteps
 from dipaco.coordinator.store import ModuleStore
+from dipaco.coordinator.store_open import PendingDelta
 from dipaco.coordinator.tickets import SchedulerKeys
 from dipaco.coordinator.validation import KeyScores, NormTracker
 from dipaco.coordinator.verdicts import Verdicts
@@ -219,13 +220,9 @@ class CoordinatorBase:
         self.key_scores = KeyScores(self.root / "key_scores.json", v.heldout_tolerance)
         # Verdicts on whole paths for their several owners (the scheduler's; scoring.py).
         self.verdicts = Verdicts()
-        # "auto" aggregation with the held-out check: the modules whose every delta is scored
-        # take the paper's mean, the others the robust combiner (outer_settings_of).
-        self.checked_mean = (
-            v.aggregation == "auto"
-            and self.heldout_loss is not None
-            and outer.aggregation != "mean"
-        )
+        # "auto" aggregation where the run scores deltas: the modules whose every delta is
+        # scored take the paper's mean, the others the robust combiner (outer_settings_of).
+        self.checked_mean = v.aggregation == "auto" and bool(on) and outer.aggregation != "mean"
 
     @property
     def scheduler_key(self) -> str:
@@ -308,19 +305,21 @@ class CoordinatorBase:
         assert self.scheduler is not None  # refuse raises
         return self.scheduler
 
-    def outer_settings_of(self, mid: str) -> OuterSettings:
-        """The outer step of ``mid``: ``outer`` at the module's lr by its sharing count (if
-        ``lr_by_sharing`` names one), except that with ``checked_mean`` (the "auto" aggregation
-        of an open run with the held-out check on) a module whose every path this coordinator
-        scores takes the plain mean: each delta was judged on its own already, and the mean
-        costs honest runs nothing (docs/security.md has both measured)."""
+    def outer_settings_of(self, mid: str, included: Sequence[PendingDelta] = ()) -> OuterSettings:
+        """The outer step of ``mid`` (averaging ``included``): ``outer`` at the module's lr by its
+        sharing count (if ``lr_by_sharing`` names one), except that with ``checked_mean`` (the
+        "auto" aggregation of an open run with the held-out check on) a module whose every path
+        this coordinator scores, or whose every delta of this step came with the scheduler's
+        verdict on its whole path (scoring.py), takes the plain mean: each delta was judged on
+        its own already, and the mean costs honest runs nothing (docs/security.md has both
+        measured)."""
         paths = self.topology.paths_through(mid)
         settings = for_sharing(self.outer, len(paths))
-        if (
-            self.checked_mean
-            and self.heldout_loss is not None
-            and all(self.owns(x) for p in paths for x in self.topology.path_modules(p))
-        ):
+        scored_here = self.heldout_loss is not None and all(
+            self.owns(x) for p in paths for x in self.topology.path_modules(p)
+        )
+        scored_whole = bool(included) and all(d.scored for d in included)
+        if self.checked_mean and (scored_here or scored_whole):
             return replace(settings, aggregation="mean")
         return settings
 

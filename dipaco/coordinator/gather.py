@@ -127,9 +127,13 @@ def _from_folder(folder: Path, r: RemoteModule) -> Tensors | None:
 def _ask(
     connect: Connect, owner: str, addresses: list[str], key: str | None, mids: list[str], who: str
 ) -> m.Modules:
-    """``FetchReleases`` of ``mids`` from ``owner``; DataError when it cannot be had."""
+    """``FetchReleases`` of ``mids`` from ``owner``; DataError when it cannot be had. The peer
+    id names the signing key too (``who-<fingerprint>``): an owner binds a peer id to the first
+    key that used it, and a scheduler whose key was rotated asks under its new key."""
     try:
         link = connect(owner, addresses, key)
+        if link.identity is not None:
+            who = f"{who}-{auth.fingerprint(link.identity.public_key)}"
         try:
             reply = link.request(m.FetchReleases(peer_id=who, modules=mids))
         finally:

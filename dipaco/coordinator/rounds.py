@@ -149,7 +149,7 @@ def maybe_step(core: CoordinatorBase, mid: str) -> bool:
             return False
         plan = core.store.begin_step(mid)
         core.steps.begin(mid)
-        settings = core.outer_settings_of(mid)
+        settings = core.outer_settings_of(mid, plan.included)
     result = None
     try:
         # A large module's step is written on a background thread (store.py run_step), except

@@ -93,9 +93,11 @@ def delta_meta(
     base_version: int,
     voter: str,
     round: int | None = None,
+    scored: bool = False,
 ) -> dict:
     """A delta file's header fields. ``round``: the version whose step the delta is its path's
-    report for, when that is not its base (an ahead task's: overlap)."""
+    report for, when that is not its base (an ahead task's: overlap); ``scored``: it came with
+    the scheduler's verdict on its whole path (scoring.py)."""
     meta = {
         "path": path,
         "weight": weight,
@@ -106,6 +108,8 @@ def delta_meta(
     }
     if round is not None and round != base_version:
         meta["round"] = round
+    if scored:
+        meta["scored"] = True
     return meta
 
 
@@ -252,7 +256,7 @@ class ModuleStore:
             os.replace(staged, file)
         delta = PendingDelta(
             path, meta["weight"], meta["task_id"], meta["peer_id"], Path(file), base, rnd,
-            meta["voter"], tensors,
+            meta["voter"], tensors, meta.get("scored") is True,
         )  # fmt: skip
         if self.held + delta.held_bytes > self.held_budget:
             delta.tensors = None  # past the budget: the step reads the file

@@ -43,6 +43,7 @@ class PendingDelta:
     # The file's tensors, held in memory since admission (ModuleStore.commit_delta, within
     # its budget): the step reads them instead of the file. None: read the file (a restart).
     tensors: Tensors | None = field(default=None, compare=False, repr=False)
+    scored: bool = False  # it came with the scheduler's verdict on its whole path (scoring.py)
 
     @property
     def held_bytes(self) -> int:
@@ -121,6 +122,7 @@ class _DeltaMeta(BaseModel):
     voter: str = ""
     base_version: Annotated[int, Field(ge=0)] | None = None
     round: Annotated[int, Field(ge=0)] | None = None
+    scored: bool = False
 
 
 def _checked_head(head: object) -> dict:
@@ -299,4 +301,6 @@ class StoreOpener:
             raise CorruptFileError(f"{f}: delta metadata is damaged: {exc!s:.200}") from None
         _check_like(f, frame.tensors, params)
         m = meta
-        return m.path, PendingDelta(m.path, m.weight, m.task_id, m.peer_id, f, base, rnd, m.voter)
+        return m.path, PendingDelta(
+            m.path, m.weight, m.task_id, m.peer_id, f, base, rnd, m.voter, scored=m.scored
+        )

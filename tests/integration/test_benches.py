@@ -78,10 +78,11 @@ def test_the_scale_bench_with_a_slow_peer_and_overlap_trains_ahead_and_applies_o
 
 def test_the_poison_bench_short_form_shows_the_attack_and_the_default_defence(tmp_path):
     """Sign-flipped deltas from Sybil keys ruin the plain mean; an open run's defaults (every
-    delta scored on held-out documents) refuse them."""
+    delta scored on held-out documents) refuse them, with one owner and with two (each path
+    scored whole by the scheduler)."""
     done = subprocess.run(
         [sys.executable, REPO / "bench" / "poison.py", "--quick", "--out", tmp_path,
-         "--cases", "clean", "sybil-25", "--defences", "mean", "default"],
+         "--cases", "clean", "sybil-25", "--defences", "mean", "default", "default-2owners"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -89,7 +90,7 @@ def test_the_poison_bench_short_form_shows_the_attack_and_the_default_defence(tm
         (r["case"], r["defence"]): r
         for r in json.loads((tmp_path / "poison.json").read_text())["rows"]
     }
-    assert len(rows) == 4 and "| sybil-25 | mean |" in (tmp_path / "poison.md").read_text()
+    assert len(rows) == 6 and "| sybil-25 | mean |" in (tmp_path / "poison.md").read_text()
     clean, attacked = rows[("clean", "mean")], rows[("sybil-25", "mean")]
     defended = rows[("sybil-25", "default")]
     assert attacked["ppl"] > clean["ppl"]  # the sign flips do harm under the plain mean
@@ -97,6 +98,10 @@ def test_the_poison_bench_short_form_shows_the_attack_and_the_default_defence(tm
     assert defended["ppl"] < attacked["ppl"]
     assert min(defended["gains"]["honest"]) > max(defended["gains"]["hostile"])
     assert rows[("clean", "default")]["gains"]["honest"]  # an honest run is scored too
+    split = rows[("sybil-25", "default-2owners")]
+    assert split["rejections"].get("worse-heldout", 0) >= 1 and not split["owner_rejections"]
+    assert split["ppl"] < attacked["ppl"]
+    assert min(split["gains"]["honest"]) > max(split["gains"]["hostile"])
 
 
 def test_the_fuzz_bench_counts_its_examples(tmp_path):

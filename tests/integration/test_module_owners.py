@@ -233,6 +233,10 @@ def test_two_owners_score_every_path_whole_and_refuse_a_poisoner_at_both(run_cop
         assert not [e for e in log if e["event"] == "delta_acked" and e["peer"] == "poisoner"]
     refused = primary.status().state["rejections_by_peer"]
     assert refused.get("poisoner", {}).get("worse-heldout", 0) >= 1, refused
+    # Every delta of every step was scored whole: both owners took the paper's mean (the
+    # "auto" aggregation's robust combiner names itself in the step's event).
+    steps = [e for log in (events, owner_events) for e in log if e["event"] == "outer_step"]
+    assert steps and not [e for e in steps if "aggregation" in e]
 
 
 def test_an_owner_refuses_a_delta_without_the_verdict_or_not_the_one_scored(run_copy, tiny_config):
