@@ -53,7 +53,7 @@ def digest(tensors: dict[str, torch.Tensor], mid: str) -> str:
         t = tensors[key].detach().contiguous()
         h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # its bytes, not a copy
     return h.hexdigest()
 
 
