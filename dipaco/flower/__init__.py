@@ -7,6 +7,7 @@ path's modules and sends them as dipaco wire frames; ``client`` runs the ordinar
 :class:`~dipaco.peer.peer.Peer` on the node against what the message carried, and returns the
 delta as the node's own signed ``SubmitDelta`` envelope, which the core opens, validates and
 applies exactly as on every other transport. ``deploy`` starts a real SuperLink (TLS, node
-authentication) and SuperNodes; ``grid.LocalGrid`` runs the same apps in one process for tests.
+authentication) and SuperNodes; the unit tests run the same apps in one process
+(``tests/unit/_flower_grid.py``). ``apps.serve`` runs a prepared run over any Flower ``Grid``.
 See docs/flower.md.
 """

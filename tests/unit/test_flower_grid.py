@@ -1,7 +1,7 @@
 """The Flower transport's ServerApp strategy and ClientApp, in one process (no SuperLink).
 
-The real apps (``dipaco.flower.apps``) over :class:`~dipaco.flower.grid.LocalGrid`: real
-training, the real coordinator core and run folder, real node state folders.
+The real apps (``dipaco.flower.apps``) over ``LocalGrid`` (``_flower_grid.py``, next to this
+file): real training, the real coordinator core and run folder, real node state folders.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _flower_grid import LocalGrid
 from flwr.app import Message
 from flwr.clientapp import ClientApp
 
@@ -20,7 +21,6 @@ from dipaco.fileio import write_json_atomic
 from dipaco.flower import records as rec
 from dipaco.flower.apps import client_app, serve
 from dipaco.flower.client import NodeTrainer
-from dipaco.flower.grid import LocalGrid
 from dipaco.prepare.pipeline import prepare
 from dipaco.protocols import messages as m
 from dipaco.run.factory import build_coordinator

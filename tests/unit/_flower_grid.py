@@ -1,9 +1,9 @@
 """An in-process Flower ``Grid``: the real ServerApp strategy and ClientApp, without a SuperLink.
 
 Messages are handed to the ClientApp in worker threads (one per node, like SuperNodes working in
-parallel), with each node's own ``Context`` and node config. For the unit suite and for quick
-experiments; a node can be made silent (``silence``) to test what a dead SuperNode does to a
-round.
+parallel), with each node's own ``Context`` and node config. For the unit suite (it lives with
+its tests, not in the package); a node can be made silent (``silence``) to test what a dead
+SuperNode does to a round.
 """
 
 from __future__ import annotations
