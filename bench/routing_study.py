@@ -35,10 +35,12 @@ from sklearn.linear_model import LogisticRegression
 from dipaco.data.mixed import source_kind
 from dipaco.data.shards import TokenShard
 from dipaco.fileio import write_atomic, write_json_atomic
-from dipaco.routing.composition import format_composition, shard_composition
 from dipaco.routing.evaluate import token_losses
 from dipaco.run.evaluate import path_loader
 from dipaco.run.export import open_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _composition import format_composition, shard_composition  # noqa: E402
 
 
 def doc_losses(model: torch.nn.Module, docs: list[np.ndarray], seq_len: int) -> np.ndarray:

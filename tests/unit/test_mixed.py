@@ -7,11 +7,11 @@ import struct
 
 import numpy as np
 import pytest
+from _composition import format_composition, shard_composition  # bench/ (tests/conftest.py)
 
 from dipaco.data import mixed
 from dipaco.data.sources import open_source
 from dipaco.errors import DataError
-from dipaco.routing.composition import format_composition, shard_composition
 
 MAN_PAGE = r""".\" a comment
 .TH FROB 1 "2024" "frob 1.0"
