@@ -41,10 +41,12 @@ from dipaco.routing.evaluate import token_losses
 from dipaco.routing.saved import (
     SavedRouter,
     check_features,
+    fit_levels,
     float_array,
+    header_levels,
     is_int,
     is_number,
-    top_paths,
+    levels_problem,
 )
 
 logger = logging.getLogger(__name__)
@@ -170,14 +172,6 @@ class LogisticRouter(SavedRouter):
         if problem is not None:
             raise ConfigError(f"invalid LogisticRouter: {problem}")
 
-    @property
-    def num_paths(self) -> int:
-        return math.prod(self.levels)
-
-    @property
-    def feature_dim(self) -> int:
-        return int(self.mean.shape[0])
-
     def logits(self, features: np.ndarray) -> np.ndarray:
         """The classifier's logits (N, P), before the bias correction."""
         return self._standardize(features) @ self.weights.T + self.bias
@@ -195,10 +189,6 @@ class LogisticRouter(SavedRouter):
         digits = np.unravel_index(self.assign(features), tuple(self.levels))
         return np.stack(digits, axis=1).astype(np.int64).reshape(-1, len(self.levels))
 
-    def top_paths(self, features: np.ndarray, n: int) -> np.ndarray:
-        """The ``n`` best paths of every row, best first, shape (N, n) int64; column 0 is assign."""
-        return top_paths(self.path_scores, features, n, self.num_paths)
-
     def to_json_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
@@ -214,22 +204,13 @@ class LogisticRouter(SavedRouter):
 
     @classmethod
     def _from_json_dict(cls, obj: Any) -> LogisticRouter:
-        if not isinstance(obj, dict):
-            raise ValueError("top level is not an object")
-        if obj.get("format") != FORMAT:
-            raise ValueError(f"format is {obj.get('format')!r}, expected {FORMAT!r}")
-        if set(obj) != _FIELDS:
-            missing, extra = sorted(_FIELDS - set(obj)), sorted(set(obj) - _FIELDS)
-            raise ValueError(f"fields do not match: missing {missing}, unexpected {extra}")
-        levels = obj["levels"]
-        if not isinstance(levels, list) or not all(is_int(k) for k in levels):
-            raise ValueError("levels must be a list of integers")
+        levels = header_levels(obj, FORMAT, _FIELDS)
         if not is_number(obj["balance"]):
             raise ValueError("balance must be a number")
         if not is_int(obj["seed"]):
             raise ValueError("seed must be an integer")
         return cls(
-            levels=[int(k) for k in levels],
+            levels=levels,
             mean=float_array(obj["mean"], 1, "mean"),
             scale=float_array(obj["scale"], 1, "scale"),
             weights=float_array(obj["weights"], 2, "weights"),
@@ -238,15 +219,6 @@ class LogisticRouter(SavedRouter):
             balance=float(obj["balance"]),
             seed=int(obj["seed"]),
         )
-
-    def _standardize(self, features: np.ndarray) -> np.ndarray:
-        x = check_features(features)
-        if x.shape[1] != self.feature_dim:
-            raise DataError(
-                f"features have {x.shape[1]} dimensions, the router expects {self.feature_dim}",
-                reason="bad-shape",
-            )
-        return (x - self.mean) / self.scale
 
 
 def fit_logistic_router(
@@ -270,16 +242,8 @@ def fit_logistic_router(
     documents lies within ``[balance / P, (2 - balance) / P]`` and no path is empty.
     ``balance`` = 0 keeps the plain classifier (all offsets zero).
     """
-    if (
-        not isinstance(levels, (list, tuple))
-        or not levels
-        or not all(is_int(k) and k >= 1 for k in levels)
-    ):
-        raise ConfigError(f"levels must be a non-empty list of positive integers, got {levels!r}")
-    levels = [int(k) for k in levels]
+    levels = fit_levels(levels, balance)
     num_paths = math.prod(levels)
-    if not is_number(balance) or not 0.0 <= balance <= 1.0:
-        raise ConfigError(f"balance must be a number in [0, 1], got {balance!r}")
     if not is_number(C) or not (math.isfinite(C) and C > 0.0):
         raise ConfigError(f"C must be a positive finite number, got {C!r}")
     x = check_features(features)
@@ -432,9 +396,7 @@ def _candidate_mask(candidates: np.ndarray | None, n: int, num_paths: int) -> np
 
 def _router_problem(r: LogisticRouter) -> str | None:
     """Why ``r`` is inconsistent, or None."""
-    if not isinstance(r.levels, list) or not r.levels:
-        return f"levels must be a non-empty list of positive integers, got {r.levels!r}"
-    if not all(is_int(k) and k >= 1 for k in r.levels):
+    if not isinstance(r.levels, list) or levels_problem(r.levels) is not None:
         return f"levels must be a non-empty list of positive integers, got {r.levels!r}"
     if not is_number(r.balance) or not 0.0 <= r.balance <= 1.0:
         return f"balance must be in [0, 1], got {r.balance!r}"

@@ -32,10 +32,12 @@ from dipaco.routing.saved import (
     ASSIGN_CHUNK,
     SavedRouter,
     check_features,
+    fit_levels,
     float_array,
+    header_levels,
     is_int,
     is_number,
-    top_paths,
+    levels_problem,
 )
 
 FORMAT = "dipaco-kmeans-router/1"
@@ -72,14 +74,6 @@ class KMeansRouter(SavedRouter):
         problem = _router_problem(self)
         if problem is not None:
             raise ConfigError(f"invalid KMeansRouter: {problem}")
-
-    @property
-    def num_paths(self) -> int:
-        return math.prod(self.levels)
-
-    @property
-    def feature_dim(self) -> int:
-        return int(self.mean.shape[0])
 
     def assign_levels(self, features: np.ndarray) -> np.ndarray:
         """Per-level module choices, shape (N, L), int64."""
@@ -128,10 +122,6 @@ class KMeansRouter(SavedRouter):
             total = (total[:, :, None] + level[:, None, :]).reshape(z.shape[0], -1)
         return total
 
-    def top_paths(self, features: np.ndarray, n: int) -> np.ndarray:
-        """The ``n`` best paths of every row, best first, shape (N, n) int64; column 0 is assign."""
-        return top_paths(self.path_scores, features, n, self.num_paths)
-
     def to_json_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
@@ -148,13 +138,7 @@ class KMeansRouter(SavedRouter):
 
     @classmethod
     def _from_json_dict(cls, obj: Any) -> KMeansRouter:
-        if not isinstance(obj, dict):
-            raise ValueError("top level is not an object")
-        if obj.get("format") != FORMAT:
-            raise ValueError(f"format is {obj.get('format')!r}, expected {FORMAT!r}")
-        levels = obj["levels"]
-        if not isinstance(levels, list) or not all(is_int(k) for k in levels):
-            raise ValueError("levels must be a list of integers")
+        levels = header_levels(obj, FORMAT)
         slices = obj["slices"]
         if not isinstance(slices, list) or not all(
             isinstance(s, list) and len(s) == 2 and all(is_int(v) for v in s) for s in slices
@@ -168,7 +152,7 @@ class KMeansRouter(SavedRouter):
         if not is_int(obj["seed"]):
             raise ValueError("seed must be an integer")
         return cls(
-            levels=list(levels),
+            levels=levels,
             method=obj["method"],
             mean=float_array(obj["mean"], 1, "mean"),
             scale=float(obj["scale"]),
@@ -178,15 +162,6 @@ class KMeansRouter(SavedRouter):
             balance=float(obj["balance"]),
             seed=int(obj["seed"]),
         )
-
-    def _standardize(self, features: np.ndarray) -> np.ndarray:
-        x = check_features(features)
-        if x.shape[1] != self.feature_dim:
-            raise DataError(
-                f"features have {x.shape[1]} dimensions, the router expects {self.feature_dim}",
-                reason="bad-shape",
-            )
-        return (x - self.mean) / self.scale
 
 
 def fit_router(
@@ -205,15 +180,7 @@ def fit_router(
     """
     if method not in METHODS:
         raise ConfigError(f"method must be one of {METHODS}, got {method!r}")
-    if (
-        not isinstance(levels, (list, tuple))
-        or not levels
-        or not all(is_int(k) and k >= 1 for k in levels)
-    ):
-        raise ConfigError(f"levels must be a non-empty list of positive integers, got {levels!r}")
-    levels = [int(k) for k in levels]
-    if not is_number(balance) or not 0.0 <= balance <= 1.0:
-        raise ConfigError(f"balance must be a number in [0, 1], got {balance!r}")
+    levels = fit_levels(levels, balance)
     x = check_features(features)
     n, d = x.shape
     if method == "product":
@@ -353,8 +320,8 @@ def _router_problem(r: KMeansRouter) -> str | None:
     """Why ``r`` is inconsistent, or None."""
     if r.method not in METHODS:
         return f"method must be one of {METHODS}, got {r.method!r}"
-    if not r.levels or not all(is_int(k) and k >= 1 for k in r.levels):
-        return f"levels must be a non-empty list of positive integers, got {r.levels!r}"
+    if (problem := levels_problem(r.levels)) is not None:
+        return problem
     if not isinstance(r.mean, np.ndarray) or r.mean.ndim != 1 or r.mean.size == 0:
         return "mean must be a non-empty 1-D array"
     if not (math.isfinite(r.scale) and r.scale > 0.0):

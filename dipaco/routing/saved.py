@@ -1,16 +1,18 @@
 """Saved routers: the base class every router kind shares, and the checks their files go through.
 
 :class:`SavedRouter` gives a router canonical JSON, its SHA-256, a crash-safe save and a validated
-load; files are never unpickled. The helpers here are shared by the router kinds
-(:mod:`dipaco.routing.kmeans`, :mod:`dipaco.routing.discriminative`) and by
+load, path count, standardized features and top-n paths. The helpers here are shared by the
+router kinds (:mod:`dipaco.routing.kmeans`, :mod:`dipaco.routing.discriminative`) and by
 :mod:`dipaco.routing.routers`, which loads a file of either kind: reading and parsing a router
-file, checking a feature matrix, reading JSON numbers and arrays, and the top-n paths by score.
+file and its header, checking a feature matrix, levels and balance, reading JSON numbers and
+arrays, and the top-n paths by score.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -30,9 +32,38 @@ _R = TypeVar("_R")
 class SavedRouter:
     """Canonical JSON, its SHA-256, crash-safe save and validated load, for every router kind.
 
-    A subclass gives ``to_json_dict`` and ``_from_json_dict`` (which raises on anything
-    malformed); files are never unpickled.
+    A subclass gives ``levels``, ``mean`` and ``scale`` (the features are scored as
+    ``(x - mean) / scale``), ``path_scores``, ``to_json_dict`` and ``_from_json_dict`` (which
+    raises on anything malformed); files are never unpickled.
     """
+
+    levels: list[int]
+    mean: np.ndarray  # (D,)
+    scale: Any  # one float, or one per feature dimension (D,)
+
+    @property
+    def num_paths(self) -> int:
+        return math.prod(self.levels)
+
+    @property
+    def feature_dim(self) -> int:
+        return int(self.mean.shape[0])
+
+    def path_scores(self, features: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def top_paths(self, features: np.ndarray, n: int) -> np.ndarray:
+        """The ``n`` best paths of every row, best first, shape (N, n) int64; column 0 is assign."""
+        return top_paths(self.path_scores, features, n, self.num_paths)
+
+    def _standardize(self, features: np.ndarray) -> np.ndarray:
+        x = check_features(features)
+        if x.shape[1] != self.feature_dim:
+            raise DataError(
+                f"features have {x.shape[1]} dimensions, the router expects {self.feature_dim}",
+                reason="bad-shape",
+            )
+        return (x - self.mean) / self.scale
 
     def to_json_dict(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -81,6 +112,42 @@ def parse_router(path: str | os.PathLike[str], obj: Any, parse: Callable[[Any], 
         return parse(obj)
     except (ValueError, TypeError, KeyError, OverflowError, ConfigError) as e:
         raise CorruptFileError(f"router file {path} is malformed: {e}") from None
+
+
+def levels_problem(levels: Any) -> str | None:
+    """Why ``levels`` is not a non-empty list (or tuple) of positive integers, or None."""
+    if (
+        not isinstance(levels, (list, tuple))
+        or not levels
+        or not all(is_int(k) and k >= 1 for k in levels)
+    ):
+        return f"levels must be a non-empty list of positive integers, got {levels!r}"
+    return None
+
+
+def fit_levels(levels: Any, balance: Any) -> list[int]:
+    """A fit's ``levels`` as a list of ints, once they and ``balance`` (in [0, 1]) are checked."""
+    problem = levels_problem(levels)
+    if problem is not None:
+        raise ConfigError(problem)
+    if not is_number(balance) or not 0.0 <= balance <= 1.0:
+        raise ConfigError(f"balance must be a number in [0, 1], got {balance!r}")
+    return [int(k) for k in levels]
+
+
+def header_levels(obj: Any, fmt: str, fields: set[str] | None = None) -> list[int]:
+    """The integer levels of router JSON ``obj`` of format ``fmt`` (keys ``fields``, if given)."""
+    if not isinstance(obj, dict):
+        raise ValueError("top level is not an object")
+    if obj.get("format") != fmt:
+        raise ValueError(f"format is {obj.get('format')!r}, expected {fmt!r}")
+    if fields is not None and set(obj) != fields:
+        missing, extra = sorted(fields - set(obj)), sorted(set(obj) - fields)
+        raise ValueError(f"fields do not match: missing {missing}, unexpected {extra}")
+    levels = obj["levels"]
+    if not isinstance(levels, list) or not all(is_int(k) for k in levels):
+        raise ValueError("levels must be a list of integers")
+    return [int(k) for k in levels]
 
 
 def top_paths(
