@@ -26,12 +26,13 @@ from pathlib import Path
 
 import torch
 
+from dipaco.coordinator.store import write_version
 from dipaco.errors import DataError, DipacoError
 from dipaco.fileio import write_json_atomic
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import Transport
-from dipaco.protocols.wire import Frame, read_tensor_file, tensors_sha256, write_tensor_file
+from dipaco.protocols.wire import read_tensor_file, tensors_sha256
 
 log = logging.getLogger(__name__)
 Tensors = dict[str, torch.Tensor]
@@ -106,10 +107,7 @@ def read_gathered(run_dir: str | Path, r: RemoteModule) -> Tensors | None:
 
 def _write(run_dir: Path, r: RemoteModule, tensors: Tensors, source: str) -> None:
     folder = gathered_dir(run_dir) / r.module
-    write_tensor_file(
-        folder / f"v{r.version}.dpt",
-        Frame("ModuleRelease", {"module": r.module, "version": r.version}, tensors),
-    )
+    write_version(folder, r.module, r.version, tensors)
     write_json_atomic(
         folder / "head.json",
         {"version": r.version, "hash": r.hash, "owner": r.owner, "source": source},

@@ -151,7 +151,11 @@ class Scheduler:
         if last_trainer is not None:
             last = {p: who for p in free if (who := last_trainer(p)) is not None}
         path = self.pick(peer_id, free, prefer, last)
-        rnd = open_paths[path]
+        return self._issue(path, open_paths[path], peer_id, self.steps_for(peer_id, steps))
+
+    def _issue(self, path: int, rnd: int, peer_id: str, steps: int, **extra: Any) -> Lease:
+        """A new lease of ``path``'s round ``rnd`` for ``peer_id``, its attempt numbered,
+        live and remembered (``extra``: a hedged copy's base versions and original)."""
         attempt = self.attempts.get((path, rnd), 0)
         self.attempts[(path, rnd)] = attempt + 1
         now = self.clock()
@@ -161,8 +165,9 @@ class Scheduler:
             rnd,
             peer_id,
             now + self.lease_seconds,
-            steps=self.steps_for(peer_id, steps),
+            steps=steps,
             issued_at=now,
+            **extra,
         )
         self.live.add(lease)
         self.issued[lease.task_id] = lease
@@ -210,22 +215,15 @@ class Scheduler:
                 break
         if slow is None:
             return None
-        attempt = self.attempts.get((slow.path, slow.round), 0)
-        self.attempts[(slow.path, slow.round)] = attempt + 1
-        lease = Lease(
-            f"P{slow.path}-r{slow.round}-e{self.epoch}-a{attempt}",
+        versions = dict(slow.module_versions)
+        return self._issue(
             slow.path,
             slow.round,
             peer_id,
-            now + self.lease_seconds,
-            steps=slow.steps,
-            issued_at=now,
-            module_versions=dict(slow.module_versions),
+            slow.steps,
+            module_versions=versions,
             hedge_of=slow.task_id,
         )
-        self.live.add(lease)
-        self.issued[lease.task_id] = lease
-        return lease
 
     def task_deadline(self) -> float | None:
         """The task deadline (seconds): computed again only when a task has finished since."""

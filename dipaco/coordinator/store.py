@@ -169,9 +169,7 @@ class ModuleStore:
             if (folder / "head.json").exists():
                 continue
             tensors = {k: v.detach().float().contiguous() for k, v in tensors.items()}
-            write_tensor_file(
-                folder / "v0.dpt", Frame("ModuleRelease", {"module": mid, "version": 0}, tensors)
-            )
+            write_version(folder, mid, 0, tensors)
             write_json_atomic(folder / "head.json", {"version": 0, "hash": tensors_sha256(tensors)})
         self.load(list(modules))
 
@@ -237,14 +235,7 @@ class ModuleStore:
         record = self.modules[mid]
         base, path = meta["base_version"], meta["path"]
         rnd = meta.get("round", base)
-        # On time (its round is this version), ahead (the next version's: overlap), or late.
-        table = (
-            record.pending
-            if rnd == record.version
-            else record.ahead
-            if rnd == record.version + 1
-            else record.late
-        )
+        table = record.table_for(rnd)  # on time, ahead (overlap) or late
         late = table is record.late
         name = f"P{path}-b{base}.dpt" if late else f"P{path}.dpt"
         folder = f"{self.root}/deltas/{mid}/v{record.version + (table is record.ahead)}"
@@ -274,15 +265,9 @@ class ModuleStore:
     ) -> None:
         """Take over a module from another owner: write its state and pending deltas, then the head."""
         folder = self.root / "modules" / mid
-        write_tensor_file(
-            folder / f"v{version}.dpt",
-            Frame("ModuleRelease", {"module": mid, "version": version}, params),
-        )
+        write_version(folder, mid, version, params)
         if momentum is not None:
-            write_tensor_file(
-                folder / f"m{version}.dpt",
-                Frame("OuterMomentum", {"module": mid, "version": version}, momentum),
-            )
+            write_version(folder, mid, version, momentum, momentum=True)
         for meta, tensors in deltas:
             base, rnd = meta["base_version"], meta.get("round", meta["base_version"])
             late = rnd not in (version, version + 1)  # else its round's: on time or ahead
@@ -432,6 +417,20 @@ class ModuleStore:
         return read_tensor_file(delta.file).tensors
 
 
+def write_version(
+    folder: Path,
+    mid: str,
+    version: int,
+    tensors: Tensors,
+    momentum: bool = False,
+    sync: bool = True,
+) -> None:
+    """A module's release ``v<version>.dpt`` (or its outer momentum, ``m<version>.dpt``)."""
+    kind, prefix = ("OuterMomentum", "m") if momentum else ("ModuleRelease", "v")
+    frame = Frame(kind, {"module": mid, "version": version}, tensors)
+    write_tensor_file(folder / f"{prefix}{version}.dpt", frame, sync=sync)
+
+
 def persist_step(
     root: Path,
     mid: str,
@@ -447,17 +446,9 @@ def persist_step(
     folder, v = root / "modules" / mid, new.version
     # ``new`` is run_step's record, whose momentum apply_round has just made: never None.
     assert new.momentum is not None
-    write_tensor_file(
-        folder / f"v{v}.dpt",
-        Frame("ModuleRelease", {"module": mid, "version": v}, new.params),
-        sync=False,
-    )
+    write_version(folder, mid, v, new.params, sync=False)
     fault_point("outer_step.params_written")
-    write_tensor_file(
-        folder / f"m{v}.dpt",
-        Frame("OuterMomentum", {"module": mid, "version": v}, new.momentum),
-        sync=False,
-    )
+    write_version(folder, mid, v, new.momentum, momentum=True, sync=False)
     fault_point("outer_step.momentum_written")
     write_json_atomic(
         folder / "head.json",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -138,16 +139,7 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
 def fetch(core: CoordinatorBase, req: m.FetchModules) -> m.Modules:
     core.roster.seen(req.peer_id)
     task = task_of(core, req.peer_id, req.task_id, req.ticket)
-    versions, hashes, tensors, signatures = {}, {}, {}, {}
-    for mid in core.topology.path_modules(task.path):
-        if not core.owns(mid):
-            continue
-        record = core.store.modules[mid]
-        versions[mid], hashes[mid] = record.version, record.hash
-        signatures[mid] = release_signature(core, mid, record.version, record.hash)
-        if req.have.get(mid) != record.version:
-            tensors.update({f"{mid}/{k}": v for k, v in record.params.items()})
-    return m.Modules(versions=versions, hashes=hashes, tensors=tensors, signatures=signatures)
+    return _releases(core, core.topology.path_modules(task.path), req.have)
 
 
 def fetch_releases(core: CoordinatorBase, req: m.FetchReleases) -> m.Modules:
@@ -158,14 +150,21 @@ def fetch_releases(core: CoordinatorBase, req: m.FetchReleases) -> m.Modules:
         core.refusals.refuse(
             req.peer_id, Reason.BAD_MESSAGE, f"this run has no modules {unknown[:8]}"
         )
+    return _releases(core, dict.fromkeys(req.modules), {})
+
+
+def _releases(core: CoordinatorBase, mids: Iterable[str], have: Mapping[str, int]) -> m.Modules:
+    """The modules ``mids`` that this coordinator owns, at their latest versions, signed; the
+    tensors of those whose version is not the one the caller ``have``s."""
     versions, hashes, tensors, signatures = {}, {}, {}, {}
-    for mid in dict.fromkeys(req.modules):
+    for mid in mids:
         if not core.owns(mid):
             continue
         record = core.store.modules[mid]
         versions[mid], hashes[mid] = record.version, record.hash
         signatures[mid] = release_signature(core, mid, record.version, record.hash)
-        tensors.update({f"{mid}/{k}": v for k, v in record.params.items()})
+        if have.get(mid) != record.version:
+            tensors.update({f"{mid}/{k}": v for k, v in record.params.items()})
     return m.Modules(versions=versions, hashes=hashes, tensors=tensors, signatures=signatures)
 
 
