@@ -2,13 +2,15 @@
 
 Used to find what a process started: the ``p2pd`` daemon a hivemind DHT process must kill when
 its parent dies, and the SuperExec that Flower starts in a session of its own; and kills what is
-left when a command stops (:func:`kill_descendants`).
+left when a command stops (:func:`kill_descendants`). And a free port for a started process to
+listen on (:func:`free_port`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 
 # The exit code of a command that Ctrl-C or SIGTERM stopped in order before its work was done
 # (dipaco/cli/stopping.py states the rule every command follows).
@@ -86,3 +88,10 @@ def kill_descendants(pid: int, sig: int = signal.SIGKILL) -> list[int]:
         except OSError:
             pass
     return kids
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the usual bind-to-0 race applies)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])

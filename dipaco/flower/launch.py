@@ -92,7 +92,6 @@ class FlowerDeployment:
             host=host,
             port=port_number,
             tls=self.tls,
-            node_auth=True,
             log_file=self.dir / "superlink.log",
             database=self.dir / "superlink.db",
         )

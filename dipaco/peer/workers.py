@@ -27,7 +27,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -39,7 +38,7 @@ from typing import Any
 import torch
 
 from dipaco.errors import ConfigError
-from dipaco.procs import STOPPED
+from dipaco.procs import STOPPED, free_port
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +48,6 @@ MAX_RESTARTS = 5  # per worker; past it the worker stays down and the machine sa
 # the line with its own.
 _STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)? ")
 STOP_SECONDS = 3.0  # a stopping worker hands its task back within this, or is killed
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_gpus(spec: str, cuda_count: int | None = None) -> list[str]:

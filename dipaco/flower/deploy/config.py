@@ -88,9 +88,6 @@ def write_app(
     server: str,
     client: str,
     config: Mapping[str, ConfigValue],
-    name: str = "dipaco-flower",
-    version: str = "1.0.0",
-    publisher: str = "dipaco",
 ) -> Path:
     """A Flower app folder holding only ``pyproject.toml``; the code comes from site-packages.
 
@@ -102,15 +99,11 @@ def write_app(
     for ref, role in ((server, "server"), (client, "client")):
         if not _OBJECT_REF.match(ref):
             raise ConfigError(f"write_app: {role} must be 'module:attr', got {ref!r}")
-    if not _APP_NAME.match(name):
-        raise ConfigError(f"write_app: name {name!r} must start with a letter; letters, digits, -")
-    if not _APP_NAME.match(publisher):
-        raise ConfigError(f"write_app: publisher {publisher!r}: letters, digits, '-' only")
     doc = {
         "build-system": {"requires": ["hatchling"], "build-backend": "hatchling.build"},
         "project": {
-            "name": name,
-            "version": version,
+            "name": "dipaco-flower",
+            "version": "1.0.0",
             "description": "dipaco as a Flower app",  # flwr warns when these two are missing
             "license": "Apache-2.0",
             "dependencies": [],
@@ -118,7 +111,7 @@ def write_app(
         "tool": {
             "flwr": {
                 "app": {
-                    "publisher": publisher,
+                    "publisher": "dipaco",
                     "components": {"serverapp": server, "clientapp": client},
                     "config": check_config(config, "write_app config"),
                 }
@@ -131,7 +124,7 @@ def write_app(
     return folder
 
 
-def write_cli_config(home: Path, name: str, address: str, ca: Path | None) -> None:
+def write_cli_config(home: Path, name: str, address: str, ca: Path) -> None:
     """``$FLWR_HOME/config.toml`` so ``flwr ... <name>`` reaches the SuperLink's Control API.
 
     Other connections already in the file are kept; ``name`` becomes the default.
@@ -148,14 +141,9 @@ def write_cli_config(home: Path, name: str, address: str, ca: Path | None) -> No
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path} is not valid TOML: {err}") from err
     links = doc.setdefault("superlink", {})
-    conn: dict[str, Any] = {"address": address}
-    if ca is None:
-        conn["insecure"] = True
-    else:
-        ca = Path(ca).resolve()  # flwr requires an absolute path here
-        if not ca.is_file():
-            raise ConfigError(f"root certificates {ca} do not exist")
-        conn["root-certificates"] = str(ca)
-    links[name] = conn
+    ca = Path(ca).resolve()  # flwr requires an absolute path here
+    if not ca.is_file():
+        raise ConfigError(f"root certificates {ca} do not exist")
+    links[name] = {"address": address, "root-certificates": str(ca)}
     links["default"] = name
     write_atomic(path, toml_dumps(doc).encode())

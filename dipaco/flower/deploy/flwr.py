@@ -64,11 +64,10 @@ def submit_run(
     superlink_name: str,
     run_config: Mapping[str, ConfigValue] | None = None,
     *,
-    stream: bool = True,
     log_file: Path | None = None,
     env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen:
-    """Start ``flwr run`` in its own process group; with ``stream`` it lives as long as the run.
+    """Start ``flwr run --stream`` in its own process group: it lives as long as the run.
 
     Run-config keys must already exist in the app's ``[tool.flwr.app.config]``. The values go
     through a TOML file, so any string survives. stdout+stderr go to ``log_file`` (default
@@ -98,8 +97,7 @@ def submit_run(
         os.close(fd)
         write_atomic(tmp, toml_dumps(check_config(run_config, "run_config")).encode())
         cmd += ["--run-config", tmp]
-    if stream:
-        cmd.append("--stream")
+    cmd.append("--stream")
     log_path = Path(log_file) if log_file is not None else Path(home) / "flwr-run.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = flower_env(home)

@@ -11,17 +11,16 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TextIO
+from typing import Self, TextIO
 
 from dipaco.errors import ConfigError, TransportError
-from dipaco.procs import descendants
+from dipaco.procs import descendants, free_port  # noqa: F401 - deploy's public face
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -59,13 +58,6 @@ def flower_env(home: Path) -> dict[str, str]:
 def strip_ansi(text: str) -> str:
     """Flower colours its log lines unconditionally; tests and messages want plain text."""
     return _ANSI.sub("", text)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the usual bind-to-0 race applies)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def flower_bin(name: str) -> str:
@@ -127,12 +119,13 @@ def tree_groups(pid: int) -> set[int]:
     return _pgids([pid, *descendants(pid)]) | {pid}
 
 
-def stop_groups(pgids: set[int], grace: float) -> None:
+def stop_groups(pgids: set[int], grace: float, poll: Callable[[], object] = lambda: None) -> None:
     """Wait up to ``grace`` seconds for the groups to end (they were told to), then SIGKILL
-    what is left of them."""
+    what is left of them; ``poll`` (a child's ``Popen.poll``) reaps the child meanwhile."""
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and _groups_alive(pgids):
         time.sleep(0.05)
+        poll()  # a reaped child's group is gone
     if _groups_alive(pgids):
         _signal_groups(pgids, signal.SIGKILL)
 
@@ -219,12 +212,7 @@ class FlowerProcess:
             return None
         groups = self._collect_groups()
         _signal_groups(groups, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and _groups_alive(groups):
-            time.sleep(0.05)
-            self.proc.poll()  # reaped, its group is gone
-        if _groups_alive(groups):
-            _signal_groups(groups, signal.SIGKILL)
+        stop_groups(groups, grace, self.proc.poll)
         return self._reap()
 
     def kill(self) -> int | None:
@@ -245,7 +233,7 @@ class FlowerProcess:
             self._log = None
         return code
 
-    def __enter__(self) -> FlowerProcess:
+    def __enter__(self) -> Self:
         self.start()
         return self
 

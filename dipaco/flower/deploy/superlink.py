@@ -39,19 +39,15 @@ class SuperLink(FlowerProcess):
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        tls: TlsFiles | None,
-        node_auth: bool = True,
+        tls: TlsFiles,
         log_file: Path | None = None,
         env: Mapping[str, str] | None = None,
         database: Path | None = None,
     ) -> None:
         super().__init__(home, log_file, env)
-        if node_auth and tls is None:
-            raise ConfigError("SuperNode authentication needs TLS in Flower 1.41 (exit code 104)")
         self.host = host
         self.port = port
         self.tls = tls
-        self.node_auth = node_auth
         self.database = database
 
     @property
@@ -68,23 +64,17 @@ class SuperLink(FlowerProcess):
             "--port",
             str(self.port),
             "--disable-runtime-dependency-installation",
+            "--ssl-certfile",
+            str(self.tls.cert),
+            "--ssl-keyfile",
+            str(self.tls.key),
+            "--ssl-ca-certfile",
+            str(self.tls.ca),
+            "--enable-supernode-auth",  # SuperNodes need TLS for it in Flower 1.41 (exit code 104)
         ]
-        if self.tls is None:
-            cmd.append("--insecure")
-        else:
-            for path in (self.tls.ca, self.tls.cert, self.tls.key):
-                if not Path(path).is_file():
-                    raise ConfigError(f"SuperLink TLS file {path} does not exist")
-            cmd += [
-                "--ssl-certfile",
-                str(self.tls.cert),
-                "--ssl-keyfile",
-                str(self.tls.key),
-                "--ssl-ca-certfile",
-                str(self.tls.ca),
-            ]
-        if self.node_auth:
-            cmd.append("--enable-supernode-auth")
+        for path in (self.tls.ca, self.tls.cert, self.tls.key):
+            if not Path(path).is_file():
+                raise ConfigError(f"SuperLink TLS file {path} does not exist")
         if self.database is not None:
             cmd += ["--database", str(self.database)]
         return cmd
@@ -113,10 +103,6 @@ class SuperLink(FlowerProcess):
                 )
             time.sleep(0.1)
 
-    def __enter__(self) -> SuperLink:
-        self.start()
-        return self
-
 
 class SuperNode(FlowerProcess):
     """``flower-supernode``: one node; its SuperExec and ClientApps share its process group."""
@@ -128,14 +114,12 @@ class SuperNode(FlowerProcess):
         home: Path,
         superlink: str,
         *,
-        ca: Path | None,
-        node_key: Path | None,
+        ca: Path,
+        node_key: Path,
         port: int = 0,
         node_config: Mapping[str, ConfigValue] | None = None,
         log_file: Path | None = None,
         env: Mapping[str, str] | None = None,
-        max_retries: int | None = None,
-        max_wait_time: float | None = None,
     ) -> None:
         super().__init__(home, log_file, env)
         self.superlink = superlink
@@ -143,8 +127,6 @@ class SuperNode(FlowerProcess):
         self.node_key = node_key
         self.port = port
         self.node_config = dict(node_config or {})
-        self.max_retries = max_retries
-        self.max_wait_time = max_wait_time
 
     def _command(self) -> list[str]:
         if self.port == 0:
@@ -158,25 +140,13 @@ class SuperNode(FlowerProcess):
             "--port",
             str(self.port),  # each node on a host needs its own Runtime API port
         ]
-        if self.ca is None:
-            cmd.append("--insecure")
-        else:
-            if not Path(self.ca).is_file():
-                raise ConfigError(f"root certificates {self.ca} do not exist")
-            cmd += ["--root-certificates", str(self.ca)]
-        if self.node_key is not None:
-            if not Path(self.node_key).is_file():
-                raise ConfigError(f"SuperNode key {self.node_key} does not exist")
-            cmd += ["--auth-supernode-private-key", str(self.node_key)]
+        if not Path(self.ca).is_file():
+            raise ConfigError(f"root certificates {self.ca} do not exist")
+        cmd += ["--root-certificates", str(self.ca)]
+        if not Path(self.node_key).is_file():
+            raise ConfigError(f"SuperNode key {self.node_key} does not exist")
+        cmd += ["--auth-supernode-private-key", str(self.node_key)]
         if self.node_config:
             spill = self.home / f"node-config-{self.port}.toml"
             cmd += ["--node-config", config_arg(self.node_config, spill, "node_config")]
-        if self.max_retries is not None:
-            cmd += ["--max-retries", str(self.max_retries)]
-        if self.max_wait_time is not None:
-            cmd += ["--max-wait-time", str(self.max_wait_time)]
         return cmd
-
-    def __enter__(self) -> SuperNode:
-        self.start()
-        return self
