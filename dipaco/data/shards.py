@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from dipaco.errors import CorruptFileError, DataError
-from dipaco.fileio import AtomicFile, write_atomic
+from dipaco.fileio import AtomicFile, file_info, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,6 @@ def _paths(prefix: str | Path) -> tuple[Path, Path, Path]:
     # Appended, not with_suffix: a prefix like "shards/P3.train" must keep its dots.
     prefix = str(prefix)
     return Path(prefix + ".tokens"), Path(prefix + ".index.npy"), Path(prefix + ".json")
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class ShardWriter:
@@ -150,7 +142,7 @@ class TokenShard:
     def verify(self) -> None:
         """Recompute both checksums; raise CorruptFileError naming the file that differs."""
         for path, key in ((self.tokens_path, "tokens_sha256"), (self.index_path, "index_sha256")):
-            if _file_sha256(path) != self.meta[key]:
+            if file_info(path)["sha256"] != self.meta[key]:
                 raise CorruptFileError(f"{path} fails its checksum")
 
     @property

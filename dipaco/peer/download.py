@@ -20,7 +20,7 @@ import torch
 
 from dipaco.data.shards import TokenShard
 from dipaco.errors import DataError, TransportError
-from dipaco.fileio import plain_name_error
+from dipaco.fileio import file_info, plain_name_error
 from dipaco.protocols import messages as m
 from dipaco.protocols.transport import Transport
 
@@ -29,14 +29,6 @@ CHUNK = 4 << 20
 CHUNK_TRIES = 3  # a chunk asked again after a transport error, from the same byte
 CHUNK_RETRY_SECONDS = 1.0
 DISK_MARGIN = 256 << 20  # a download never leaves less than this free
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _check_entry(name: Any, info: Any) -> None:
@@ -86,7 +78,7 @@ class RunFiles:
         if (
             dest.exists()
             and dest.stat().st_size == info["size"]
-            and _sha256(dest) == info["sha256"]
+            and file_info(dest)["sha256"] == info["sha256"]
         ):
             return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
