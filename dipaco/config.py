@@ -417,6 +417,12 @@ def load_config_dict(data: dict, origin: str = "config") -> RunConfig:
         raise ConfigError(f"{origin}: {exc}") from None
 
 
+def read_run_config(run_dir: str | Path) -> RunConfig:
+    """The config a run folder saved (its ``config.json``), validated."""
+    file = Path(run_dir) / "config.json"
+    return load_config_dict(json.loads(file.read_text()), origin=str(file))
+
+
 def load_config(path: str | Path) -> RunConfig:
     path = Path(path)
     try:

@@ -29,7 +29,6 @@ a crash or Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import json
 import secrets
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ from dipaco.cli.nodes import (
     relayed_route,
     relays_for_owners,
 )
-from dipaco.config import PRESETS, RunConfig, load_config_dict
+from dipaco.config import PRESETS, RunConfig, read_run_config
 from dipaco.coordinator.access import change_access
 from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.gather import gather_at_end, remote_fetcher, wait_gathered
@@ -136,7 +135,7 @@ def start_config(args: argparse.Namespace, run_dir: Path) -> RunConfig:
     saved = run_dir / "config.json"
     if saved.exists():
         try:
-            config = load_config_dict(json.loads(saved.read_text()), origin=str(saved))
+            config = read_run_config(run_dir)
         except ValueError as exc:
             raise ConfigError(f"{saved}: not a readable run config: {exc}") from None
         say(f"resuming {run_dir} with the config it saved ({saved})")
@@ -250,8 +249,7 @@ def start_standby(args: argparse.Namespace) -> int:
             f"{key_file} is missing: a standby signs with the scheduler's key; copy it from the "
             "active scheduler's run folder"
         )
-    config_file = run_dir / "config.json"
-    prep = prepare(run_dir, load_config_dict(json.loads(config_file.read_text()), str(config_file)))
+    prep = prepare(run_dir, read_run_config(run_dir))
     me = Identity.load_or_create(key_file)
     node = joined_node(args, run_dir)
     try:

@@ -41,17 +41,14 @@ def serve(
 ) -> Coordinator:
     """Run a prepared run's rounds over ``grid`` until it finishes; returns its core.
     ``dashboard`` (HOST:PORT) serves the web dashboard from this process meanwhile."""
-    import json
-
-    from dipaco.config import load_config_dict
+    from dipaco.config import read_run_config
     from dipaco.flower.strategy import DipacoStrategy
     from dipaco.prepare.pipeline import prepare
     from dipaco.run.factory import build_coordinator
     from dipaco.run.metrics_log import MetricsLog
 
     run_dir = Path(run_dir)
-    config_file = run_dir / "config.json"
-    config = load_config_dict(json.loads(config_file.read_text()), origin=str(config_file))
+    config = read_run_config(run_dir)
     prep = prepare(run_dir, config)
     core = build_coordinator(prep, MetricsLog(run_dir / "metrics.jsonl"), evaluate=evaluate)
     strategy = DipacoStrategy(

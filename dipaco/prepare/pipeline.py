@@ -9,7 +9,6 @@ again after an interruption continues where it stopped.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import secrets
 import shutil
@@ -19,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dipaco.config import RunConfig, load_config_dict
+from dipaco.config import RunConfig, read_run_config
 from dipaco.data.corpus import split_train_val
 from dipaco.data.shards import ShardWriter, TokenShard, window_batches
 from dipaco.data.sources import open_source
@@ -80,9 +79,7 @@ def prepare(
     config_file = root / "config.json"
     if config_file.exists():
         # Read through today's schema: a setting added since the run began has its default.
-        saved = load_config_dict(
-            json.loads(config_file.read_text()), origin=str(config_file)
-        ).to_dict()
+        saved = read_run_config(root).to_dict()
         changed = sorted(
             k
             for k in set(saved) | set(config.to_dict())
@@ -265,7 +262,7 @@ def _reuse(base: Path, root: Path, config: RunConfig) -> None:
     its first routing phase (router and shards) when it routes alike."""
     if base.resolve() == root.resolve() or not (base / "config.json").exists():
         return
-    other = load_config_dict(json.loads((base / "config.json").read_text()), str(base))
+    other = read_run_config(base)
     names: list[str] = []
     if _data_key(other) == _data_key(config):
         names += ["tokenizer.model"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dipaco.config import RunConfig, load_config_dict
+from dipaco.config import RunConfig, read_run_config
 from dipaco.coordinator.store import ModuleStore
 from dipaco.errors import ConfigError, DataError
 from dipaco.model.hf import hf_state_dict, llama_config
@@ -113,10 +113,9 @@ def open_run(run_dir: str | Path, *, remote: Remote | None = None) -> UsableRun:
     run_dir = Path(run_dir)
     config_file = check_run_folder(run_dir)
     try:
-        raw = json.loads(config_file.read_text())
+        config = read_run_config(run_dir)
     except ValueError as exc:
         raise DataError(f"{config_file}: not valid JSON: {exc}") from None
-    config = load_config_dict(raw, origin=str(config_file))
     prep = prepare(run_dir, config)
     others, gathered = remote(run_dir) if remote is not None else (_other_owned(run_dir), {})
     if others - set(gathered):
