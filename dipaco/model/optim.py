@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,12 @@ class InnerSettings:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     betas: tuple[float, float] = (0.9, 0.95)
+
+    @classmethod
+    def of_train(cls, train: Mapping[str, Any], total_steps: int) -> InnerSettings:
+        """The settings of a run config's ``train`` section (a dict, as run manifests carry it)."""
+        keys = ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip")
+        return cls(total_steps=total_steps, **{k: train[k] for k in keys})
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup_steps:

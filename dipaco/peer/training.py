@@ -208,14 +208,7 @@ class PathTrainer:
         a resumed task trained on already)."""
         model.train()
         tc = self.train_cfg
-        settings = InnerSettings(
-            lr=tc["lr"],
-            warmup_steps=tc["warmup_steps"],
-            total_steps=task.total_steps,
-            min_lr_ratio=tc["min_lr_ratio"],
-            weight_decay=tc["weight_decay"],
-            grad_clip=tc["grad_clip"],
-        )
+        settings = InnerSettings.of_train(tc, task.total_steps)
         taking, self._taking = self._taking, None
         if taking is not None and taking.model is not model:
             taking = None

@@ -46,15 +46,7 @@ OPERATIONAL = {"name", "scheduler", "eval", "security", "flower", "baseline", "v
 
 
 def inner_settings(config: RunConfig) -> InnerSettings:
-    t = config.train
-    return InnerSettings(
-        lr=t.lr,
-        warmup_steps=t.warmup_steps,
-        total_steps=config.total_steps,
-        min_lr_ratio=t.min_lr_ratio,
-        weight_decay=t.weight_decay,
-        grad_clip=t.grad_clip,
-    )
+    return InnerSettings.of_train(config.train.model_dump(), config.total_steps)
 
 
 def prepare(
