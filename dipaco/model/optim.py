@@ -243,6 +243,29 @@ def load_optimizer_state_tensors(
             }
 
 
+def training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, names: list[str], copy: bool = False
+) -> dict[str, torch.Tensor]:
+    """A model's weights (``model/<name>``) and its optimizer's state (``optim/<kind>/<name>``)
+    as named tensors, for a pickle-free file; ``copy``: CPU copies (training goes on meanwhile)."""
+    tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
+    tensors.update({f"optim/{k}": v for k, v in optimizer_state_tensors(optimizer, names).items()})
+    return {k: v.detach().to("cpu", copy=True) if copy else v.detach() for k, v in tensors.items()}
+
+
+def load_training_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    names: list[str],
+    tensors: dict[str, torch.Tensor],
+    own: bool = False,
+) -> None:
+    """Weights and optimizer state from :func:`training_state`'s tensors (``own``: see above)."""
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model/")})
+    optim = {k[6:]: v for k, v in tensors.items() if k.startswith("optim/")}
+    load_optimizer_state_tensors(optimizer, names, optim, own=own)
+
+
 def param_names_in_optimizer_order(model: nn.Module) -> list[str]:
     named = dict(model.named_parameters())
     by_id = {id(p): n for n, p in named.items()}

@@ -21,7 +21,7 @@ import torch
 
 from dipaco.errors import CorruptFileError
 from dipaco.fileio import write_json_atomic
-from dipaco.model.optim import load_optimizer_state_tensors, optimizer_state_tensors
+from dipaco.model import optim
 from dipaco.protocols import feedback
 from dipaco.protocols.wire import Frame, read_tensor_file, write_tensor_file
 
@@ -52,15 +52,7 @@ class TaskCheckpoint:
         checkpoint and leaving wait for it). A failed write is logged: the task trains on, and
         a restart would resume from the last checkpoint that was written whole.
         """
-        tensors = {
-            f"model/{k}": v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
-        }
-        tensors.update(
-            {
-                f"optim/{k}": v.detach().to("cpu", copy=True)
-                for k, v in optimizer_state_tensors(optimizer, names).items()
-            }
-        )
+        tensors = optim.training_state(model, optimizer, names, copy=True)
         self.wait()
         frame = Frame("TaskCheckpoint", {"task_id": task_id, "step": step}, tensors)
         meta = {"task_id": task_id, "losses": list(losses)}
@@ -99,15 +91,7 @@ class TaskCheckpoint:
         if meta.get("task_id") != task_id or frame.fields.get("task_id") != task_id:
             self.drop()
             return 0, []
-        model.load_state_dict(
-            {k[6:]: v for k, v in frame.tensors.items() if k.startswith("model/")}
-        )
-        load_optimizer_state_tensors(
-            optimizer,
-            names,
-            {k[6:]: v for k, v in frame.tensors.items() if k.startswith("optim/")},
-            own=True,
-        )
+        optim.load_training_state(model, optimizer, names, frame.tensors, own=True)
         step = int(frame.fields["step"])
         return step, list(meta.get("losses", []))[:step]
 
@@ -168,7 +152,7 @@ class InnerState:
             return
         try:
             tensors = read_tensor_file(file).tensors
-            load_optimizer_state_tensors(
+            optim.load_optimizer_state_tensors(
                 optimizer,
                 names,
                 {k: v for k, v in tensors.items() if not k.startswith("ef|")},
@@ -185,7 +169,7 @@ class InnerState:
         self, path: int, round_: int, optimizer: torch.optim.Optimizer, names: list[str]
     ) -> None:
         """This round's state; the one before it stays (a retry of this round loads it)."""
-        tensors = optimizer_state_tensors(optimizer, names)
+        tensors = optim.optimizer_state_tensors(optimizer, names)
         key = f"P{path}|"
         tensors.update(
             {f"ef|{k}": v for k, v in self.feedback.state_tensors().items() if k.startswith(key)}

@@ -21,11 +21,11 @@ from dipaco.data.shards import TokenShard, window_batches
 from dipaco.errors import DipacoError
 from dipaco.fileio import write_json_atomic
 from dipaco.model.optim import (
-    load_optimizer_state_tensors,
+    load_training_state,
     make_optimizer,
-    optimizer_state_tensors,
     param_names_in_optimizer_order,
     train_steps,
+    training_state,
 )
 from dipaco.prepare.folder import PreparedRun
 from dipaco.prepare.pipeline import inner_settings, prepare
@@ -60,14 +60,7 @@ def train_dense_baseline(
     state_file = folder / "state.dpt"
     if state_file.exists():
         frame = read_tensor_file(state_file)
-        model.load_state_dict(
-            {k[len("model/") :]: v for k, v in frame.tensors.items() if k.startswith("model/")}
-        )
-        load_optimizer_state_tensors(
-            optimizer,
-            names,
-            {k[len("optim/") :]: v for k, v in frame.tensors.items() if k.startswith("optim/")},
-        )
+        load_training_state(model, optimizer, names, frame.tensors)
         chunk = frame.fields["chunk"]
     train = TokenShard(prep.root / "data" / "train")
     docs = prep.val_docs()
@@ -110,10 +103,7 @@ def train_dense_baseline(
                 "loss": result["loss"],
             }
         )
-        tensors = {f"model/{k}": v.detach() for k, v in model.state_dict().items()}
-        tensors.update(
-            {f"optim/{k}": v for k, v in optimizer_state_tensors(optimizer, names).items()}
-        )
+        tensors = training_state(model, optimizer, names)
         write_tensor_file(state_file, Frame("BaselineState", {"chunk": chunk}, tensors))
     if result is None:  # resumed after the last chunk was checkpointed
         result = evaluate()
