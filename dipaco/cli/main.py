@@ -191,39 +191,24 @@ def _results(
     per_step = c.train.batch_size * c.train.seq_len
     steps = c.total_steps
     final = evaluate_modules(prep, coordinator.store.params)
-    rows = [
-        {
-            "model": f"DiPaCo {topology.spec}",
-            "params_per_path": counts["per_path"],
-            "total_params": counts["total"],
+
+    def row(model: str, params: dict, tokens_seen: int, ppl: float) -> dict:
+        return {
+            "model": model,
+            "params_per_path": params["per_path"],
+            "total_params": params["total"],
             "steps_per_path": steps,
-            "tokens_seen": per_step
-            * (c.train.pretrain_steps + topology.num_paths * c.train.rounds * c.train.inner_steps),
-            "ppl": final["ppl"],
+            "tokens_seen": tokens_seen,
+            "ppl": ppl,
         }
-    ]
+
+    all_steps = c.train.pretrain_steps + topology.num_paths * c.train.rounds * c.train.inner_steps
+    rows = [row(f"DiPaCo {topology.spec}", counts, per_step * all_steps, final["ppl"])]
     if baseline is not None:
-        rows.append(
-            {
-                "model": "dense (path-sized)",
-                "params_per_path": dense_counts["per_path"],
-                "total_params": dense_counts["total"],
-                "steps_per_path": steps,
-                "tokens_seen": per_step * steps,
-                "ppl": baseline["ppl"],
-            }
-        )
+        rows.append(row("dense (path-sized)", dense_counts, per_step * steps, baseline["ppl"]))
     if diloco is not None:
-        rows.append(
-            {
-                "model": f"DiLoCo-{topology.num_paths} (equal compute)",
-                "params_per_path": dense_counts["per_path"],
-                "total_params": dense_counts["total"],
-                "steps_per_path": steps,
-                "tokens_seen": diloco["tokens"],
-                "ppl": diloco["ppl"],
-            }
-        )
+        name = f"DiLoCo-{topology.num_paths} (equal compute)"
+        rows.append(row(name, dense_counts, diloco["tokens"], diloco["ppl"]))
     return rows
 
 

@@ -55,12 +55,8 @@ class RunCollector:
 
     def collect(self):
         s = self.dashboard.snapshot()
-        g = GaugeMetricFamily("dipaco_round", "Current outer round of the run")
-        g.add_metric([], s["round"])
-        yield g
-        g = GaugeMetricFamily("dipaco_rounds", "Outer rounds the run will train")
-        g.add_metric([], s["rounds"])
-        yield g
+        yield GaugeMetricFamily("dipaco_round", "Current outer round of the run", s["round"])
+        yield GaugeMetricFamily("dipaco_rounds", "Outer rounds the run will train", s["rounds"])
         g = GaugeMetricFamily("dipaco_finished", "1 once every module reached its last round")
         g.add_metric([], 1 if s["finished"] else 0)
         yield g
@@ -71,12 +67,10 @@ class RunCollector:
             p.add_metric([mid], len(info.get("pending", [])))
         yield g
         yield p
-        g = GaugeMetricFamily("dipaco_peers", "Peers the coordinator has heard from")
-        g.add_metric([], len(s["peers"]))
-        yield g
-        g = GaugeMetricFamily("dipaco_leases", "Tasks out with peers")
-        g.add_metric([], len(s["leases"]))
-        yield g
+        yield GaugeMetricFamily(
+            "dipaco_peers", "Peers the coordinator has heard from", len(s["peers"])
+        )
+        yield GaugeMetricFamily("dipaco_leases", "Tasks out with peers", len(s["leases"]))
         seen = GaugeMetricFamily(
             "dipaco_peer_seen_seconds", "Since a peer's last request", labels=["peer"]
         )
@@ -103,9 +97,8 @@ class RunCollector:
             g = GaugeMetricFamily("dipaco_validation_ppl", "Routed validation perplexity")
             g.add_metric([], routed[-1]["ppl"])
             yield g
-        c = CounterMetricFamily("dipaco_dashboard_refused", "Dashboard requests refused")
-        c.add_metric([], self.dashboard.refused)
-        yield c
+        refused = self.dashboard.refused
+        yield CounterMetricFamily("dipaco_dashboard_refused", "Dashboard requests refused", refused)
 
 
 class Dashboard:
