@@ -22,8 +22,9 @@ import time
 from collections import deque
 from pathlib import Path
 
+from dipaco.coordinator.round_book import RoundBook
 from dipaco.coordinator.scheduler import Scheduler
-from dipaco.coordinator.statetext import dumps, trained_by_text, trained_by_texts
+from dipaco.coordinator.statetext import dumps
 from dipaco.coordinator.validation import NormTracker
 from dipaco.fileio import compact_json_bytes
 
@@ -42,8 +43,7 @@ class State:
         self.s = Scheduler(lease_seconds=600.0, clock=self.clock)
         side = max(2, math.ceil(math.sqrt(peers)))
         mids = [f"L{level}.M{m}" for level in range(2) for m in range(side)]
-        self.trained: dict[tuple[int, int], str] = {}
-        self.trained_texts = trained_by_texts()
+        self.book = RoundBook()  # who trained each path's rounds
         for rnd in (0, 1):  # round 0 finished, round 1 live
             for p in range(peers):
                 versions = {mids[p % side]: rnd, mids[side + p // side % side]: rnd}
@@ -52,7 +52,7 @@ class State:
                 self.clock.now += 0.01
                 if rnd == 0:
                     self.s.finish(lease.task_id)
-                    self.trained[(p, 0)] = f"peer{p}"
+                    self.book.finish(p, 0, f"peer{p}")
         self.norms = NormTracker(None)
         for mid in mids:
             self.norms.norms[mid] = deque((self.rng.random() for _ in range(64)), maxlen=64)
@@ -66,19 +66,19 @@ class State:
         self.s.heartbeat(lease.task_id, lease.peer_id)
         peer = f"peer{self.rng.randrange(self.peers)}"
         self.s.paces.setdefault(peer, deque(maxlen=3)).append(self.rng.random())
-        self.trained[(self.rng.randrange(self.peers), 1)] = peer
+        self.book.finish(self.rng.randrange(self.peers), 1, peer)
         self.s.attempts[(self.next_path, 2)] = 1
+        self.s.texts.attempts.mark((self.next_path, 2))  # as Scheduler.claim marks it
         self.next_path = (self.next_path + 1) % self.peers
         for mid in self.rng.sample(self.mids, 2):
             self.norms.norms[mid].append(self.rng.random())
 
     def kept(self) -> int:
-        text = self.s.snapshot_text() + trained_by_text(self.trained_texts, self.trained)
+        text = self.s.snapshot_text() + self.book.trained_by_json()
         return len(text) + len(self.norms.snapshot_bytes())
 
     def whole(self) -> int:
-        trained = sorted([p, r, who] for (p, r), who in self.trained.items())
-        text = dumps(self.s.snapshot()) + dumps(trained)
+        text = dumps(self.s.snapshot()) + dumps(self.book.trained_by_list())
         return len(text) + len(compact_json_bytes(self.norms.snapshot()))
 
 

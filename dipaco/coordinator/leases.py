@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import KeysView
+from collections.abc import Callable, KeysView
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -29,6 +30,18 @@ class Lease:
     # (when, step) of the last heartbeat that reported a step: the task's pace so far, for a
     # peer whose pace over whole tasks is not known yet (scheduler.hedge)
     progress: tuple[float, int] | None = None
+    # Called with the task id when a field coordinator.json remembers the task by is set (the
+    # scheduler's kept texts, statetext.MarkedTexts). ``module_versions`` is replaced, never
+    # changed in place: an in-place change would not be seen.
+    on_change: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _REMEMBERED and self.on_change is not None:
+            self.on_change(self.task_id)
+
+
+_REMEMBERED = frozenset({"path", "round", "peer_id", "steps", "module_versions"})
 
 
 class LiveLeases:

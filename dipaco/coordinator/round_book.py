@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from dipaco.coordinator.statetext import trained_by_text, trained_by_texts
+from dipaco.coordinator.statetext import MarkedTexts, dumps
 
 PathRound = tuple[int, int]
 
@@ -20,7 +20,8 @@ class RoundBook:
         # (path, round) -> the peer whose task it was, since that peer's last Hello: overlap
         # offers a path's next round only to the peer that holds where it ended (in memory).
         self.trained_by: dict[PathRound, str] = {}
-        self.trained_by_texts = trained_by_texts()  # its entries' JSON, kept (statetext.py)
+        # its entries' JSON, kept in its order and encoded again only when marked (statetext.py)
+        self.trained_by_texts = MarkedTexts(lambda k, peer: dumps([*k, peer]))
         # (path, round) whose task ran past the deadline: rounds may close without them.
         self.overdue: set[PathRound] = set()
         self.void: dict[str, int] = {}  # an owner's copy of the scheduler's ended leases
@@ -32,6 +33,7 @@ class RoundBook:
         """The task of ``path`` for round ``rnd`` is done, trained by ``peer_id``."""
         self.done.add((path, rnd))
         self.trained_by[(path, rnd)] = peer_id
+        self.trained_by_texts.mark((path, rnd))
 
     def path_rounds(
         self, key: tuple, compute: Callable[[], list[tuple[int, int, bool]]]
@@ -49,7 +51,9 @@ class RoundBook:
         more. True if it had."""
         kept = {k: p for k, p in self.trained_by.items() if p != peer_id}
         forgot = len(kept) < len(self.trained_by)
-        self.trained_by = kept
+        if forgot:
+            self.trained_by = kept
+            self.trained_by_texts.rebuilt()
         return forgot
 
     def add_overdue(self, late: set[PathRound], current: int) -> bool:
@@ -75,6 +79,7 @@ class RoundBook:
             self.last_round = current
             self.done = {(p, r) for p, r in self.done if r >= horizon}
             self.trained_by = {k: v for k, v in self.trained_by.items() if k[1] >= horizon}
+            self.trained_by_texts.rebuilt()
         return closed
 
     # ---- coordinator.json's entries ---------------------------------------------------------
@@ -84,16 +89,19 @@ class RoundBook:
         rounds still goes ahead on it (overlap) rather than wait for the round to close."""
         self.overdue = {(p, r) for p, r in saved.get("overdue", [])}
         self.trained_by = {(p, r): peer for p, r, peer in saved.get("trained_by", [])}
+        self.trained_by_texts.rebuilt()
 
     def started(self, current: int) -> None:
         """The coordinator (re)started at round ``current``: rounds before it are not announced."""
         self.last_round = current
 
     def trained_by_json(self) -> str:
-        return trained_by_text(self.trained_by_texts, self.trained_by)
+        """``trained_by_list`` as JSON text, its entries kept while unchanged."""
+        return "[" + self.trained_by_texts.joined(self.trained_by) + "]"
 
     def overdue_list(self) -> list[list[int]]:
         return sorted([p, r] for p, r in self.overdue)
 
     def trained_by_list(self) -> list[list]:
-        return sorted([p, r, peer] for (p, r), peer in self.trained_by.items())
+        """``[[path, round, peer]]`` in the order trained (the file keeps it: a restart too)."""
+        return [[p, r, peer] for (p, r), peer in self.trained_by.items()]

@@ -171,6 +171,9 @@ class Scheduler:
         )
         self.live.add(lease)
         self.issued[lease.task_id] = lease
+        lease.on_change = self.texts.issued.mark
+        self.texts.issued.mark(lease.task_id)
+        self.texts.attempts.mark((path, rnd))
         return lease
 
     @staticmethod
@@ -307,6 +310,8 @@ class Scheduler:
         }
         self.attempts = {pr: n for pr, n in self.attempts.items() if pr[1] >= first_round}
         self.ended = {t: r for t, r in self.ended.items() if r >= first_round}
+        self.texts.issued.rebuilt()
+        self.texts.attempts.rebuilt()
 
     def leases_of(self, peer_id: str) -> list[Lease]:
         return self.live.of_peer(peer_id)
@@ -355,6 +360,7 @@ class Scheduler:
         saved_at = saved.get("clock", 0.0)
         for task, path, rnd, peer, steps, versions in saved.get("issued", []):
             lease = Lease(task, path, rnd, peer, now, steps, now, dict(versions))
+            lease.on_change = self.texts.issued.mark
             self.issued[task] = lease
             if task in live:
                 deadline, issued_at = live[task]
@@ -365,6 +371,8 @@ class Scheduler:
         for lease in sorted(back, key=lambda x: x.issued_at):  # leases stay in issue order
             self.live.add(lease)
         self.attempts.update({(p, r): n for p, r, n in saved.get("attempts", [])})
+        self.texts.issued.rebuilt()
+        self.texts.attempts.rebuilt()
         self.durations.extend(saved.get("durations", []))
         self._finished += 1  # the task deadline is judged afresh
         for peer, pace in saved.get("paces", {}).items():

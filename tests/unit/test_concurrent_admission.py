@@ -303,14 +303,20 @@ def test_coordinator_json_keeps_each_entrys_encoding_and_writes_the_same_bytes(t
             same()
     assert co.scheduler.paces and co.scheduler.attempts and co.book.trained_by and co.norms.norms
     assert json.loads((tmp_path / "validation.json").read_text()) == co.norms.snapshot()
-    # A remembered task changed in place (its module versions, its steps): encoded anew.
+    # A remembered task changed (its module versions replaced, its steps): encoded anew, once.
     issued = texts.issued.encoded
     with co.lock:
         lease = next(iter(co.scheduler.issued.values()))
-        lease.module_versions[next(iter(lease.module_versions))] += 7
+        first = next(iter(lease.module_versions))
+        lease.module_versions = {**lease.module_versions, first: lease.module_versions[first] + 7}
         lease.steps += 1
     same()
     assert texts.issued.encoded == issued + 1
+    # Pruned (rounds that can take no delta any more): every remembered task encoded again.
+    with co.lock:
+        co.scheduler.forget_before(1)
+    same()
+    assert texts.issued.encoded == issued + 1 + len(co.scheduler.issued)
     saved = json.loads((tmp_path / "coordinator.json").read_text())
     assert len(saved["scheduler"]["issued"]) == len(co.scheduler.issued) > 0
     assert saved["scheduler"]["clock"] == now[0]
