@@ -429,9 +429,9 @@ def _conforms(value: Any, tp: Any) -> bool:
     strings text of at most ``MAX_TEXT`` characters: ``decode`` checked every header value."""
     if tp is Any:
         return True
-    origin = typing.get_origin(tp)
+    origin, args = _parts(tp)
     if origin in (typing.Union, types.UnionType):
-        return any(_conforms(value, arg) for arg in typing.get_args(tp))
+        return any(_conforms(value, arg) for arg in args)
     if tp is type(None):
         return value is None
     if tp is float:
@@ -439,14 +439,34 @@ def _conforms(value: Any, tp: Any) -> bool:
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if origin is dict:
-        kt, vt = typing.get_args(tp)
+        kt, vt = args
         return isinstance(value, dict) and all(
             _conforms(k, kt) and _conforms(v, vt) for k, v in value.items()
         )
     if origin is list:
-        (it,) = typing.get_args(tp)
-        return isinstance(value, list) and all(_conforms(v, it) for v in value)
+        if not isinstance(value, list):
+            return False
+        (it,) = args
+        exact = _SCALARS.get(it)
+        if exact is not None:  # a list of names or numbers: its items' types collected in C
+            return set(map(type, value)) <= exact
+        return all(_conforms(v, it) for v in value)
     return isinstance(value, tp)
+
+
+# What JSON parses a scalar of each annotated type into (a bool is no int, an int is a float).
+_SCALARS: dict[Any, frozenset[type]] = {
+    str: frozenset({str}),
+    bool: frozenset({bool}),
+    int: frozenset({int}),
+    float: frozenset({int, float}),
+}
+
+
+@functools.cache
+def _parts(tp: Any) -> tuple[Any, tuple[Any, ...]]:
+    """A type annotation's origin and arguments (``typing`` computes them at every call)."""
+    return typing.get_origin(tp), typing.get_args(tp)
 
 
 def _check_size(kind: str, name: str, value: Any, limit: int | None) -> None:

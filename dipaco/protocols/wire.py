@@ -19,6 +19,7 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -321,16 +322,41 @@ def decode(data: ByteBuffer, limits: Limits = DEFAULT_LIMITS, copy: bool = True)
 def loads_checked(raw: bytes | memoryview, what: str = "header") -> Any:
     """JSON from outside (a frame's header, an envelope's, a record or file someone else wrote),
     parsed so that the only failure is a :class:`WireError` saying why: every number finite and
-    within 64 bits, every string text, nesting within Python's recursion limit."""
+    within 64 bits, every string text, nesting within Python's recursion limit.
+
+    Numbers are checked as the parser makes them (its hooks, called from C). Strings are walked
+    one by one only where the bytes could hold a bad one: a ``\\u`` escape of a surrogate (a
+    lone one decodes but is not text), or more bytes than one string may have characters."""
+    raw = bytes(raw)
     try:
-        value = json.loads(bytes(raw), parse_constant=_no_constant)
+        value = json.loads(raw, parse_constant=_no_constant, parse_float=_finite, parse_int=_int64)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError(f"{what} is not valid JSON: {exc}") from None
     except RecursionError:
         raise WireError(f"{what} nests lists or objects too deeply") from None
     except ValueError as exc:  # an integer beyond Python's int-string limit
         raise WireError(f"{what} holds a number out of range: {str(exc)[:80]}") from None
-    _check_scalars(value, what)
+    except WireError as exc:
+        raise WireError(f"{what} holds {exc}") from None
+    if len(raw) > MAX_TEXT or _SURROGATE.search(raw):
+        _check_scalars(value, what)
+    return value
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise WireError(f"{text[:20]}: numbers on the wire are finite")
+    return value
+
+
+def _int64(text: str) -> int:
+    value = int(text)
+    if abs(value) > INT_LIMIT:
+        raise WireError(f"an integer beyond 64 bits ({text[:20]}...)")
     return value
 
 
@@ -375,17 +401,25 @@ def _check_text(text: str, what: str) -> None:
 
 
 def _depth(value: Any, cap: int) -> int:
-    """Nesting depth of a JSON value (a scalar is 0), counted up to ``cap`` without recursion."""
+    """Nesting depth of a JSON value (a scalar is 0), counted up to ``cap`` without recursion.
+    A container's children are looked at one by one only if one of them is a container (the
+    kinds of a long list of numbers or names are collected in C)."""
+    if type(value) not in _CONTAINERS:
+        return 0
     deepest, stack = 0, [(value, 0)]
     while stack:
         item, level = stack.pop()
-        if isinstance(item, dict | list):
-            level += 1
-            deepest = max(deepest, level)
-            if deepest >= cap:
-                return deepest
-            stack.extend((v, level) for v in (item.values() if isinstance(item, dict) else item))
+        level += 1
+        deepest = max(deepest, level)
+        if deepest >= cap:
+            return deepest
+        children = item.values() if type(item) is dict else item
+        if not _CONTAINERS.isdisjoint(set(map(type, children))):
+            stack.extend((v, level) for v in children if type(v) in _CONTAINERS)
     return deepest
+
+
+_CONTAINERS = frozenset({dict, list})  # what JSON parses objects and arrays into
 
 
 def _check_spec(spec: Any, limits: Limits) -> tuple[str, str, list[int]]:

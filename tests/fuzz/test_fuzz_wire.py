@@ -9,6 +9,7 @@ reached as well.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 
 import pytest
@@ -155,6 +156,54 @@ def test_deeply_nested_headers_are_refused_not_a_recursion_error():
         data = b"DPCO\x01" + len(header).to_bytes(4, "little") + header.encode()
         msg = _decodes_cleanly(data)
         assert msg is None or depth <= wire.Limits().max_depth
+
+
+# Texts with a value that breaks the rules: loads_checked checks numbers as the parser makes
+# them and walks the strings only where the bytes hold a surrogate escape or a long text.
+_ONLY_THE_WALK_REFUSES = [
+    '"\\ud800"',
+    '{"a":["x\\uDBFFy"]}',
+    '"\\udc00\\ud800"',
+    "[9223372036854775808]",
+    "[-9223372036854775809]",
+    "[1.0e400]",
+    "[-2E+308]",
+    '["' + "x" * (wire.MAX_TEXT + 1) + '"]',
+]
+
+
+@pytest.mark.parametrize("text", _ONLY_THE_WALK_REFUSES, ids=lambda t: t[:24])
+def test_headers_with_a_bad_number_or_string_are_refused(text):
+    with pytest.raises(WireError):
+        wire.loads_checked(text.encode())
+
+
+scalars = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),  # surrogates included: json.dumps escapes them
+    st.booleans(),
+    st.none(),
+)
+
+
+@FUZZ
+@given(
+    value=st.recursive(
+        scalars,
+        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=4), c, max_size=4),
+        max_leaves=12,
+    ),
+    exponent=st.integers(-400, 400),
+)
+def test_loads_checked_passes_only_what_the_walk_over_every_value_passes(value, exponent):
+    """Whatever loads_checked accepts, the walk over every value accepts too."""
+    for text in (json.dumps(value), json.dumps([value])[:-1] + f",1e{exponent}]"):
+        try:
+            back = wire.loads_checked(text.encode())
+        except WireError:
+            continue
+        wire._check_scalars(back, "header")  # raises if a bad value got through
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
