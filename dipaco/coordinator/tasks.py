@@ -68,7 +68,10 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
     for held in scheduler.leases_of(req.peer_id):
         # A peer back from a restart gets its task again, unless its round has moved on
         # without it: then the task cannot be trained from its base any more; drop it. (An
-        # ahead task's modules may move on to its round: overlap.)
+        # ahead task's modules may move on to its round: overlap.) A task the claim names as
+        # held is in hand, not to be trained again (a delta being sent behind: a late one).
+        if held.task_id in req.holding:
+            continue
         if any(core.version(mid) not in (v, held.round) for mid, v in held.module_versions.items()):
             scheduler.release(held.task_id, req.peer_id)
             core.metrics({"event": "task_dropped", "task": held.task_id, "peer": req.peer_id})

@@ -959,3 +959,32 @@ def test_the_kept_answer_of_each_paths_round_is_the_fresh_one_through_deadlines_
         full_round(tr, clock)
     assert set(versions(co).values()) == {4} and co.finished
     assert tr.checks > 30
+
+
+def test_a_task_being_sent_behind_is_kept_when_its_round_closes_without_it(tmp_path):
+    """Push behind: p3 has trained its round-1 task and claims its next one while it sends the
+    delta (``ClaimTask.holding`` names the task being sent). The round closed at its deadline
+    meanwhile. The task is not dropped as a restarted peer's would be: its lease lives, and its
+    delta is admitted late, not refused as a task whose lease ended."""
+    clock = Clock()
+    co = make(tmp_path, clock)
+    tr = LocalTransport(co.handle)
+    sent = straggling_round(co, tr, clock)
+    clock.now = 26.0
+    co.tick()
+    moved = {mid for mid in PATH3 if co.store.version(mid) == 2}
+    assert moved, versions(co)  # the round closed without path 3 where it was not needed
+    offer = tr.request(m.ClaimTask(peer_id="p3", holding=[sent.task_id]))
+    assert isinstance(offer, m.TaskOffer) and offer.task_id != sent.task_id
+    assert tr.request(m.Heartbeat(peer_id="p3", task_id=sent.task_id)).lease_ok
+    ack = tr.request(delta_for(sent, "p3"))
+    assert isinstance(ack, m.DeltaAck) and sorted(ack.accepted) == sorted(PATH3), ack
+    # Without ``holding`` (a peer back from a restart), the same claim drops the dead task.
+    clock2 = Clock()
+    co2 = make(tmp_path / "restart", clock2)
+    tr2 = LocalTransport(co2.handle)
+    dead = straggling_round(co2, tr2, clock2)
+    clock2.now = 26.0
+    co2.tick()
+    tr2.request(m.ClaimTask(peer_id="p3"))
+    assert not tr2.request(m.Heartbeat(peer_id="p3", task_id=dead.task_id)).lease_ok
