@@ -40,7 +40,8 @@ STATE_HEADER = "| peers | schedule | class | " + " | ".join(peers.STATES) + " | 
 def schedule(s: costs.Settings) -> str:
     """The scheduling settings of a row, in words."""
     parts = [f"{s.paths_per_peer:g} paths/peer"]
-    parts += [name for name, on in (("overlap", s.overlap), ("hedge", s.hedge)) if on]
+    flags = (("overlap", s.overlap), ("hedge", s.hedge), ("push behind", s.push_behind))
+    parts += [name for name, on in flags if on]
     parts += [f"{k} {v}" for k, v in s.policy.items()]
     return ", ".join(parts) or "synchronous"
 
@@ -92,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap", action="store_true", help="scheduler.overlap")
     ap.add_argument("--hedge", action="store_true", help="scheduler.hedge")
     ap.add_argument(
+        "--push-behind",
+        action="store_true",
+        help="peers send a task's deltas while they train the next (dipaco-peer --push-behind)",
+    )
+    ap.add_argument(
         "--no-cache-topology",
         action="store_true",
         help="run the coordinator's Topology as it is (module lists recomputed per call)",
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 quorum=args.quorum,
                 overlap=args.overlap,
                 hedge=args.hedge,
+                push_behind=args.push_behind,
                 paths_per_peer=args.paths_per_peer,
                 cache_topology=not args.no_cache_topology,
                 cpu_seconds=args.cpu_seconds,

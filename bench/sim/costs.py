@@ -156,6 +156,7 @@ class Settings:
     quorum: float = 0.5
     overlap: bool = False  # scheduler.overlap
     hedge: bool = False  # scheduler.hedge
+    push_behind: bool = False  # peers send a task's deltas while they train the next
     policy: dict = field(default_factory=dict)  # more SchedulerSection fields, as set
     paths_per_peer: float = 1.0  # the topology: W x W with W*W >= this many paths per peer
     max_virtual_seconds: float = 1e6

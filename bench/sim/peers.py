@@ -110,12 +110,12 @@ class Peer:
         self.last_path: int | None = None
         self.since = 0.0
         self.task_start: float | None = None
-        self.parked: object | None = None  # the TaskDone waiting for a report (park)
         self.waiting: object | None = None  # the claim waiting for a change of work (idle)
         self.woken = False  # the claim in flight was woken by a change of work
         self.served = 0  # the serving node's polls.generation when it served the last reply
         self.state, self.state_since = "hello", 0.0
         self.trained = 0.0  # seconds trained in the task at hand (wasted if it ends unacked)
+        self.sending: Send | None = None  # the task being sent behind (push_behind)
 
     def enter(self, state: str) -> None:
         """Book the time since the last change of state to that state, and move on."""
@@ -133,17 +133,21 @@ class Peer:
         extra: Callable[[Any], float] = lambda r: 0.0,
         times: float = 1.0,
         held: bool = False,
+        live: Callable[[], bool] | None = None,
     ) -> None:
         """``msg`` to ``node`` over this peer's latency; ``then(reply)`` when the reply is back,
-        unless the task it was sent for is over by then. ``held``: the request is at the node
-        already (a long poll it held, looked at again), so only the reply travels."""
+        unless the task it was sent for is over by then (``live``: another test of that, for a
+        task sent behind). ``held``: the request is at the node already (a long poll it held,
+        looked at again), so only the reply travels."""
         token, lat = self.token, self.profile.latency
+        if live is None:
+            live = lambda: self._live(token)  # noqa: E731
 
         def reply(r: Any) -> None:  # called as the node serves the request
             served = node.core.polls.generation
 
             def back() -> None:
-                if self._live(token):
+                if live():
                     self.served = served
                     then(r)
 
@@ -167,7 +171,8 @@ class Peer:
         self.send(self.scheduler, m.Hello(peer_id=self.name, device="cuda"), lambda r: self.claim())
 
     def claim(self, times: float = 1.0, held: bool = False) -> None:
-        msg = m.ClaimTask(peer_id=self.name, prefer_path=self.last_path)
+        holding = [self.sending.offer.task_id] if self.sending is not None else []
+        msg = m.ClaimTask(peer_id=self.name, prefer_path=self.last_path, holding=holding)
         self.send(self.scheduler, msg, self.offered, times=times, held=held)
 
     def offered(self, reply: Any) -> None:
@@ -278,108 +283,50 @@ class Peer:
             return
         st.compute += seconds
         self.trained = seconds
-        self.loop.after(seconds, lambda token=self.token: self._live(token) and self.push())
+        self.loop.after(seconds, lambda token=self.token: self._live(token) and self.trained_all())
 
-    def push(self) -> None:
-        self.enter("push")
-        offer, sizes = self.offer, self.swarm.cluster.sizes
-        groups = self.by_owner()
-        waiting = set(groups)
-        tokens = offer.inner_steps * costs.TOKENS_PER_STEP
-        token = self.token
-        over: set[str] = set()  # owners whose modules made all their rounds
-
-        def acked(owner: str, reply: Any) -> None:
-            if getattr(reply, "reason", None) == Reason.FINISHED:
-                # As the real peer (peer/push.py): this owner drops the delta, the path's
-                # other modules may still wait for their last round's.
-                over.add(owner)
-            elif not isinstance(reply, m.DeltaAck):
-                self.abandon(reply)
-                return
-            waiting.discard(owner)
-            if not waiting and over == set(groups):
-                self.abandon(reply)  # every module of the path had made all its rounds
-            elif not waiting:
-                self.trained = 0.0  # acknowledged: not wasted, whatever the TaskDone meets
-                self.enter("done")
-                self.task_done(
-                    m.TaskDone(self.name, offer.task_id, offer.ticket, tokens, [3.0], [])
-                )
-
-        for owner, mids in groups.items():
-            node = self.swarm.cluster.by_name[owner]
-            tensors = {k: v for mid in mids for k, v in self.swarm.deltas[mid].items()}
-            msg = m.SubmitDelta(
-                self.name,
-                offer.task_id,
-                offer.path,
-                offer.module_versions,
-                tokens,
-                [3.0],
-                tensors,
-                ticket=offer.ticket,
-                codec="int8",
-            )
-
-            def cost(r: Any) -> float:
-                if not isinstance(r, m.DeltaAck):
-                    return 0.0
-                fp32 = sizes.fp32(r.accepted)
-                return fp32 / costs.INT8_DECODE_BPS + fp32 / costs.STORE_BPS
-
-            def deliver(node=node, msg=msg, owner=owner) -> None:
-                self.send(node, msg, lambda r: acked(owner, r), cost)
-
-            when = transfer(self.loop, sizes.int8(mids), [self.up, node.ingress], 0.0)
-            self.loop.at(when, lambda d=deliver: self._live(token) and d())
-
-    def task_done(self, msg: m.TaskDone, until: float | None = None, held: bool = False) -> None:
-        """``until``: when the TaskDone's long poll ends (``TaskDone.wait`` after it reached the
-        scheduler); ``held``: the scheduler looks again at one it holds (``park``)."""
-        if until is None:
-            until = self.loop.now + self.profile.latency + REPORT_WAIT
-        self.send(self.scheduler, msg, lambda r: self.done(r, msg, until), held=held)
-
-    def done(self, reply: Any, msg: m.TaskDone, until: float = 0.0) -> None:
-        if getattr(reply, "reason", None) == Reason.NOT_ACKED:
-            if self.loop.now < until:
-                self.park(msg, until)
-                return
-            # the scheduler learns an owner's ack from its next report: the real peer asks
-            # again after its retry_seconds, with a new wait (links.Patience)
-            self.loop.after(
-                RETRY_SECONDS,
-                lambda token=self.token: self._live(token) and self.task_done(msg),
-            )
+    def trained_all(self) -> None:
+        """The task's steps are done: push its deltas, and wait for them (the default), or
+        send them behind (``Settings.push_behind``: the real peer's ``--push-behind``) and
+        claim the next task meanwhile; one task is sent at a time, so a peer whose last send
+        is still going waits for it ("push") first."""
+        if not self.swarm.settings.push_behind:
+            self.enter("push")
+            Send(self, behind=False).start()
             return
-        if not isinstance(reply, m.Ok):
-            self.abandon(reply)
+        if self.sending is not None:
+            self.enter("push")
+            token = self.token
+            self.sending.then = lambda: self._live(token) and self.trained_all()
             return
-        self.swarm.stats.finished += 1
-        self.end_task()
+        self.sending = Send(self, behind=True)
+        self.sending.start()
+        self.swarm.stats.busy += self.loop.now - (self.task_start or self.loop.now)
+        self.task_start, self.trained = None, 0.0  # the send holds it now
+        self.token += 1  # the task's heartbeats are the send's now
         self.enter("claim")
         self.claim()
 
-    def park(self, msg: m.TaskDone, until: float) -> None:
-        """The long poll of a TaskDone refused for an owner's report not yet in (as the real
-        scheduler holds it: ``rounds.await_reports``): the scheduler looks at it again as soon
-        as a report lands, or when its wait ends (then a refusal is retried after the peer's
-        retry seconds). The message itself asks for no wait: the simulation's one thread must
-        never block."""
-        ticket = object()
-        self.parked = ticket
-        token = self.token
-        self.swarm.stats.parked += 1
-
-        def again(by_report: bool) -> None:
-            if self.parked is ticket and self._live(token):
-                self.parked = None
-                self.swarm.stats.unparked_by_report += by_report
-                self.task_done(msg, until, held=True)
-
-        self.swarm.cluster.on_report(lambda: again(True))
-        self.loop.at(until, lambda: again(False))
+    def sent(self, send: Send, reply: Any) -> None:
+        """``send`` ended: its TaskDone taken (``reply`` an Ok) or its task given up."""
+        st, ok = self.swarm.stats, isinstance(reply, m.Ok)
+        st.finished += ok
+        if not send.behind:  # the task at hand: end it
+            if ok:
+                self.end_task()
+                self.enter("claim")
+                self.claim()
+            else:
+                self.abandon(reply)
+            return
+        if not ok:
+            reason = reply if isinstance(reply, str) else getattr(reply, "reason", None)
+            st.refused[str(reason or type(reply).__name__)] += 1
+            st.wasted[self.profile.kind] += send.trained
+        st.busy += self.loop.now - send.began
+        self.sending = None
+        if send.then is not None:
+            send.then()
 
     def beat(self, token: int) -> None:
         if not self._live(token):
@@ -427,8 +374,151 @@ class Peer:
     def close(self) -> None:
         if self.gone:
             return
+        if self.sending is not None:  # gone with the peer: its training never acknowledged
+            self.swarm.stats.wasted[self.profile.kind] += self.sending.trained
+            self.sending = None
         self.end_task()
         self.enter("gone")
         self.gone = True
         self.swarm.stats.alive += self.loop.now - self.since
         self.swarm.live.discard(self)
+
+
+class Send:
+    """One task's deltas pushed to its owners, then its TaskDone (held at the scheduler until
+    the owners' reports bring every acknowledgement, as the real scheduler holds it). Inline
+    (``behind=False``) the peer waits for it ("push", then "done") and its task ends with it;
+    behind, the peer claims and trains its next task meanwhile, and the send heartbeats its
+    own lease, as the real peer's push thread does (peer/behind.py)."""
+
+    def __init__(self, peer: Peer, behind: bool) -> None:
+        self.peer, self.behind = peer, behind
+        self.offer, self.trained, self.groups = peer.offer, peer.trained, peer.by_owner()
+        self.began = peer.loop.now
+        self.token = peer.token
+        self.parked: object | None = None
+        self.over = False
+        self.then: Callable[[], None] | None = None  # the peer's next step once this ends
+
+    def live(self) -> bool:
+        peer = self.peer
+        if self.behind:
+            return not peer.gone and not self.over
+        return peer._live(self.token)
+
+    def end(self, reply: Any) -> None:
+        if self.live():
+            self.over = True
+            self.peer.sent(self, reply)
+
+    def start(self) -> None:
+        peer, offer = self.peer, self.offer
+        sizes = peer.swarm.cluster.sizes
+        waiting = set(self.groups)
+        tokens = offer.inner_steps * costs.TOKENS_PER_STEP
+        over: set[str] = set()  # owners whose modules made all their rounds
+        if self.behind:
+            peer.loop.after(peer.swarm.settings.heartbeat_seconds, self.beat)
+
+        def acked(owner: str, reply: Any) -> None:
+            if getattr(reply, "reason", None) == Reason.FINISHED:
+                # As the real peer (peer/push.py): this owner drops the delta, the path's
+                # other modules may still wait for their last round's.
+                over.add(owner)
+            elif not isinstance(reply, m.DeltaAck):
+                self.end(reply)
+                return
+            waiting.discard(owner)
+            if not waiting and over == set(self.groups):
+                self.end(reply)  # every module of the path had made all its rounds
+            elif not waiting:
+                self.trained = 0.0  # acknowledged: not wasted, whatever the TaskDone meets
+                if not self.behind:
+                    peer.trained = 0.0
+                    peer.enter("done")
+                self.task_done(
+                    m.TaskDone(peer.name, offer.task_id, offer.ticket, tokens, [3.0], [])
+                )
+
+        for owner, mids in self.groups.items():
+            node = peer.swarm.cluster.by_name[owner]
+            tensors = {k: v for mid in mids for k, v in peer.swarm.deltas[mid].items()}
+            msg = m.SubmitDelta(
+                peer.name,
+                offer.task_id,
+                offer.path,
+                offer.module_versions,
+                tokens,
+                [3.0],
+                tensors,
+                ticket=offer.ticket,
+                codec="int8",
+            )
+
+            def cost(r: Any) -> float:
+                if not isinstance(r, m.DeltaAck):
+                    return 0.0
+                fp32 = sizes.fp32(r.accepted)
+                return fp32 / costs.INT8_DECODE_BPS + fp32 / costs.STORE_BPS
+
+            def deliver(node=node, msg=msg, owner=owner) -> None:
+                peer.send(node, msg, lambda r: acked(owner, r), cost, live=self.live)
+
+            when = transfer(peer.loop, sizes.int8(mids), [peer.up, node.ingress], 0.0)
+            peer.loop.at(when, lambda d=deliver: self.live() and d())
+
+    def task_done(self, msg: m.TaskDone, until: float | None = None, held: bool = False) -> None:
+        """``until``: when the TaskDone's long poll ends (``TaskDone.wait`` after it reached the
+        scheduler); ``held``: the scheduler looks again at one it holds (``park``)."""
+        peer = self.peer
+        if until is None:
+            until = peer.loop.now + peer.profile.latency + REPORT_WAIT
+        peer.send(
+            peer.scheduler, msg, lambda r: self.done(r, msg, until), held=held, live=self.live
+        )
+
+    def done(self, reply: Any, msg: m.TaskDone, until: float = 0.0) -> None:
+        if getattr(reply, "reason", None) == Reason.NOT_ACKED:
+            if self.peer.loop.now < until:
+                self.park(msg, until)
+                return
+            # the scheduler learns an owner's ack from its next report: the real peer asks
+            # again after its retry_seconds, with a new wait (links.Patience)
+            self.peer.loop.after(RETRY_SECONDS, lambda: self.live() and self.task_done(msg))
+            return
+        self.end(reply)
+
+    def park(self, msg: m.TaskDone, until: float) -> None:
+        """The long poll of a TaskDone refused for an owner's report not yet in (as the real
+        scheduler holds it: ``rounds.await_reports``): the scheduler looks at it again as soon
+        as a report lands, or when its wait ends (then a refusal is retried after the peer's
+        retry seconds). The message itself asks for no wait: the simulation's one thread must
+        never block."""
+        ticket = object()
+        self.parked = ticket
+        stats = self.peer.swarm.stats
+        stats.parked += 1
+
+        def again(by_report: bool) -> None:
+            if self.parked is ticket and self.live():
+                self.parked = None
+                stats.unparked_by_report += by_report
+                self.task_done(msg, until, held=True)
+
+        self.peer.swarm.cluster.on_report(lambda: again(True))
+        self.peer.loop.at(until, lambda: again(False))
+
+    def beat(self) -> None:
+        """The sent task's heartbeat (behind: the peer's own beats are its next task's)."""
+        if not self.live():
+            return
+        peer, s = self.peer, self.peer.swarm.settings
+        msg = m.Heartbeat(peer_id=peer.name, task_id=self.offer.task_id, step=0)
+
+        def ack(r: Any) -> None:
+            if isinstance(r, m.HeartbeatAck) and not r.lease_ok:
+                self.end("lease-lost")
+
+        every = s.heartbeat_seconds / s.real_heartbeat_seconds
+        peer.send(peer.scheduler, msg, ack, times=every, live=self.live)
+        peer.loop.after(s.heartbeat_seconds, self.beat)

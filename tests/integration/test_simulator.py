@@ -135,3 +135,29 @@ def test_peers_are_fed_with_more_paths_than_peers_overlap_and_hedging():
         assert fed.training(kind.name) >= 0.55, (kind.name, fed.shares)
     for kind in ("datacenter", "consumer"):  # the slow tail is what a synchronous round waits for
         assert fed.training(kind) > 2 * sync.training(kind), (kind, sync.shares, fed.shares)
+
+
+@pytest.mark.timeout(300)
+def test_peers_that_push_behind_train_while_their_deltas_go_out():
+    """Push behind (the real peer's ``--push-behind``): a task's deltas and TaskDone go out
+    while the peer claims and trains its next task, so no class waits on its uplink, and the
+    fast class trains more of its time; every acknowledged delta is applied exactly once."""
+    base = {
+        "peers": 20,
+        "owners": 1,
+        "rounds": 3,
+        "seed": 0,
+        "inner_steps": 500,
+        "cpu_seconds": 0.0002,
+        "paths_per_peer": 4,
+        "overlap": True,
+        "hedge": True,
+    }
+    fed = simulate.run(costs.Settings(**base))
+    behind = simulate.run(costs.Settings(**base, push_behind=True))
+    for run in (fed, behind):
+        assert run.rounds_done == 3 and run.acked == run.applied and run.acked > 0
+        assert run.lost == 0 and run.duplicated == 0
+    assert fed.shares["all"]["push"] > 0.02 and behind.shares["all"]["push"] < 0.01, behind.shares
+    assert behind.training() >= 0.7, behind.shares
+    assert behind.training("datacenter") >= 0.9 > fed.training("datacenter"), behind.shares
