@@ -40,7 +40,12 @@ STATE_HEADER = "| peers | schedule | class | " + " | ".join(peers.STATES) + " | 
 def schedule(s: costs.Settings) -> str:
     """The scheduling settings of a row, in words."""
     parts = [f"{s.paths_per_peer:g} paths/peer"]
-    flags = (("overlap", s.overlap), ("hedge", s.hedge), ("push behind", s.push_behind))
+    flags = (
+        ("overlap", s.overlap),
+        ("hedge", s.hedge),
+        ("push behind", s.push_behind),
+        ("fetch ahead", s.fetch_ahead),
+    )
     parts += [name for name, on in flags if on]
     parts += [f"{k} {v}" for k, v in s.policy.items()]
     return ", ".join(parts) or "synchronous"
@@ -98,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         help="peers send a task's deltas while they train the next (dipaco-peer --push-behind)",
     )
     ap.add_argument(
+        "--fetch-ahead",
+        action="store_true",
+        help="peers claim and fetch the next task while they train one (dipaco-peer --fetch-ahead)",
+    )
+    ap.add_argument(
         "--no-cache-topology",
         action="store_true",
         help="run the coordinator's Topology as it is (module lists recomputed per call)",
@@ -128,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 overlap=args.overlap,
                 hedge=args.hedge,
                 push_behind=args.push_behind,
+                fetch_ahead=args.fetch_ahead,
                 paths_per_peer=args.paths_per_peer,
                 cache_topology=not args.no_cache_topology,
                 cpu_seconds=args.cpu_seconds,

@@ -157,6 +157,7 @@ class Settings:
     overlap: bool = False  # scheduler.overlap
     hedge: bool = False  # scheduler.hedge
     push_behind: bool = False  # peers send a task's deltas while they train the next
+    fetch_ahead: bool = False  # peers claim and fetch the next task while they train one
     policy: dict = field(default_factory=dict)  # more SchedulerSection fields, as set
     paths_per_peer: float = 1.0  # the topology: W x W with W*W >= this many paths per peer
     max_virtual_seconds: float = 1e6

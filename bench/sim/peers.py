@@ -31,6 +31,8 @@ from sim import costs
 from sim.cluster import Cluster, Node
 from sim.events import Loop, Pipe, transfer
 
+AHEAD_FIRST_LEAD = 1.0  # as peer/ahead.py: before a fetch ahead has been timed
+
 
 @dataclass
 class PeerStats:
@@ -116,6 +118,8 @@ class Peer:
         self.state, self.state_since = "hello", 0.0
         self.trained = 0.0  # seconds trained in the task at hand (wasted if it ends unacked)
         self.sending: Send | None = None  # the task being sent behind (push_behind)
+        self.ahead: Ahead | None = None  # the next task, claimed and fetched ahead (fetch_ahead)
+        self.lead = AHEAD_FIRST_LEAD  # seconds before a task's end to fetch the next
 
     def enter(self, state: str) -> None:
         """Book the time since the last change of state to that state, and move on."""
@@ -230,21 +234,33 @@ class Peer:
         self.swarm.cluster.on_work(lambda: again(True))
         self.loop.after(max(self.swarm.settings.poll_seconds, retry_after), again, False)
 
-    def by_owner(self) -> dict[str, list[str]]:
+    def by_owner(self, offer: m.TaskOffer | None = None) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
-        for mid, owner in self.offer.owners.items():
+        for mid, owner in (offer or self.offer).owners.items():
             out.setdefault(owner, []).append(mid)
         return out
 
-    def fetch(self) -> None:
-        offer, sizes = self.offer, self.swarm.cluster.sizes
-        groups = self.by_owner()
+    def fetch(
+        self,
+        offer: m.TaskOffer | None = None,
+        live: Callable[[], bool] | None = None,
+        fetched: Callable[[], None] | None = None,
+        failed: Callable[[Any], None] | None = None,
+    ) -> None:
+        """The offer's modules from their owners (those whose version this peer lacks), then
+        ``fetched()`` (by default: train the task at hand; ``failed(reply)``: abandon it)."""
+        offer = offer or self.offer
+        fetched, failed = fetched or self.train, failed or self.abandon
+        sizes = self.swarm.cluster.sizes
+        groups = self.by_owner(offer)
         waiting = set(groups)
         token = self.token
+        if live is None:
+            live = lambda: self._live(token)  # noqa: E731
 
         def got(owner: str, reply: Any) -> None:
             if not isinstance(reply, m.Modules):
-                self.abandon(reply)
+                failed(reply)
                 return
             self.have.update(reply.versions)
             sent = sorted({k.partition("/")[0] for k in reply.tensors})
@@ -254,9 +270,9 @@ class Peer:
             def arrived() -> None:
                 waiting.discard(owner)
                 if not waiting:
-                    self.train()
+                    fetched()
 
-            self.loop.at(when, lambda: self._live(token) and arrived())
+            self.loop.at(when, lambda: live() and arrived())
 
         for owner, mids in groups.items():
             node = self.swarm.cluster.by_name[owner]
@@ -269,7 +285,7 @@ class Peer:
                 sent = {k.partition("/")[0] for k in r.tensors}
                 return sizes.fp32(sorted(sent)) / costs.LOSSLESS_ENCODE_BPS
 
-            self.send(node, msg, lambda r, owner=owner: got(owner, r), encode)
+            self.send(node, msg, lambda r, owner=owner: got(owner, r), encode, live=live)
 
     def train(self) -> None:
         seconds = self.offer.inner_steps * self.profile.step_seconds
@@ -283,7 +299,43 @@ class Peer:
             return
         st.compute += seconds
         self.trained = seconds
-        self.loop.after(seconds, lambda token=self.token: self._live(token) and self.trained_all())
+        token = self.token
+        self.loop.after(seconds, lambda: self._live(token) and self.trained_all())
+        if s.fetch_ahead:
+            lead = max(0.0, seconds - self.lead)
+            self.loop.after(lead, lambda: self._live(token) and self.fetch_ahead())
+
+    def fetch_ahead(self) -> None:
+        """Near the end of the task's steps (the last claim and fetch ahead's time, doubled,
+        before it), claim the next task, naming this one and any being sent as held, and fetch
+        its modules meanwhile, as the real peer's ``--fetch-ahead`` does (peer/ahead.py)."""
+        if self.ahead is None:
+            self.ahead = Ahead(self)
+            self.ahead.start()
+
+    def next_task(self) -> None:
+        """The task at hand is over: train the one fetched ahead (waiting for its modules,
+        "fetch", if they are still coming), or claim one."""
+        ahead = self.ahead
+        if ahead is not None and not ahead.over and ahead.offer is not None:
+            if ahead.fetched:
+                self.ahead = None
+                ahead.over = True  # the peer's own heartbeats take its lease over
+                self.swarm.stats.tasks += 1
+                self.offer, self.task_start = ahead.offer, ahead.began
+                self.last_path = ahead.offer.path
+                self.loop.after(self.swarm.settings.heartbeat_seconds, self.beat, self.token)
+                self.train()
+                return
+            self.enter("fetch")
+            token = self.token
+            ahead.then = lambda: self._live(token) and self.next_task()
+            return
+        if ahead is not None:
+            ahead.over = True
+            self.ahead = None
+        self.enter("claim")
+        self.claim()
 
     def trained_all(self) -> None:
         """The task's steps are done: push its deltas, and wait for them (the default), or
@@ -304,8 +356,7 @@ class Peer:
         self.swarm.stats.busy += self.loop.now - (self.task_start or self.loop.now)
         self.task_start, self.trained = None, 0.0  # the send holds it now
         self.token += 1  # the task's heartbeats are the send's now
-        self.enter("claim")
-        self.claim()
+        self.next_task()
 
     def sent(self, send: Send, reply: Any) -> None:
         """``send`` ended: its TaskDone taken (``reply`` an Ok) or its task given up."""
@@ -314,8 +365,7 @@ class Peer:
         if not send.behind:  # the task at hand: end it
             if ok:
                 self.end_task()
-                self.enter("claim")
-                self.claim()
+                self.next_task()
             else:
                 self.abandon(reply)
             return
@@ -351,8 +401,15 @@ class Peer:
         reason = reason or type(reply).__name__
         self.swarm.stats.refused[str(reason)] += 1
         self.end_task()
+        self.drop_ahead()
         self.enter("claim")
         self.loop.after(1.0, lambda token=self.token: self._live(token) and self.claim())
+
+    def drop_ahead(self) -> None:
+        """Forget the task fetched ahead: its lease stays, and the next claim gets it back."""
+        if self.ahead is not None:
+            self.ahead.over = True
+            self.ahead = None
 
     def end_task(self) -> None:
         if self.trained:
@@ -377,6 +434,7 @@ class Peer:
         if self.sending is not None:  # gone with the peer: its training never acknowledged
             self.swarm.stats.wasted[self.profile.kind] += self.sending.trained
             self.sending = None
+        self.drop_ahead()
         self.end_task()
         self.enter("gone")
         self.gone = True
@@ -518,6 +576,69 @@ class Send:
         def ack(r: Any) -> None:
             if isinstance(r, m.HeartbeatAck) and not r.lease_ok:
                 self.end("lease-lost")
+
+        every = s.heartbeat_seconds / s.real_heartbeat_seconds
+        peer.send(peer.scheduler, msg, ack, times=every, live=self.live)
+        peer.loop.after(s.heartbeat_seconds, self.beat)
+
+
+class Ahead:
+    """The next task, claimed and its modules fetched while the peer trains the last steps of
+    the current one (``Settings.fetch_ahead``: the real peer's ``--fetch-ahead``). The claim
+    does not wait for a path (no long poll): without an offer, nothing is held, and the peer
+    claims as usual after its task. Its lease is heartbeated here until the peer takes it."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.began = peer.loop.now
+        self.offer: m.TaskOffer | None = None
+        self.fetched = False
+        self.over = False
+        self.then: Callable[[], None] | None = None  # the peer waiting for the modules
+
+    def live(self) -> bool:
+        return not self.peer.gone and not self.over
+
+    def start(self) -> None:
+        peer = self.peer
+        holding = [peer.offer.task_id]
+        if peer.sending is not None:
+            holding.append(peer.sending.offer.task_id)
+        msg = m.ClaimTask(peer_id=peer.name, prefer_path=None, holding=holding)
+        peer.send(peer.scheduler, msg, self.offered, live=self.live)
+
+    def offered(self, reply: Any) -> None:
+        peer = self.peer
+        if not isinstance(reply, m.TaskOffer):
+            self.give_up()
+            return
+        self.offer = reply
+        peer.loop.after(peer.swarm.settings.heartbeat_seconds, self.beat)
+        peer.fetch(reply, live=self.live, fetched=self.arrived, failed=lambda r: self.give_up())
+
+    def arrived(self) -> None:
+        self.fetched = True
+        self.peer.lead = 2 * (self.peer.loop.now - self.began)
+        if self.then is not None:
+            self.then()
+
+    def give_up(self) -> None:
+        """No task ahead (none open, or its fetch refused): the peer claims after its task."""
+        self.over = True
+        if self.peer.ahead is self:
+            self.peer.ahead = None
+        if self.then is not None:
+            self.then()
+
+    def beat(self) -> None:
+        if not self.live() or self.offer is None:
+            return
+        peer, s = self.peer, self.peer.swarm.settings
+        msg = m.Heartbeat(peer_id=peer.name, task_id=self.offer.task_id, step=0)
+
+        def ack(r: Any) -> None:
+            if isinstance(r, m.HeartbeatAck) and not r.lease_ok:
+                self.give_up()
 
         every = s.heartbeat_seconds / s.real_heartbeat_seconds
         peer.send(peer.scheduler, msg, ack, times=every, live=self.live)

@@ -138,10 +138,11 @@ def test_peers_are_fed_with_more_paths_than_peers_overlap_and_hedging():
 
 
 @pytest.mark.timeout(300)
-def test_peers_that_push_behind_train_while_their_deltas_go_out():
+def test_peers_that_push_behind_and_fetch_ahead_train_while_their_transfers_go_on():
     """Push behind (the real peer's ``--push-behind``): a task's deltas and TaskDone go out
     while the peer claims and trains its next task, so no class waits on its uplink, and the
-    fast class trains more of its time; every acknowledged delta is applied exactly once."""
+    fast class trains more of its time; fetch ahead (``--fetch-ahead``) claims and downloads the
+    next task during the last steps of one. Every acknowledged delta is applied exactly once."""
     base = {
         "peers": 20,
         "owners": 1,
@@ -155,9 +156,13 @@ def test_peers_that_push_behind_train_while_their_deltas_go_out():
     }
     fed = simulate.run(costs.Settings(**base))
     behind = simulate.run(costs.Settings(**base, push_behind=True))
-    for run in (fed, behind):
+    both = simulate.run(costs.Settings(**base, push_behind=True, fetch_ahead=True))
+    for run in (fed, behind, both):
         assert run.rounds_done == 3 and run.acked == run.applied and run.acked > 0
         assert run.lost == 0 and run.duplicated == 0
     assert fed.shares["all"]["push"] > 0.02 and behind.shares["all"]["push"] < 0.01, behind.shares
     assert behind.training() >= 0.7, behind.shares
     assert behind.training("datacenter") >= 0.9 > fed.training("datacenter"), behind.shares
+    # Fetching ahead too (--fetch-ahead): the next task's modules come in while this one trains.
+    assert both.shares["all"]["fetch"] < behind.shares["all"]["fetch"], both.shares
+    assert both.training() >= 0.75 and both.training("datacenter") >= 0.95, both.shares
