@@ -20,6 +20,29 @@ if TYPE_CHECKING:
 AHEAD_FIRST_LEAD = 1.0  # as peer/ahead.py: before a fetch ahead has been timed
 
 
+def keep_lease(
+    peer: Peer, task_id: str, live: Callable[[], bool], lost: Callable[[], object]
+) -> None:
+    """Heartbeat ``task_id``'s lease every period while ``live()``; ``lost()`` when the
+    scheduler says the lease is gone (a task sent behind, or fetched ahead)."""
+    s = peer.swarm.settings
+
+    def beat() -> None:
+        if not live():
+            return
+
+        def ack(r: Any) -> None:
+            if isinstance(r, m.HeartbeatAck) and not r.lease_ok:
+                lost()
+
+        msg = m.Heartbeat(peer_id=peer.name, task_id=task_id, step=0)
+        every = s.heartbeat_seconds / s.real_heartbeat_seconds
+        peer.send(peer.scheduler, msg, ack, times=every, live=live)
+        peer.loop.after(s.heartbeat_seconds, beat)
+
+    peer.loop.after(s.heartbeat_seconds, beat)
+
+
 class Send:
     """One task's deltas pushed to its owners, then its TaskDone (held at the scheduler until
     the owners' reports bring every acknowledgement, as the real scheduler holds it). Inline
@@ -53,8 +76,8 @@ class Send:
         waiting = set(self.groups)
         tokens = offer.inner_steps * costs.TOKENS_PER_STEP
         over: set[str] = set()  # owners whose modules made all their rounds
-        if self.behind:
-            peer.loop.after(peer.swarm.settings.heartbeat_seconds, self.beat)
+        if self.behind:  # the peer's own beats are its next task's
+            keep_lease(peer, offer.task_id, self.live, lambda: self.end("lease-lost"))
 
         def acked(owner: str, reply: Any) -> None:
             if getattr(reply, "reason", None) == Reason.FINISHED:
@@ -144,21 +167,6 @@ class Send:
         self.peer.swarm.cluster.on_report(lambda: again(True))
         self.peer.loop.at(until, lambda: again(False))
 
-    def beat(self) -> None:
-        """The sent task's heartbeat (behind: the peer's own beats are its next task's)."""
-        if not self.live():
-            return
-        peer, s = self.peer, self.peer.swarm.settings
-        msg = m.Heartbeat(peer_id=peer.name, task_id=self.offer.task_id, step=0)
-
-        def ack(r: Any) -> None:
-            if isinstance(r, m.HeartbeatAck) and not r.lease_ok:
-                self.end("lease-lost")
-
-        every = s.heartbeat_seconds / s.real_heartbeat_seconds
-        peer.send(peer.scheduler, msg, ack, times=every, live=self.live)
-        peer.loop.after(s.heartbeat_seconds, self.beat)
-
 
 class Ahead:
     """The next task, claimed and its modules fetched while the peer trains the last steps of
@@ -191,7 +199,7 @@ class Ahead:
             self.give_up()
             return
         self.offer = reply
-        peer.loop.after(peer.swarm.settings.heartbeat_seconds, self.beat)
+        keep_lease(peer, reply.task_id, self.live, self.give_up)
         peer.fetch(reply, live=self.live, fetched=self.arrived, failed=lambda r: self.give_up())
 
     def arrived(self) -> None:
@@ -207,17 +215,3 @@ class Ahead:
             self.peer.ahead = None
         if self.then is not None:
             self.then()
-
-    def beat(self) -> None:
-        if not self.live() or self.offer is None:
-            return
-        peer, s = self.peer, self.peer.swarm.settings
-        msg = m.Heartbeat(peer_id=peer.name, task_id=self.offer.task_id, step=0)
-
-        def ack(r: Any) -> None:
-            if isinstance(r, m.HeartbeatAck) and not r.lease_ok:
-                self.give_up()
-
-        every = s.heartbeat_seconds / s.real_heartbeat_seconds
-        peer.send(peer.scheduler, msg, ack, times=every, live=self.live)
-        peer.loop.after(s.heartbeat_seconds, self.beat)
