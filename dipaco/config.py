@@ -219,8 +219,10 @@ class SchedulerSection(_Section):
     # A peer with nothing else to train gets a copy of a straggler's task (one that has run
     # longer than the typical task): the first delta of the path for its round is applied,
     # the other holder's lease ends. Costs duplicate compute; a round waits less for its
-    # slowest peer, at the start of a run and in its last round above all.
-    hedge: bool = False
+    # slowest peer, at the start of a run and in its last round above all. "last": copies only
+    # in the run's last round, which no task can be trained ahead of (with overlap, the
+    # rounds before keep the peers busy without wasting the slow ones' work).
+    hedge: bool | Literal["last"] = False
 
 
 TOPK_DENSITY = 1 / 8  # network.topk_density's default (codecs.SPARSE_DENSITY, the same)

@@ -123,7 +123,7 @@ FIELDS: dict[str, str] = {
     "scheduler.min_step_fraction": "a slow peer gets at least this fraction of H inner steps",
     "scheduler.overlap": "peers never wait for a round: they train their path's next one",
     "scheduler.overlap_start": "where such a task starts: end (where the last ended) or eager",
-    "scheduler.hedge": "an idle peer copies a straggler's task; the first delta counts",
+    "scheduler.hedge": 'an idle peer copies a straggler\'s task ("last": in the last round only)',
     "network.codec": "delta encoding: float32, fp16, bf16, int8, sign1 (1 bit), or topk2/topk4",
     "network.topk_density": "top-k: the share of each 4096-element chunk a delta sends",
     "network.error_feedback_decay": "a residual's weight in the next delta (unset: 0.9 sparse, else 1)",

@@ -249,7 +249,7 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
             core.inner_steps,
             req.holding,
         )
-    if lease is None and core.policy.hedge and not req.holding:
+    if lease is None and hedging(core) and not req.holding:
         lease = scheduler.hedge(req.peer_id, core.book.done)
         if lease is not None:
             core.metrics(
@@ -261,6 +261,14 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
                 }
             )
     return lease
+
+
+def hedging(core: CoordinatorBase) -> bool:
+    """Whether an idle peer may copy a straggler's task now (``scheduler.hedge``): always with
+    true; with "last", once the run's last round is the one open (no path can be trained ahead
+    of it, and the run's end waits for its slowest task)."""
+    hedge = core.policy.hedge
+    return hedge is True or (hedge == "last" and core.round >= core.rounds - 1)
 
 
 def base_versions(core: CoordinatorBase, path: int) -> dict[str, int]:

@@ -72,3 +72,33 @@ def test_a_straggler_about_to_finish_is_not_copied(tmp_path):
     assert tr.request(m.Heartbeat(peer_id="p3", task_id=straggler.task_id, step=1)).lease_ok
     copy = claim(tr, "p0")
     assert (copy.path, copy.round) == (3, 0) and copy.task_id != straggler.task_id
+
+
+def test_hedging_in_the_last_round_only_copies_no_earlier_straggler(tmp_path):
+    """``scheduler.hedge = "last"``: a straggler of an earlier round is waited for (with overlap
+    the others train ahead meanwhile, and a copy would only waste its work); in the run's last
+    round, which nothing can be trained ahead of, an idle peer copies it."""
+    clock = Clock()
+    co = make(tmp_path, clock, hedge="last", rounds=2, min_observations=3)
+    tr = LocalTransport(co.handle)
+    for rnd in (0, 1):
+        start = clock.now
+        # path 3's peer: one whose pace nothing tells yet (its last task's would say it ends on time)
+        names = ["p0", "p1", "p2", f"s{rnd}"]
+        tasks = [claim(tr, name, prefer=p) for p, name in enumerate(names)]
+        assert {t.round for t in tasks} == {rnd}
+        clock.now = start + 1.0
+        for p in range(3):  # three tasks of a second each: the typical task
+            tr.request(delta_for(tasks[p], f"p{p}"))
+        straggler = tasks[3]
+        clock.now = start + 2.5  # it has run longer than typical: a copy would end first
+        offer = claim(tr, "p0")
+        if rnd == 0:
+            assert isinstance(offer, m.NoTask), offer  # not the last round: no copy
+            clock.now = start + 3.0
+            ack = tr.request(delta_for(straggler, "s0"))
+            assert ack.task_done and set(versions(co).values()) == {1}
+        else:
+            assert (offer.path, offer.round) == (3, 1), offer  # the last round: a copy
+            assert offer.task_id != straggler.task_id
+            assert offer.module_versions == straggler.module_versions
