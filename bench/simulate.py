@@ -29,7 +29,7 @@ from sim import costs, peers, simulate  # noqa: E402
 DOC = REPO / "docs" / "operations.md"
 HEADER = (
     "| peers | owners | paths | schedule | round (median s) | rounds (s) | peers training "
-    "| datacenter / consumer / slow tail | of it wasted "
+    "| datacenter / consumer / slow tail | middle rounds: training, by class | of it wasted "
     "| scheduler CPU | owner CPU | owner NIC in | owner NIC out | first bottleneck "
     "| acked / applied / lost | sim wall (s) |"
 )
@@ -42,7 +42,7 @@ def schedule(s: costs.Settings) -> str:
     parts = [f"{s.paths_per_peer:g} paths/peer"]
     flags = (
         ("overlap", s.overlap),
-        ("hedge", s.hedge),
+        ("hedge" if s.hedge is True else "hedge in the last round", s.hedge),
         ("push behind", s.push_behind),
         ("fetch ahead", s.fetch_ahead),
     )
@@ -54,9 +54,12 @@ def schedule(s: costs.Settings) -> str:
 def states(r: simulate.Result) -> list[str]:
     """Where each class's time went (peers.STATES), one row per class."""
     out = []
-    for kind, share in r.shares.items():
-        cells = " | ".join(f"{share.get(x, 0):.0%}" for x in (*peers.STATES, "wasted"))
-        out.append(f"| {r.settings.peers:,} | {schedule(r.settings)} | {kind} | {cells} |")
+    for when, shares in (("", r.shares), (" (middle rounds)", r.steady)):
+        for kind, share in shares.items():
+            cells = " | ".join(f"{share.get(x, 0):.0%}" for x in (*peers.STATES, "wasted"))
+            out.append(
+                f"| {r.settings.peers:,} | {schedule(r.settings)} | {kind}{when} | {cells} |"
+            )
     return out
 
 
@@ -65,12 +68,18 @@ def row(r: simulate.Result) -> str:
     rounds = ", ".join(f"{x:,.0f}" for x in r.round_seconds)
     name, util = r.busiest
     classes = " / ".join(f"{r.training(k.name):.0%}" for k in r.settings.peer_kinds)
+    middle = (
+        f"{r.training(steady=True):.0%}: "
+        + " / ".join(f"{r.training(k.name, steady=True):.0%}" for k in r.settings.peer_kinds)
+        if r.steady
+        else "(under 3 rounds)"
+    )
     neck = r.bottleneck if r.bottleneck == name else f"{r.bottleneck}; busiest {name}"
     return (
         f"| {r.settings.peers:,} | {r.settings.owners} | {r.paths:,} | {schedule(r.settings)} "
         f"| {r.median_round:,.0f}"
         f"{'' if r.rounds_done >= r.settings.rounds else f' (STALLED at round {r.rounds_done})'} "
-        f"| {rounds} | {r.training():.0%} | {classes} "
+        f"| {rounds} | {r.training():.0%} | {classes} | {middle} "
         f"| {r.shares['all'].get('wasted', 0):.0%} "
         f"| {u.get('scheduler cpu', 0):.0%} | {u.get('owner cpu', 0):.0%} "
         f"| {u.get('owner nic in', 0):.0%} | {u.get('owner nic out', 0):.0%} "
@@ -96,7 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the topology: W x W with at least this many paths per peer (1: W = ceil(sqrt(peers)))",
     )
     ap.add_argument("--overlap", action="store_true", help="scheduler.overlap")
-    ap.add_argument("--hedge", action="store_true", help="scheduler.hedge")
+    ap.add_argument(
+        "--hedge",
+        nargs="?",
+        const=True,
+        default=False,
+        choices=["last"],
+        help='scheduler.hedge ("--hedge last": in the run\'s last round only)',
+    )
     ap.add_argument(
         "--push-behind",
         action="store_true",

@@ -116,10 +116,9 @@ class Node:
     def stepped_cost(self, before: int) -> float:
         """The modelled cost of the outer steps the last call made (from its events)."""
         return sum(
-            (len(e["paths"]) + len(e.get("late_paths", [])) + 2)
-            * 4
-            * self.sizes.params[e["module"]]
-            / costs.STORE_BPS
+            costs.step_seconds(
+                len(e["paths"]) + len(e.get("late_paths", [])), self.sizes.params[e["module"]]
+            )
             for e in self.events[before:]
             if e.get("event") == "outer_step"
         )

@@ -8,10 +8,16 @@ back as int8 deltas (1 byte per parameter plus a float32 scale per block of 256:
 
 Owner CPU per byte, from docs/benchmarks.md's measured rows (AMD EPYC, one core): memcpy
 bandwidth follows from the codecs row (int8 encode is 0.17 of memcpy and takes 66 ms per
-112.5 MiB, so memcpy moves 10.5 GB/s); int8 decode runs at 0.59 of it (float32 out); the whole
-store round (files read and verified, version and momentum written with fsync, hashed) at 0.04
-of copy bandwidth, which is also what a delta's durable write is charged. An outer step over P
-deltas is charged (P + 2) module sizes at that rate.
+112.5 MiB, so memcpy moves 10.5 GB/s); int8 decode runs at 0.59 of it (float32 out). A write
+that waits for fsync (a delta's durable write at admission) runs at 0.08 of copy bandwidth (the
+"synced ratio" of ``bench/outer_step.py --store``: the disk, not the code, 0.05-0.10). An outer
+step over P deltas is charged (P + 2) module sizes at the store round's rate with the deltas
+read back from their files (0.46 of copy bandwidth; 0.82 when the deltas are held in memory,
+which a running owner does within its budget: docs/benchmarks.md, "The whole store round"), and
+its version and momentum files (2 module sizes) at the synced rate. Both were charged at the
+store round's rate before issue 20 (0.04) until issue 52 corrected it (docs/operations.md,
+"The store's rate corrected"): a module that every path crosses (the shared embedding) took
+minutes to step in an 800-path run, and the whole grid waited for it.
 
 Peers: a mix of datacenter GPUs, consumer GPUs and a long tail of slow volunteers (step time
 of H100-class = 16k tokens at the measured 130.7 M-path H100 row's 330k tokens/s, scaled to 150
@@ -23,6 +29,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Literal
 
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig
@@ -31,7 +38,18 @@ PATH_CONFIG = ModelConfig(vocab_size=32000, dim=768, n_layers=14, n_heads=12, ma
 INT8_BLOCK = 256
 MEMCPY_BPS = 112.5 * 2**20 / (0.066 * 0.17)  # codecs row: int8 encode 0.17 of memcpy, 66 ms
 INT8_DECODE_BPS = 0.59 * MEMCPY_BPS  # float32 bytes out per second
-STORE_BPS = 0.04 * MEMCPY_BPS  # whole store round / copy bandwidth (0.03-0.05)
+SYNCED_BPS = 0.08 * MEMCPY_BPS  # a durable (fsynced) write / copy bandwidth (0.05-0.10)
+STEP_BPS = 0.46 * MEMCPY_BPS  # the whole store round, deltas read from files / copy bandwidth
+
+
+def step_seconds(paths: int, params: int) -> float:
+    """The owner CPU an outer step of a module of ``params`` parameters over ``paths`` deltas
+    takes: the P deltas, the parameters and the momentum read at the store round's rate, the
+    new version and momentum written durably."""
+    size = 4 * params
+    return (paths + 2) * size / STEP_BPS + 2 * size / SYNCED_BPS
+
+
 LOSSLESS_ENCODE_BPS = 1.49 * MEMCPY_BPS
 H100_TOKENS_PER_S = 329_823 * 130.7 / 150.0  # peer_throughput row, 130.7 M path, scaled
 TOKENS_PER_STEP = 16 * 1024
@@ -155,7 +173,9 @@ class Settings:
     tick_seconds: float = 1.0  # each coordinator's ticker
     quorum: float = 0.5
     overlap: bool = False  # scheduler.overlap
-    hedge: bool = False  # scheduler.hedge
+    hedge: bool | Literal["last"] = (
+        False  # scheduler.hedge (True, or "last": in the last round only)
+    )
     push_behind: bool = False  # peers send a task's deltas while they train the next
     fetch_ahead: bool = False  # peers claim and fetch the next task while they train one
     policy: dict = field(default_factory=dict)  # more SchedulerSection fields, as set

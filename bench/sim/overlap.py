@@ -118,7 +118,7 @@ class Send:
                 if not isinstance(r, m.DeltaAck):
                     return 0.0
                 fp32 = sizes.fp32(r.accepted)
-                return fp32 / costs.INT8_DECODE_BPS + fp32 / costs.STORE_BPS
+                return fp32 / costs.INT8_DECODE_BPS + fp32 / costs.SYNCED_BPS
 
             def deliver(node=node, msg=msg, owner=owner) -> None:
                 peer.send(node, msg, lambda r: acked(owner, r), cost, live=self.live)

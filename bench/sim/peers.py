@@ -46,15 +46,38 @@ class PeerStats:
     kinds: Counter[str] = field(default_factory=Counter)
     # peer-seconds per (peer class, state): where each class's time goes (STATES)
     time: dict[tuple[str, str], float] = field(default_factory=dict)
+    # the same as spans (class, state, start, end), so that a window of the run can be read
+    spans: list[tuple[str, str, float, float]] = field(default_factory=list)
     # training whose delta was never acknowledged (a task refused, lost or copied by a hedge)
     wasted: Counter[str] = field(default_factory=Counter)
+    wasted_at: list[tuple[str, float, float]] = field(default_factory=list)  # (class, when, s)
 
-    def share(self, kind: str | None = None) -> dict[str, float]:
-        """Each state's share of the present time of the peers of ``kind`` (all if None)."""
+    def waste(self, kind: str, seconds: float, now: float) -> None:
+        """Training of a peer of ``kind`` whose delta will never be acknowledged."""
+        if seconds:
+            self.wasted[kind] += seconds
+            self.wasted_at.append((kind, now, seconds))
+
+    def wasted_in(self, kind: str | None, window: tuple[float, float]) -> float:
+        """The training wasted by peers of ``kind`` (all if None) found wasted in ``window``."""
+        lo, hi = window
+        return sum(x for k, t, x in self.wasted_at if kind in (None, k) and lo <= t < hi)
+
+    def share(
+        self, kind: str | None = None, window: tuple[float, float] | None = None
+    ) -> dict[str, float]:
+        """Each state's share of the present time of the peers of ``kind`` (all if None), over
+        the run or the part of it in ``window`` (virtual seconds from, to)."""
         spent: Counter[str] = Counter()
-        for (k, state), t in self.time.items():
-            if kind is None or k == kind:
-                spent[state] += t
+        if window is None:
+            for (k, state), t in self.time.items():
+                if kind is None or k == kind:
+                    spent[state] += t
+        else:
+            lo, hi = window
+            for k, state, start, end in self.spans:
+                if (kind is None or k == kind) and end > lo and start < hi:
+                    spent[state] += min(end, hi) - max(start, lo)
         total = sum(spent.values())
         return {s: spent[s] / total for s in STATES} if total else {}
 
@@ -122,6 +145,8 @@ class Peer:
         key = (self.profile.kind, self.state)
         times = self.swarm.stats.time
         times[key] = times.get(key, 0.0) + self.loop.now - self.state_since
+        if self.loop.now > self.state_since:
+            self.swarm.stats.spans.append((*key, self.state_since, self.loop.now))
         self.state, self.state_since = state, self.loop.now
 
     # ---- plumbing ------------------------------------------------------------------------------
@@ -368,7 +393,7 @@ class Peer:
         if not ok:
             reason = reply if isinstance(reply, str) else getattr(reply, "reason", None)
             st.refused[str(reason or type(reply).__name__)] += 1
-            st.wasted[self.profile.kind] += send.trained
+            st.waste(self.profile.kind, send.trained, self.loop.now)
         st.busy += self.loop.now - send.began
         self.sending = None
         if send.then is not None:
@@ -409,7 +434,7 @@ class Peer:
 
     def end_task(self) -> None:
         if self.trained:
-            self.swarm.stats.wasted[self.profile.kind] += self.trained
+            self.swarm.stats.waste(self.profile.kind, self.trained, self.loop.now)
             self.trained = 0.0
         if self.task_start is not None:
             self.swarm.stats.busy += self.loop.now - self.task_start
@@ -428,7 +453,7 @@ class Peer:
         if self.gone:
             return
         if self.sending is not None:  # gone with the peer: its training never acknowledged
-            self.swarm.stats.wasted[self.profile.kind] += self.sending.trained
+            self.swarm.stats.waste(self.profile.kind, self.sending.trained, self.loop.now)
             self.sending = None
         self.drop_ahead()
         self.end_task()

@@ -50,11 +50,16 @@ class Result:
     # peer class ("all" for every peer) -> state -> share of the class's present time
     # (peers.STATES), and "wasted": training whose delta was never acknowledged
     shares: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the same over the run's middle rounds (from the first round's end to the last round's
+    # start: what a long run's every round looks like, without the first fetch and the last
+    # round's drain); empty with fewer than three rounds
+    steady: dict[str, dict[str, float]] = field(default_factory=dict)
     requests: dict[str, float] = field(default_factory=dict)  # mean CPU ms per request kind
 
-    def training(self, kind: str = "all") -> float:
-        """The share of the present time the peers of ``kind`` spent training."""
-        return self.shares.get(kind, {}).get("train", 0.0)
+    def training(self, kind: str = "all", steady: bool = False) -> float:
+        """The share of the present time the peers of ``kind`` spent training (``steady``: in
+        the middle rounds)."""
+        return (self.steady if steady else self.shares).get(kind, {}).get("train", 0.0)
 
     @property
     def median_round(self) -> float:
@@ -152,6 +157,22 @@ def _result(
     shares = {"all": st.share()}
     for kind in settings.peer_kinds:
         shares[kind.name] = st.share(kind.name)
+    closed = dict(rounds)  # round -> when the round before it closed (round r opened)
+    steady = {}
+    if settings.rounds >= 3 and 1 in closed and settings.rounds - 1 in closed:
+        window = (closed[1], closed[settings.rounds - 1])
+        steady = {"all": st.share(window=window)}
+        for kind in settings.peer_kinds:
+            steady[kind.name] = st.share(kind.name, window)
+        for kind, by_state in steady.items():
+            if by_state:
+                who = None if kind == "all" else kind
+                present = sum(
+                    min(end, window[1]) - max(start, window[0])
+                    for k, _, start, end in st.spans
+                    if who in (None, k) and end > window[0] and start < window[1]
+                )
+                by_state["wasted"] = st.wasted_in(who, window) / present
     for kind, by_state in shares.items():
         if by_state:
             present = sum(t for (k, _), t in st.time.items() if kind in ("all", k))
@@ -170,6 +191,7 @@ def _result(
         peers_busy=st.busy / st.alive if st.alive else 0.0,
         peers_compute=st.compute / st.alive if st.alive else 0.0,
         shares=shares,
+        steady=steady,
         acked=sum(acked.values()),
         applied=sum(applied.values()),
         lost=sum(1 for k in acked if k not in applied),

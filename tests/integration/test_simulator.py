@@ -140,9 +140,12 @@ def test_peers_are_fed_with_more_paths_than_peers_overlap_and_hedging():
 @pytest.mark.timeout(300)
 def test_peers_that_push_behind_and_fetch_ahead_train_while_their_transfers_go_on():
     """Push behind (the real peer's ``--push-behind``): a task's deltas and TaskDone go out
-    while the peer claims and trains its next task, so no class waits on its uplink, and the
-    fast class trains more of its time; fetch ahead (``--fetch-ahead``) claims and downloads the
-    next task during the last steps of one. Every acknowledged delta is applied exactly once."""
+    while the peer claims and trains its next task, so no class waits on its uplink; fetch
+    ahead (``--fetch-ahead``) claims and downloads the next task during the last steps of one.
+    With both, every class trains most of its time, over the run and in its middle round (what
+    each round of a long run looks like: no first fetch, no last round's drain); every
+    acknowledged delta is applied exactly once. (At 20 peers the datacenter class is two or
+    three peers: the shares of a class are asserted loosely, those of all peers closely.)"""
     base = {
         "peers": 20,
         "owners": 1,
@@ -161,8 +164,13 @@ def test_peers_that_push_behind_and_fetch_ahead_train_while_their_transfers_go_o
         assert run.rounds_done == 3 and run.acked == run.applied and run.acked > 0
         assert run.lost == 0 and run.duplicated == 0
     assert fed.shares["all"]["push"] > 0.02 and behind.shares["all"]["push"] < 0.01, behind.shares
-    assert behind.training() >= 0.7, behind.shares
-    assert behind.training("datacenter") >= 0.9 > fed.training("datacenter"), behind.shares
+    assert behind.training() >= 0.7 and behind.training() > fed.training(), behind.shares
     # Fetching ahead too (--fetch-ahead): the next task's modules come in while this one trains.
     assert both.shares["all"]["fetch"] < behind.shares["all"]["fetch"], both.shares
-    assert both.training() >= 0.75 and both.training("datacenter") >= 0.95, both.shares
+    assert both.training() >= 0.8, both.shares
+    for kind in costs.PEER_KINDS:
+        assert both.training(kind.name) >= 0.7, (kind.name, both.shares)
+    # The middle round (round 1 of 0-2): every second of it booked, the peers training most.
+    middle = both.steady["all"]
+    assert abs(sum(middle[s] for s in peers.STATES) - 1.0) < 1e-6, middle
+    assert both.training(steady=True) >= 0.75 and both.training("consumer", steady=True) >= 0.9
