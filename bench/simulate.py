@@ -47,6 +47,8 @@ def schedule(s: costs.Settings) -> str:
         ("fetch ahead", s.fetch_ahead),
     )
     parts += [name for name, on in flags if on]
+    if s.owner_cores > 1:
+        parts.append(f"{s.owner_cores} cores per owner")
     parts += [f"{k} {v}" for k, v in s.policy.items()]
     return ", ".join(parts) or "synchronous"
 
@@ -96,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--inner-steps", type=int, default=500)
     ap.add_argument("--owner-gbps", type=float, default=10.0, help="each owner's NIC, each way")
+    ap.add_argument(
+        "--owner-cores",
+        type=int,
+        default=1,
+        help="cores each owner serves requests on (an outer step holds one of them)",
+    )
     ap.add_argument("--churn", type=float, default=0.05)
     ap.add_argument("--quorum", type=float, default=0.5, help="scheduler.quorum (0.5: default)")
     ap.add_argument(
@@ -149,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 inner_steps=args.inner_steps,
                 seed=args.seed,
                 owner_gbps=args.owner_gbps,
+                owner_cores=args.owner_cores,
                 churn=args.churn,
                 quorum=args.quorum,
                 overlap=args.overlap,

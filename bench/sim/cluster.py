@@ -51,9 +51,11 @@ class FixedCpu:
 class Node:
     """One coordinator: the real core, its CPU queue, its NIC (owners), its metrics events."""
 
-    def __init__(self, loop: Loop, core: Coordinator, name: str, cpu_scale: float) -> None:
+    def __init__(
+        self, loop: Loop, core: Coordinator, name: str, cpu_scale: float, cores: int = 1
+    ) -> None:
         self.loop, self.core, self.name = loop, core, name
-        self.cpu = Cpu(loop, f"{name} cpu")
+        self.cpu = Cpu(loop, f"{name} cpu", cores)
         self.cpu_scale = cpu_scale
         self.ingress: Pipe | None = None
         self.egress: Pipe | None = None
@@ -202,7 +204,7 @@ class Cluster:
                 **common,
             )
             co.start(None)
-            node = self._node(co, name, s.owner_cpu_scale)
+            node = self._node(co, name, s.owner_cpu_scale, s.owner_cores)
             node.ingress = Pipe(loop, f"{name} nic in", rate)
             node.egress = Pipe(loop, f"{name} nic out", rate)
             change_access(self.scheduler.core.root, ident.public_key, allow=True, owner=True)
@@ -222,8 +224,8 @@ class Cluster:
         for node in self.owners:
             loop.at(0.0, self._report, node, node.report_gen)
 
-    def _node(self, core: Coordinator, name: str, scale: float) -> Node:
-        node = Node(self.loop, core, name, scale)
+    def _node(self, core: Coordinator, name: str, scale: float, cores: int = 1) -> Node:
+        node = Node(self.loop, core, name, scale, cores)
         node.sizes = self.sizes
         if self.settings.cpu_seconds is not None:
             node.cpu_time = FixedCpu(self.settings.cpu_seconds)

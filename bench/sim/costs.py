@@ -186,6 +186,9 @@ class Settings:
     cache_topology: bool = True  # memoise the topology's module lists (cluster.CachedTopology)
     scheduler_cpu_scale: float = 1.0  # multiplies the measured CPU time of the scheduler
     owner_cpu_scale: float = 1.0  # multiplies every owner's CPU time (measured and modelled)
+    # Cores each owner serves its requests on, in arrival order (the real owner steps a module
+    # outside its lock while other requests are served: rounds.maybe_step)
+    owner_cores: int = 1
     # None: a handler's CPU time is what it took on this machine (thread_time), which a loaded
     # machine moves; a number: each handler call costs that many seconds (and the modelled
     # costs on top), so that a run repeats whatever else the machine does.

@@ -59,28 +59,31 @@ class Busy:
 
 
 class Cpu(Busy):
-    """One core serving jobs in arrival order. A job is ``work() -> (cost, done)``: it runs when
-    the core takes it up (at that virtual time), returns its cost in seconds, and ``done`` is
-    called when the cost has elapsed."""
+    """``cores`` cores serving jobs in arrival order (one by default). A job is ``work() ->
+    (cost, done)``: it runs when a core takes it up (at that virtual time), returns its cost in
+    seconds, and ``done`` is called when the cost has elapsed. Utilization is per core."""
 
-    def __init__(self, loop: Loop, name: str) -> None:
+    def __init__(self, loop: Loop, name: str, cores: int = 1) -> None:
         super().__init__(name)
         self.loop = loop
+        self.cores = cores
         self.queue: deque[Callable[[], tuple[float, Callable[[], None]]]] = deque()
-        self.running = False
+        self.active = 0  # cores serving a job
         self.max_queue = 0
+
+    def utilization(self, elapsed: float) -> float:
+        return self.busy / (elapsed * self.cores) if elapsed > 0 else 0.0
 
     def submit(self, work: Callable[[], tuple[float, Callable[[], None]]]) -> None:
         self.queue.append(work)
         self.max_queue = max(self.max_queue, len(self.queue))
-        if not self.running:
+        if self.active < self.cores:
             self._next()
 
     def _next(self) -> None:
         if not self.queue:
-            self.running = False
             return
-        self.running = True
+        self.active += 1
         work = self.queue.popleft()
         cost, done = work()
         cost = max(0.0, cost)
@@ -89,7 +92,8 @@ class Cpu(Busy):
         self.loop.after(cost, self._finish, done)
 
     def _finish(self, done: Callable[[], None]) -> None:
-        done()
+        done()  # what it submits queues behind the jobs waiting (this core is still taken)
+        self.active -= 1
         self._next()
 
 

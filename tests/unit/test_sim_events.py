@@ -39,3 +39,13 @@ def test_pipe_queues_transfers_and_the_slowest_pipe_decides():
     assert nic.reserve(100) == 1.0 and nic.reserve(100) == 2.0  # queued behind the first
     assert transfer(loop, 50, [nic, slow], latency=0.5) == 5.5  # the peer's 10 B/s
     assert nic.bytes == 250
+
+
+def test_a_cpu_of_two_cores_serves_two_jobs_at_once_and_queues_the_third():
+    loop, done = Loop(), []
+    cpu = Cpu(loop, "cpu", cores=2)
+    for name, cost in (("x", 2.0), ("y", 1.0), ("z", 1.0)):
+        cpu.submit(lambda name=name, cost=cost: (cost, lambda: done.append((name, loop.now))))
+    loop.run()
+    assert done == [("y", 1.0), ("x", 2.0), ("z", 2.0)]  # z waited for y's core
+    assert cpu.busy == 4.0 and cpu.utilization(4.0) == 0.5  # per core
