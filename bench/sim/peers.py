@@ -68,6 +68,14 @@ class PeerStats:
     ) -> dict[str, float]:
         """Each state's share of the present time of the peers of ``kind`` (all if None), over
         the run or the part of it in ``window`` (virtual seconds from, to)."""
+        spent = self.spent(kind, window)
+        total = sum(spent.values())
+        return {s: spent[s] / total for s in STATES} if total else {}
+
+    def spent(
+        self, kind: str | None = None, window: tuple[float, float] | None = None
+    ) -> Counter[str]:
+        """Peer-seconds per state of the peers of ``kind`` (all if None), as :meth:`share`."""
         spent: Counter[str] = Counter()
         if window is None:
             for (k, state), t in self.time.items():
@@ -78,8 +86,7 @@ class PeerStats:
             for k, state, start, end in self.spans:
                 if (kind is None or k == kind) and end > lo and start < hi:
                     spent[state] += min(end, hi) - max(start, lo)
-        total = sum(spent.values())
-        return {s: spent[s] / total for s in STATES} if total else {}
+        return spent
 
 
 # Where a present peer's time goes. "hello": saying hello; "claim": a claim's round trip;

@@ -167,11 +167,7 @@ def _result(
         for kind, by_state in steady.items():
             if by_state:
                 who = None if kind == "all" else kind
-                present = sum(
-                    min(end, window[1]) - max(start, window[0])
-                    for k, _, start, end in st.spans
-                    if who in (None, k) and end > window[0] and start < window[1]
-                )
+                present = sum(st.spent(who, window).values())
                 by_state["wasted"] = st.wasted_in(who, window) / present
     for kind, by_state in shares.items():
         if by_state:
