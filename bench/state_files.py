@@ -55,7 +55,8 @@ class State:
                     self.book.finish(p, 0, f"peer{p}")
         self.norms = NormTracker(None)
         for mid in mids:
-            self.norms.norms[mid] = deque((self.rng.random() for _ in range(64)), maxlen=64)
+            for _ in range(64):
+                self.norms.record(mid, self.rng.random(), 1)
         self.mids, self.peers, self.next_path = mids, peers, 0
 
     def change(self) -> None:
@@ -71,7 +72,7 @@ class State:
         self.s.texts.attempts.mark((self.next_path, 2))  # as Scheduler.claim marks it
         self.next_path = (self.next_path + 1) % self.peers
         for mid in self.rng.sample(self.mids, 2):
-            self.norms.norms[mid].append(self.rng.random())
+            self.norms.record(mid, self.rng.random(), 2)
 
     def kept(self) -> int:
         text = self.s.snapshot_text() + self.book.trained_by_json()

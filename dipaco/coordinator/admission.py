@@ -258,7 +258,17 @@ def write(
         if mids not in checked:
             judged = dict(deltas)  # check_content replaces a clipped module's delta here
             checked[mids] = Checked(
-                judged, *check_content(core, req, req.path, judged, list(mids), measured, scored)
+                judged,
+                *check_content(
+                    core,
+                    req,
+                    req.path,
+                    judged,
+                    list(mids),
+                    measured,
+                    scored,
+                    plan.store[0].round if plan.store else None,  # the task's, every slot's
+                ),  # fmt: skip
             )
         deltas, norms, trust, sketches = checked[mids]
         for mid, base, stale, _, rnd in plan.store:
@@ -283,8 +293,8 @@ def write(
             folders = {
                 core.store.commit_delta(mid, *staged.pop(mid), deltas[mid]) for mid in list(staged)
             }
-            for mid in (s.mid for s in plan.store):  # only now durable: the norms count it
-                core.norms.record(mid, norms[mid])
+            for s in plan.store:  # only now durable: the norms count it
+                core.norms.record(s.mid, norms[s.mid], s.round)
             core.copies.keep(req.task_id, req.peer_id, {m: sketches.get(m) for m in mids})
             if plan.store:
                 core.journal.norms.save()
@@ -428,8 +438,10 @@ def check_content(
     mids: list[str],
     measured: dict[str, float],
     scored: verdicts.ScoredVerdict | None = None,
+    rnd: int | None = None,
 ) -> tuple[dict[str, float], float, Sketches]:
-    """Judge the deltas about to be stored by their norms (and, optionally, held-out loss).
+    """Judge the deltas about to be stored by their norms (and, optionally, held-out loss):
+    against the norms of deltas trained for round ``rnd`` (their task's) and before it.
 
     Every module is judged before anything is stored or clipped, so a rejection leaves no
     trace but its count (and, with the held-out check, its key's usefulness score). Clipped
@@ -441,7 +453,7 @@ def check_content(
     run was diverging.
     """
     with core.lock:  # the norms were measured once, in split_delta
-        judged = {mid: core.norms.judge(mid, measured[mid]) for mid in mids}
+        judged = {mid: core.norms.judge(mid, measured[mid], rnd) for mid in mids}
     for mid, j in judged.items():
         if j.action == "reject":
             core.refusals.refuse(

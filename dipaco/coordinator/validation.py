@@ -207,7 +207,9 @@ class NormTracker:
     A delta is an outlier when, with at least ``min_observations`` norms known for its module,
     its norm exceeds both ``median + mads * MAD`` and ``ratio * median``; the second condition
     keeps a module whose deltas happen to be nearly equal (MAD ~ 0) from rejecting a normal one.
-    ``max_norm``, when set, bounds every delta from the first. ``mode`` says what happens to an
+    A delta is judged against the norms of its round and those before (each kept with its
+    round): deltas shrink as a run trains, and a straggler's must not be measured against the
+    next round's, which tasks ahead (overlap) deliver first. ``max_norm``, when set, bounds every delta from the first. ``mode`` says what happens to an
     outlier: ``reject``, ``clip`` (scaled down to the bound), or ``off`` (only ``max_norm``
     applies, and rejects).
 
@@ -232,7 +234,10 @@ class NormTracker:
         self.mode, self.mads, self.ratio = mode, mads, ratio
         self.min_observations, self.max_norm, self.window = min_observations, max_norm, window
         self.norms: dict[str, deque[float]] = {}
-        self._texts = EntryTexts(lambda mid, xs: f"{dumps(mid)}:{dumps(list(xs))}")
+        self.rounds: dict[str, deque[int]] = {}  # each norm's round, in step with ``norms``
+        self._texts, self._round_texts = (
+            EntryTexts(lambda mid, xs: f"{dumps(mid)}:{dumps(list(xs))}") for _ in range(2)
+        )
         if self.path is not None and self.path.exists():
             self._load()
 
@@ -245,6 +250,13 @@ class NormTracker:
                 str(mid): deque((float(x) for x in xs), maxlen=self.window)
                 for mid, xs in norms.items()
             }
+            rounds = saved.get("rounds", {})  # a file from before 2026-11-30: all round 0
+            self.rounds = {
+                mid: deque((int(r) for r in rounds.get(mid, [0] * len(xs))), maxlen=self.window)
+                for mid, xs in self.norms.items()
+            }
+            if any(len(self.rounds[mid]) != len(xs) for mid, xs in self.norms.items()):
+                raise ValueError("a module's rounds and norms differ in number")
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
             raise CorruptFileError(
                 f"{self.path}: unreadable delta-norm statistics ({exc}); delete it to start "
@@ -257,49 +269,60 @@ class NormTracker:
 
     def snapshot(self) -> dict:
         """The statistics as saved (a copy: it may be written outside the lock)."""
-        return {"norms": {mid: list(xs) for mid, xs in self.norms.items()}}
+        return {
+            "norms": {mid: list(xs) for mid, xs in self.norms.items()},
+            "rounds": {mid: list(xs) for mid, xs in self.rounds.items()},
+        }
 
     def snapshot_bytes(self) -> bytes:
         """:meth:`snapshot` as the file holds it (compact JSON, keys sorted), each module's
         norms encoded again only when they changed: an accepted delta adds a norm to its
         path's modules alone, and the file is written for each (statetext.py)."""
         pairs = self._texts.texts((mid, tuple(xs)) for mid, xs in sorted(self.norms.items()))
-        return ('{"norms":{' + ",".join(pairs) + "}}").encode()
+        rounds = self._round_texts.texts((m, tuple(xs)) for m, xs in sorted(self.rounds.items()))
+        return ('{"norms":{' + ",".join(pairs) + '},"rounds":{' + ",".join(rounds) + "}}").encode()
 
-    def stats(self, mid: str) -> tuple[float, float, int]:
-        """Median, MAD and count of a module's recorded norms."""
+    def stats(self, mid: str, rnd: int | None = None) -> tuple[float, float, int]:
+        """Median, MAD and count of a module's norms of rounds up to ``rnd`` (None: all)."""
         xs = list(self.norms.get(mid, ()))
+        if rnd is not None:
+            xs = [x for x, r in zip(xs, self.rounds.get(mid, ()), strict=True) if r <= rnd]
         if not xs:
             return 0.0, 0.0, 0
         t = torch.tensor(xs, dtype=torch.float64)
         med = float(t.median())
         return med, float((t - med).abs().median()), len(xs)
 
-    def bound(self, mid: str) -> float | None:
-        """The largest norm the statistics allow for this module (None: too few to judge)."""
-        med, mad, count = self.stats(mid)
+    def bound(self, mid: str, rnd: int | None = None) -> float | None:
+        """The largest norm the statistics allow for this module's delta of round ``rnd``
+        (None: too few to judge)."""
+        med, mad, count = self.stats(mid, rnd)
         if count < self.min_observations or med <= 0:
             return None
         return max(med + self.mads * mad, self.ratio * med)
 
-    def judge(self, mid: str, norm: float) -> Judgment:
+    def judge(self, mid: str, norm: float, rnd: int | None = None) -> Judgment:
+        """Whether the norm of ``mid``'s delta, trained for round ``rnd``, is an outlier."""
         if not math.isfinite(norm):
             return Judgment("reject", norm, math.inf, "the norm is not finite")
         if self.max_norm is not None and norm > self.max_norm:
             action: Literal["clip", "reject"] = "clip" if self.mode == "clip" else "reject"
             return Judgment(action, norm, self.max_norm, f"above max_norm {self.max_norm:.4g}")
-        bound = self.bound(mid) if self.mode != "off" else None
+        bound = self.bound(mid, rnd) if self.mode != "off" else None
         if bound is not None and norm > bound:
-            med, mad, count = self.stats(mid)
+            med, mad, count = self.stats(mid, rnd)
             why = (
                 f"above {bound:.4g} (median {med:.4g} + {self.mads:g} MAD {mad:.4g}, and "
-                f"{self.ratio:g}x the median, of the last {count} accepted)"
+                f"{self.ratio:g}x the median, of the last {count} accepted"
+                + (f" of rounds up to {rnd})" if rnd is not None else ")")
             )
             return Judgment("clip" if self.mode == "clip" else "reject", norm, bound, why)
         return Judgment("ok", norm)
 
-    def record(self, mid: str, norm: float) -> None:
+    def record(self, mid: str, norm: float, rnd: int = 0) -> None:
+        """An accepted delta's norm, and the round it was trained for."""
         self.norms.setdefault(mid, deque(maxlen=self.window)).append(float(norm))
+        self.rounds.setdefault(mid, deque(maxlen=self.window)).append(int(rnd))
 
 
 # ---- usefulness per key ----------------------------------------------------------------------

@@ -240,3 +240,27 @@ def test_a_restarted_scheduler_still_sends_a_peer_ahead_on_the_paths_it_trained(
     tr = LocalTransport(co.handle)
     assert isinstance(claim(tr, "p0", prefer=0), m.NoTask)
     assert claim(tr, "p2", prefer=2).round == 1
+
+
+def test_a_stragglers_delta_is_judged_by_its_rounds_norms_not_the_smaller_ones_ahead(tmp_path):
+    """Deltas shrink as a run trains; the tasks ahead deliver round 1's smaller deltas before the
+    straggler's round-0 one. Judged against those, a delta as large as its round's others was
+    refused as huge-norm, again for every peer that took the path, until each key was banned and
+    the round never closed (found by bench/schedules.py on a real run)."""
+    co = make(tmp_path, overlap=True)
+    co.norms.mads, co.norms.ratio, co.norms.min_observations = 0.0, 1.2, 3  # a tight judge
+    tr = LocalTransport(co.handle)
+    straggler = round0_with_a_straggler(tr)  # paths 0-2 report round 0 at scale 0.01
+    for p in range(3):  # their round 1, ahead, five times smaller
+        ahead = claim(tr, f"p{p}", prefer=p)
+        assert ahead.round == 1
+        tr.request(delta_for(ahead, f"p{p}", scale=0.002))
+    # S.embed holds three norms of round 0 and three a fifth of them from round 1: all six
+    # would bound a delta at 1.2 x their median, 0.72 of a round-0 delta.
+    ack = tr.request(delta_for(straggler, "p3"))  # as large as its round's others
+    assert sorted(ack.accepted) == sorted(PATH3) and sorted(ack.closed) == sorted(PATH3)
+    assert {versions(co)[mid] for mid in PATH3} == {1}  # round 0 closed
+    # The judge still judges: a round-1 delta twice round 0's is refused.
+    task = claim(tr, "p3", prefer=3)
+    assert (task.path, task.round) == (3, 1)
+    assert rejected(lambda: tr.request(delta_for(task, "p3", scale=0.02))) == "huge-norm"

@@ -156,6 +156,32 @@ def test_tracker_window_and_persistence_across_restart(tmp_path):
         NormTracker(path)
 
 
+def test_tracker_judges_a_delta_by_the_norms_of_its_round_and_those_before(tmp_path):
+    path = tmp_path / "validation.json"
+    tr = NormTracker(path, min_observations=3, mads=6.0, ratio=3.0)
+    for x in [1.0, 1.1, 0.9]:
+        tr.record("m", x, 0)  # the first round's deltas are large...
+    for x in [0.2, 0.25, 0.22, 0.21, 0.24]:
+        tr.record("m", x, 1)  # ...the next round's far smaller
+    assert tr.judge("m", 1.05, 0).action == "ok"  # a late round-0 delta: as its round's
+    late = tr.judge("m", 1.05, 1)  # as a round-1 delta it is an outlier
+    assert late.action == "reject" and "rounds up to 1" in late.why
+    assert tr.judge("m", 1.05).action == "reject"  # no round: every norm, as before
+    assert tr.stats("m", 0)[2] == 3 and tr.stats("m", 1)[2] == 8
+    tr.save()
+    again = NormTracker(path, min_observations=3, mads=6.0, ratio=3.0)
+    assert list(again.rounds["m"]) == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert again.judge("m", 1.05, 0).action == "ok" and tr.snapshot() == again.snapshot()
+    assert json.loads(tr.snapshot_bytes()) == tr.snapshot()
+    # A file from before the rounds were kept: its norms count for every round.
+    path.write_text(json.dumps({"norms": {"m": [1.0, 1.1, 0.9]}}))
+    old = NormTracker(path, min_observations=3)
+    assert list(old.rounds["m"]) == [0, 0, 0] and old.stats("m", 0)[2] == 3
+    path.write_text(json.dumps({"norms": {"m": [1.0, 1.1]}, "rounds": {"m": [0]}}))
+    with pytest.raises(CorruptFileError):
+        NormTracker(path)
+
+
 def _listed():
     return {"security": {"join": "allow-list"}}
 
