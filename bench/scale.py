@@ -168,10 +168,13 @@ def one_run(
     quality: bool = False,
     peer_args: tuple[str, ...] = (),
     peer_faults: str = "",
+    slow_peers: int = 1,
+    evaluate: bool = False,
 ) -> dict:
-    """One run with ``n`` peers; ``slow`` > 0: the last peer sleeps that long after each inner
-    step; ``quality``: measure the final model's validation perplexity too; ``peer_args`` and
-    ``peer_faults`` (``DIPACO_FAULTS`` rules) for every peer."""
+    """One run with ``n`` peers; ``slow`` > 0: the last ``slow_peers`` sleep that long after each
+    inner step; ``quality``: measure the final model's validation perplexity too; ``peer_args``
+    and ``peer_faults`` (``DIPACO_FAULTS`` rules) for every peer; ``evaluate``: the coordinator
+    validates every round (``eval`` events in metrics.jsonl), else ``--no-eval``."""
     root = work / f"peers{n}{label}"
     shutil.copytree(prepared, root)
     logs = work / f"logs{n}{label}"
@@ -185,7 +188,7 @@ def one_run(
     try:
         coordinator = subprocess.Popen(
             [BIN / "dipaco-coordinator", "start", "--config", config, "--run-dir", root,
-             "--no-eval", "--transport", "loopback", "--linger", "2"],
+             *([] if evaluate else ["--no-eval"]), "--transport", "loopback", "--linger", "2"],
             stdout=open(logs / "coordinator.log", "w"),  # noqa: SIM115 - closed with the process
             stderr=subprocess.STDOUT,
             env=env,
@@ -219,7 +222,7 @@ def one_run(
                     ],
                     stdout=open(logs / f"peer{i}.log", "w"),  # noqa: SIM115
                     stderr=subprocess.STDOUT,
-                    env=slow_env if slow > 0 and n > 1 and i == n - 1 else peer_env,
+                    env=slow_env if slow > 0 and n > 1 and i >= n - slow_peers else peer_env,
                     preexec_fn=pinned(where[i % len(where)]),
                 )  # fmt: skip
             )
