@@ -131,3 +131,31 @@ class LiveLeases:
     def paths(self) -> KeysView[int]:
         """The paths with a live lease: a view, not a copy (test membership against it)."""
         return self._by_path.keys()
+
+
+class Reissues:
+    """When each path-round's first task was issued, and which were issued again: a path's
+    round is as late as its first task, not its newest. A task refused for what its delta holds
+    (``huge-norm``, ``worse-heldout``) is handed back and issued again, and trains the same
+    delta from the same base: judged by each new lease's age the path never became overdue, so
+    its modules waited for it for ever (met by bench/schedules.py, issue 52). Kept in memory
+    only: after a restart a path's round is timed from its first task since."""
+
+    def __init__(self) -> None:
+        self.first: dict[tuple[int, int], float] = {}  # (path, round) -> its first issue
+        self.again: set[tuple[int, int]] = set()  # issued more than once
+
+    def issued(self, path: int, rnd: int, attempt: int, now: float) -> None:
+        self.first.setdefault((path, rnd), now)
+        if attempt > 0:
+            self.again.add((path, rnd))
+
+    def late(self, now: float, deadline: float, live: LiveLeases) -> set[tuple[int, int]]:
+        """The path-rounds issued again, held now, whose first task began over ``deadline``
+        seconds ago."""
+        first = self.first
+        return {pr for pr in self.again if now - first[pr] > deadline and live.of_task(*pr)}
+
+    def forget_before(self, first_round: int) -> None:
+        self.first = {pr: t for pr, t in self.first.items() if pr[1] >= first_round}
+        self.again = {pr for pr in self.again if pr[1] >= first_round}

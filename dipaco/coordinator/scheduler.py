@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection, KeysView, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dipaco.coordinator.leases import Lease, LiveLeases
+from dipaco.coordinator.leases import Lease, LiveLeases, Reissues
 from dipaco.coordinator.statetext import SchedulerTexts
 
 
@@ -95,6 +95,7 @@ class Scheduler:
         self.issued: dict[str, Lease] = {}  # every task id handed out, for late submissions
         self.texts = SchedulerTexts()  # snapshot_text's kept entries (statetext.py)
         self.attempts: dict[tuple[int, int], int] = {}
+        self.reissues = Reissues()  # when each path-round was first issued (overdue)
         self.expired = 0
         # Leases released or expired, task id -> round: their tickets are void, so a ticket
         # cannot outlive its lease (and beat the path's next holder to its delta).
@@ -159,6 +160,7 @@ class Scheduler:
         attempt = self.attempts.get((path, rnd), 0)
         self.attempts[(path, rnd)] = attempt + 1
         now = self.clock()
+        self.reissues.issued(path, rnd, attempt, now)
         lease = Lease(
             f"P{path}-r{rnd}-e{self.epoch}-a{attempt}",
             path,
@@ -239,8 +241,8 @@ class Scheduler:
         return self._deadline[1]
 
     def overdue(self) -> set[tuple[int, int]]:
-        """(path, round) of live leases that have run past the task deadline: the oldest
-        leases, so the walk stops at the first that has not."""
+        """(path, round) of live leases past the task deadline (oldest first: the walk stops at
+        the first that is not), or of path-rounds issued again whose first task is (Reissues)."""
         deadline = self.task_deadline()
         if deadline is None:
             return set()
@@ -249,7 +251,7 @@ class Scheduler:
             if now - lease.issued_at <= deadline:
                 break
             late.add((lease.path, lease.round))
-        return late
+        return late | self.reissues.late(now, deadline, self.live)
 
     def steps_for(self, peer_id: str, steps: int) -> int:
         """H, or fewer for a peer too slow to finish H steps within the task deadline: as many
@@ -310,6 +312,7 @@ class Scheduler:
         }
         self.attempts = {pr: n for pr, n in self.attempts.items() if pr[1] >= first_round}
         self.ended = {t: r for t, r in self.ended.items() if r >= first_round}
+        self.reissues.forget_before(first_round)
         self.texts.issued.rebuilt()
         self.texts.attempts.rebuilt()
 
@@ -356,8 +359,7 @@ class Scheduler:
         """
         now = self.clock()
         live = saved.get("live", {})
-        back = []
-        saved_at = saved.get("clock", 0.0)
+        back, saved_at = [], saved.get("clock", 0.0)
         for task, path, rnd, peer, steps, versions in saved.get("issued", []):
             lease = Lease(task, path, rnd, peer, now, steps, now, dict(versions))
             lease.on_change = self.texts.issued.mark

@@ -260,6 +260,37 @@ def test_with_quorum_one_the_round_waits_for_the_straggler(tmp_path):
     assert not any(e["event"] == "late_delta" for e in events)
 
 
+def test_a_path_refused_and_issued_again_is_overdue_from_its_first_task(tmp_path):
+    """A task refused for what its delta holds is handed back and issued again, and trains the
+    same delta from the same base: each lease lives a few seconds, so judged by the newest
+    lease's age the path was never overdue and its modules waited for ever (bench/schedules.py
+    met it with worse-heldout). Its round is as late as its first task: past the deadline, the
+    modules close at their quorum without it."""
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, events=events)
+    tr = LocalTransport(co.handle)
+    full_round(tr, clock)  # the task deadline is 15 s
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]  # at 10 s
+    clock.now += 2
+    for p in range(3):
+        tr.request(delta_for(tasks[p], f"p{p}"))
+    task, attempts = tasks[3], 0
+    while {versions(co)[mid] for mid in PATH3} == {1}:
+        assert attempts < 6, "path 3's modules still wait for it after 6 refusals"
+        clock.now += 4
+        assert rejected(lambda t=task: tr.request(delta_for(t, "p3", scale=100.0))) == "huge-norm"
+        tr.request(m.ReleaseTask(peer_id="p3", task_id=task.task_id))  # as a peer does
+        co.tick()
+        task, attempts = claim(tr, "p3", prefer=3), attempts + 1
+    assert clock.now - 10.0 > 15.0 and attempts == 4  # past the deadline from its first task
+    assert set(versions(co).values()) == {2}
+    steps = [e for e in events if e["event"] == "outer_step" and e["version"] == 2]
+    assert {e["module"]: e["closed_by"] for e in steps if e["module"] in PATH3} == dict.fromkeys(
+        PATH3, "deadline"
+    )
+    assert (task.path, task.round) == (3, 2)  # the path trains again from the next round
+
+
 def path3_short_of_quorum(tmp_path, clock, rounds=4, events=None):
     """quorum 0.75: round 1 closes at the deadline for the modules with 3 of 4 paths (S.embed,
     S.head) and those that missed nothing; L0.M1 and L1.M1 (1 of 2 reported) still wait for

@@ -22,7 +22,13 @@ def scanned_overdue(s: Scheduler) -> set[tuple[int, int]]:
     if deadline is None:
         return set()
     now = s.clock()
-    return {(x.path, x.round) for x in s.leases.values() if now - x.issued_at > deadline}
+    # A path-round issued again is as old as its first task (Reissues), else as its lease.
+    first = {pr: t for pr, t in s.reissues.first.items() if pr in s.reissues.again}
+    return {
+        (x.path, x.round)
+        for x in s.leases.values()
+        if now - min(x.issued_at, first.get((x.path, x.round), x.issued_at)) > deadline
+    }
 
 
 def check(s: Scheduler, peers: list[str]) -> None:
