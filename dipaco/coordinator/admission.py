@@ -28,12 +28,12 @@ from dipaco.coordinator.leased import task_of
 from dipaco.coordinator.records import Task
 from dipaco.coordinator.store import delta_meta
 from dipaco.coordinator.validation import delta_norm, nonfinite
-from dipaco.errors import WireError
+from dipaco.errors import RejectedError, WireError
 from dipaco.faults import fault_point
 from dipaco.fileio import fsync_path
 from dipaco.protocols import codecs
 from dipaco.protocols import messages as m
-from dipaco.protocols.reasons import Reason
+from dipaco.protocols.reasons import JUDGED, Reason
 
 log = logging.getLogger(__name__)
 
@@ -257,19 +257,16 @@ def write(
         mids = tuple(s.mid for s in plan.store)
         if mids not in checked:
             judged = dict(deltas)  # check_content replaces a clipped module's delta here
-            checked[mids] = Checked(
-                judged,
-                *check_content(
-                    core,
-                    req,
-                    req.path,
+            rnd = plan.store[0].round if plan.store else None  # the task's, every slot's
+            try:
+                checked[mids] = Checked(
                     judged,
-                    list(mids),
-                    measured,
-                    scored,
-                    plan.store[0].round if plan.store else None,  # the task's, every slot's
-                ),  # fmt: skip
-            )
+                    *check_content(core, req, req.path, judged, list(mids), measured, scored, rnd),
+                )
+            except RejectedError as exc:
+                if exc.reason in JUDGED and rnd is not None:
+                    judged_out(core, req, rnd, exc.reason)
+                raise
         deltas, norms, trust, sketches = checked[mids]
         for mid, base, stale, _, rnd in plan.store:
             damped = weight * trust * core.policy.stale_damping**stale
@@ -428,6 +425,22 @@ def split_delta(
             core.refusals.refuse(req.peer_id, Reason.NON_FINITE, f"{mid}/{bad} contains NaN or inf")
         deltas[mid] = decoded
     return deltas, norms
+
+
+def judged_out(core: CoordinatorBase, req: m.SubmitDelta, rnd: int, reason: str) -> None:
+    """Count a refusal of the task's delta for what it held against its path's round; skip the
+    round (RoundBook.judged) once enough of its tasks were refused so."""
+    with core.lock:
+        if core.book.judged(req.path, rnd, req.task_id):
+            log.warning(
+                "path %d's round %d is skipped: the deltas of its last tasks were all refused "
+                "(%s); its modules close without it",
+                req.path,
+                rnd,
+                reason,
+            )
+            core.metrics({"event": "path_judged_out", "path": req.path, "round": rnd})
+            core._work_changed()
 
 
 def check_content(

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from dipaco.coordinator.statetext import MarkedTexts, dumps
+from dipaco.protocols.reasons import SKIP_AFTER_JUDGED
 
 PathRound = tuple[int, int]
 
@@ -24,6 +25,10 @@ class RoundBook:
         self.trained_by_texts = MarkedTexts(lambda k, peer: dumps([*k, peer]))
         # (path, round) whose task ran past the deadline: rounds may close without them.
         self.overdue: set[PathRound] = set()
+        # (path, round) -> its tasks whose delta this coordinator refused for what it held
+        # (reasons.JUDGED), and those refused for SKIP_AFTER_JUDGED tasks: skipped (in memory).
+        self.refused: dict[PathRound, set[str]] = {}
+        self.judged_out: set[PathRound] = set()
         self.void: dict[str, int] = {}  # an owner's copy of the scheduler's ended leases
         self.last_round = 0  # the last round announced (a "round" event)
         # rounds.path_rounds' answer, with what it was made of (it is asked by every claim)
@@ -65,6 +70,22 @@ class RoundBook:
         self.overdue = {(p, r) for p, r in self.overdue | new if r >= current}
         return bool(new & self.overdue)
 
+    def judged(self, path: int, rnd: int, task_id: str) -> bool:
+        """A delta of ``path``'s round ``rnd`` (task ``task_id``) was refused for what it held.
+        Another peer's task of it trains the same delta from the same base: once
+        SKIP_AFTER_JUDGED tasks of it were refused, the path's round is skipped, as an overdue
+        one, and counts out of the quorum (rounds.due). True when that happens now."""
+        tasks = self.refused.setdefault((path, rnd), set())
+        tasks.add(task_id)
+        if len(tasks) < SKIP_AFTER_JUDGED or (path, rnd) in self.judged_out:
+            return False
+        self.judged_out.add((path, rnd))
+        return True
+
+    def skipped(self) -> set[PathRound]:
+        """The path-rounds a module may close without: overdue, or judged out."""
+        return self.overdue | self.judged_out if self.judged_out else self.overdue
+
     def follow(self, overdue: Iterable[Iterable[int]], ended: dict[str, int]) -> None:
         """An owner takes the scheduler's overdue path-rounds and void tickets (a ReportAck)."""
         self.overdue = {(int(p), int(r)) for p, r in overdue}
@@ -78,6 +99,8 @@ class RoundBook:
         if closed:
             self.last_round = current
             self.done = {(p, r) for p, r in self.done if r >= horizon}
+            self.refused = {k: v for k, v in self.refused.items() if k[1] >= horizon}
+            self.judged_out = {k for k in self.judged_out if k[1] >= horizon}
             self.trained_by = {k: v for k, v in self.trained_by.items() if k[1] >= horizon}
             self.trained_by_texts.rebuilt()
         return closed

@@ -124,7 +124,7 @@ def tick_now(core: CoordinatorBase, step: bool = True) -> None:
 def step_due(core: CoordinatorBase) -> None:
     """Step every module a quorum with overdue paths (or a failed step) has made due."""
     with core.lock:
-        if not core.book.overdue and not core.steps.failed:
+        if not core.book.overdue and not core.book.judged_out and not core.steps.failed:
             return
         mids = [mid for mid in core.owned_modules() if mid not in core.handing]
     stepped = False
@@ -206,8 +206,11 @@ def due(core: CoordinatorBase, mid: str) -> bool:
     paths = set(core.topology.paths_through(mid))
     if set(record.pending) != paths:
         missing = {(p, record.version) for p in paths - set(record.pending)}
-        need = math.ceil(core.policy.quorum * len(paths))
-        if not (missing <= core.book.overdue and len(record.pending) >= need):
+        # A path judged out (its deltas refused for what they held) is not waited for, even
+        # with quorum 1: each of its tasks trains the same delta again.
+        out = len(missing & core.book.judged_out)
+        need = math.ceil(core.policy.quorum * (len(paths) - out))
+        if not (missing <= core.book.skipped() and len(record.pending) >= need):
             return False
     return True
 

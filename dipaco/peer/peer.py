@@ -64,13 +64,11 @@ from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.feedback import ErrorFeedback
 from dipaco.protocols.linkwatch import GaveUp, gist
-from dipaco.protocols.reasons import Reason
+from dipaco.protocols.reasons import JUDGED, Reason
 from dipaco.protocols.transport import Transport
 
 log = logging.getLogger(__name__)
 
-# Refusals of a delta for what it holds (docs/security.md): the task is handed back, not retried.
-JUDGED = frozenset({Reason.HUGE_NORM, Reason.WORSE_HELDOUT, Reason.LOW_SCORE, Reason.COPIED})
 # Refusals of a claim that pass by themselves: the peer waits and asks again.
 PASSING = frozenset({Reason.RATE_LIMITED, Reason.QUOTA})
 # Where a peer's time goes, in seconds (``Peer.timings``): "claim" (asking for work, and waiting

@@ -114,3 +114,10 @@ class Reason(StrEnum):
     """a damaged file found on the coordinator's start (counted, quarantined; never sent)"""
     NOT_HELD = "not-held"
     """a peer asked another peer (FetchSeed) for a module version that one does not hold"""
+
+
+# Refusals of a delta for what it holds (docs/security.md): the peer hands the task back rather
+# than send it again, and a path's round refused so for SKIP_AFTER_JUDGED of its tasks is
+# skipped by the modules that refused it (round_book.RoundBook.judged).
+JUDGED = frozenset({Reason.HUGE_NORM, Reason.WORSE_HELDOUT, Reason.LOW_SCORE, Reason.COPIED})
+SKIP_AFTER_JUDGED = 2

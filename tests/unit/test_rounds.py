@@ -260,12 +260,12 @@ def test_with_quorum_one_the_round_waits_for_the_straggler(tmp_path):
     assert not any(e["event"] == "late_delta" for e in events)
 
 
-def test_a_path_refused_and_issued_again_is_overdue_from_its_first_task(tmp_path):
-    """A task refused for what its delta holds is handed back and issued again, and trains the
-    same delta from the same base: each lease lives a few seconds, so judged by the newest
-    lease's age the path was never overdue and its modules waited for ever (bench/schedules.py
-    met it with worse-heldout). Its round is as late as its first task: past the deadline, the
-    modules close at their quorum without it."""
+def test_a_path_handed_back_and_issued_again_is_overdue_from_its_first_task(tmp_path):
+    """A path whose tasks are handed back one after another (peers that stop, a task refused
+    for what its delta held) is issued again each time: judged by the newest lease's age, each
+    a few seconds old, it was never overdue and its modules waited for it (bench/schedules.py
+    met it). Its round is as late as its first task: past the deadline, the modules close at
+    their quorum without it."""
     clock, events = Clock(), []
     co = make(tmp_path, clock, events=events)
     tr = LocalTransport(co.handle)
@@ -274,14 +274,14 @@ def test_a_path_refused_and_issued_again_is_overdue_from_its_first_task(tmp_path
     clock.now += 2
     for p in range(3):
         tr.request(delta_for(tasks[p], f"p{p}"))
-    task, attempts = tasks[3], 0
+    task, holder, attempts = tasks[3], "p3", 0
     while {versions(co)[mid] for mid in PATH3} == {1}:
-        assert attempts < 6, "path 3's modules still wait for it after 6 refusals"
+        assert attempts < 6, "path 3's modules still wait for it after 6 tasks handed back"
         clock.now += 4
-        assert rejected(lambda t=task: tr.request(delta_for(t, "p3", scale=100.0))) == "huge-norm"
-        tr.request(m.ReleaseTask(peer_id="p3", task_id=task.task_id))  # as a peer does
+        tr.request(m.ReleaseTask(peer_id=holder, task_id=task.task_id))
         co.tick()
-        task, attempts = claim(tr, "p3", prefer=3), attempts + 1
+        attempts, holder = attempts + 1, f"q{attempts}"
+        task = claim(tr, holder, prefer=3)
     assert clock.now - 10.0 > 15.0 and attempts == 4  # past the deadline from its first task
     assert set(versions(co).values()) == {2}
     steps = [e for e in events if e["event"] == "outer_step" and e["version"] == 2]
@@ -289,6 +289,39 @@ def test_a_path_refused_and_issued_again_is_overdue_from_its_first_task(tmp_path
         PATH3, "deadline"
     )
     assert (task.path, task.round) == (3, 2)  # the path trains again from the next round
+
+
+def test_a_path_whose_deltas_are_refused_twice_is_not_waited_for_even_with_quorum_one(tmp_path):
+    """With quorum 1 a round waits for every path, and a path whose delta is refused for what
+    it holds would hold it for ever: each new task of it trains the same delta. Once two of its
+    tasks were refused so, its round is skipped (judged out) and its modules close without it."""
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, events=events, quorum=1.0)
+    tr = LocalTransport(co.handle)
+    full_round(tr, clock)
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
+    for p in range(3):
+        tr.request(delta_for(tasks[p], f"p{p}"))
+    first = tasks[3]
+    assert rejected(lambda: tr.request(delta_for(first, "p3", scale=100.0))) == "huge-norm"
+    assert rejected(lambda: tr.request(delta_for(first, "p3", scale=100.0))) == "huge-norm"
+    co.tick()  # the same task twice is one task's refusal: the round still waits
+    assert {versions(co)[mid] for mid in PATH3} == {1}
+    tr.request(m.ReleaseTask(peer_id="p3", task_id=first.task_id))
+    second = claim(tr, "p9", prefer=3)
+    assert (second.path, second.round) == (3, 1)
+    assert rejected(lambda: tr.request(delta_for(second, "p9", scale=100.0))) == "huge-norm"
+    co.tick()
+    assert set(versions(co).values()) == {2}
+    assert [e["path"] for e in events if e["event"] == "path_judged_out"] == [3]
+    steps = [e for e in events if e["event"] == "outer_step" and e["version"] == 2]
+    assert {e["module"]: e["paths"] for e in steps if e["module"] in ("S.embed", "L0.M1")} == {
+        "S.embed": [0, 1, 2],
+        "L0.M1": [2],
+    }
+    task = claim(tr, "p9", prefer=3)
+    assert (task.path, task.round) == (3, 2)  # the path trains again from the next round
+    assert sorted(tr.request(delta_for(task, "p9")).accepted) == sorted(PATH3)
 
 
 def path3_short_of_quorum(tmp_path, clock, rounds=4, events=None):
