@@ -13,8 +13,8 @@ would. The two schedules:
   ``scheduler.hedge = "last"`` (copies of a straggler's task in the last round only), and the
   peers join with ``--push-behind --fetch-ahead`` (``--no-pipeline``: without them).
 
-Everything else is the run's default (quorum, deadlines, the steps a slow peer is offered, the
-outer step, the combiner), except ``heartbeat_seconds`` 1 and ``deadline_floor`` 0.5 s (these
+Everything else is the library's default (quorum 0.5 and a quarter of H at least for a slow
+peer, not the tiny preset's 1 and all H; deadlines, the outer step, the combiner), except ``heartbeat_seconds`` 1 and ``deadline_floor`` 0.5 s (these
 tasks last about a second; the default 10 s floor is longer than a round). The coordinator
 validates every round (``eval.max_docs`` documents of the validation split), so each run gives a
 curve: the round's perplexity at the wall time the round closed (from the first task issued) and
@@ -43,7 +43,10 @@ from _report import add_report_args, record
 from rich.table import Table
 from scale import TOPOLOGY, console, cores, events, one_run, prepare_once
 
+from dipaco.config import SchedulerSection
+
 SCHEDULES = ("sync", "fed")
+DEFAULT = SchedulerSection()
 PIPELINE = ("--push-behind", "--fetch-ahead")
 
 
@@ -55,6 +58,8 @@ def schedule_config(work: Path, schedule: str, args: argparse.Namespace) -> Path
         f'preset = "tiny"\n[data]\nsource = "{args.source}"\n[topology]\nlevels = "{TOPOLOGY}"\n'
         f"[train]\ninner_steps = {args.inner_steps}\nrounds = {args.rounds}\n"
         "[scheduler]\nheartbeat_seconds = 1.0\ndeadline_floor = 0.5\n"
+        # The library's defaults, not the tiny preset's (quorum 1, every peer all H).
+        f"quorum = {DEFAULT.quorum}\nmin_step_fraction = {DEFAULT.min_step_fraction}\n"
         f"overlap = {'true' if fed else 'false'}\n"
         + ('hedge = "last"\n' if fed else "hedge = false\n")
         + f"[eval]\nevery_round = true\nmax_docs = {args.eval_docs}\n"
