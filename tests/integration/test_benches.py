@@ -76,6 +76,33 @@ def test_the_scale_bench_with_a_slow_peer_and_overlap_trains_ahead_and_applies_o
     assert "waiting" in done.stdout and "| scale | overlap" in doc.read_text()
 
 
+def test_the_schedules_bench_compares_both_schedules_on_their_validation_curves(tmp_path):
+    """Real processes: 4 peers (2 of them ten times slower), the synchronous schedule and the
+    fed one (overlap, hedging in the last round, push behind and fetch ahead), each validated
+    every round; the two compared per wall-clock second and per token. Its first real run
+    deadlocked twice (a straggler refused huge-norm against the next round's norms; a path
+    refused worse-heldout by every peer in turn): each run must reach its last round with every
+    acknowledged delta applied once."""
+    doc = tmp_path / "b.md"
+    done = subprocess.run(
+        [sys.executable, REPO / "bench" / "schedules.py", "--quick", "--doc", doc,
+         "--out", tmp_path / "schedules.json", "--plot", tmp_path / "schedules.html",
+         "--timeout", "300"],
+        capture_output=True, text=True, timeout=700, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "schedules.json").read_text())["rows"]
+    assert [r["schedule"] for r in rows] == ["sync", "fed"]
+    for r in rows:
+        assert r["applied_once"] and [p["round"] for p in r["curve"]] == [1, 2], r["curve"]
+        assert all(p["ppl"] > 1 and p["tokens"] > 0 for p in r["curve"])
+    assert rows[0]["ahead_tasks"] == 0 and rows[1]["fetched_ahead_tasks"] >= 0
+    out = done.stdout
+    assert "per wall-clock second: fed / sync perplexity" in out and "per token:" in out, out
+    assert "every acknowledged delta applied in exactly one outer step: True" in out
+    assert (tmp_path / "schedules.html").exists() and "| schedules | per wall" in doc.read_text()
+
+
 def test_the_poison_bench_short_form_shows_the_attack_and_the_default_defence(tmp_path):
     """Sign-flipped deltas from Sybil keys ruin the plain mean; an open run's defaults (every
     delta scored on held-out documents) refuse them, with one owner and with two (each path
