@@ -14,10 +14,10 @@ would. The two schedules:
   peers join with ``--push-behind --fetch-ahead`` (``--no-pipeline``: without them).
 
 Everything else is the library's default (quorum 0.5 and a quarter of H at least for a slow
-peer, not the tiny preset's 1 and all H; deadlines, the outer step, the combiner), except ``heartbeat_seconds`` 1 and ``deadline_floor`` 0.5 s (these
-tasks last about a second; the default 10 s floor is longer than a round). The coordinator
-validates every round (``eval.max_docs`` documents of the validation split), so each run gives a
-curve: the round's perplexity at the wall time the round closed (from the first task issued) and
+peer, not the tiny preset's 1 and all H; deadlines, the outer step, the combiner), except
+``heartbeat_seconds`` 1 and ``deadline_floor`` 0.5 s (these tasks last about a second; the
+default 10 s floor is longer than a round). The coordinator validates every round
+(``eval.max_docs`` documents of the validation split), so each run gives a curve: the round's perplexity at the wall time the round closed (from the first task issued) and
 at the tokens acknowledged by then. The two schedules are compared on those curves, interpolated
 in log perplexity: at equal wall time (over the span both runs cover, and at its end) and at
 equal tokens. Each schedule runs ``--repeat`` times (the runs alternate, so that the machine's
@@ -25,7 +25,11 @@ load falls on both alike); the curves of a schedule's runs are averaged. Each ru
 every acknowledged delta was applied in exactly one outer step.
 
     python bench/schedules.py                          # builtin, 4 peers (2 slow), 16 rounds
-    python bench/schedules.py --source builtin:mixed --repeat 2
+    python bench/schedules.py --rounds 20 --repeat 3 --aggregation mean --source builtin:mixed
+
+(An open run's default combiner, a trimmed mean of 4 keys' votes, spreads one setting's runs
+wider than the schedules differ: decide with the mean and 3 runs or more; docs/operations.md,
+"The fed schedule on a real run".)
     python bench/schedules.py --quick                  # CI's short form: 2 rounds, H = 20
 """
 

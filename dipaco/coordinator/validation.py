@@ -209,9 +209,9 @@ class NormTracker:
     keeps a module whose deltas happen to be nearly equal (MAD ~ 0) from rejecting a normal one.
     A delta is judged against the norms of its round and those before (each kept with its
     round): deltas shrink as a run trains, and a straggler's must not be measured against the
-    next round's, which tasks ahead (overlap) deliver first. ``max_norm``, when set, bounds every delta from the first. ``mode`` says what happens to an
-    outlier: ``reject``, ``clip`` (scaled down to the bound), or ``off`` (only ``max_norm``
-    applies, and rejects).
+    next round's, which tasks ahead (overlap) deliver first. ``max_norm``, when set, bounds
+    every delta from the first. ``mode``: what happens to an outlier, ``reject``, ``clip``
+    (scaled down to the bound), or ``off`` (only ``max_norm`` applies, and rejects).
 
     The state persists in a small JSON file (``path``) written atomically after each accepted
     delta. It cannot be rebuilt from the module store: a module's deltas are deleted once its
