@@ -20,7 +20,12 @@ CI's test suite does not run but any machine can), in this order, each a row in
                  run against a loopback coordinator, a path per worker, then again with
                  ``--shard-path`` (each path over every device, DDP); on one GPU it says that
                  the run shows the plumbing only.
-  4. DiPaCo      ``bench/paper_table.py --preset small`` (``smoke`` in the CPU form): the
+  4. memory      the memory cap (``dipaco-peer join --memory-gb``) on the paper's path, batch
+                 16 x 1024, bf16 autocast: the micro-batch planned without a cap and under
+                 ``--memory-cap-gib``, each trained for a few steps; the estimate against the
+                 measured peak, and whether an allocation past the cap is refused (GPU form only:
+                 on a CPU the cap is not enforced).
+  5. DiPaCo      ``bench/paper_table.py --preset small`` (``smoke`` in the CPU form): the
                  paper's comparison at small scale, its table printed.
 
     python bench/gpu_checklist.py                  # the GPU form (make gpu-check)
@@ -99,6 +104,56 @@ def agreement(device: str, cfg: ModelConfig, steps: int, batch: int, seq: int) -
     return out
 
 
+def memory_cap(device: str, cfg: ModelConfig, batch: int, seq: int, cap_gib: float) -> dict:
+    """Train the path a few steps uncapped and under the cap (``fit_micro_batch``, as the peer
+    does with ``--memory-gb``); each one's micro-batch, estimated and measured peak; then whether
+    an allocation that would cross the cap is refused. The cap is lifted before returning."""
+    from dipaco.peer.device import fit_micro_batch, path_memory_bytes
+
+    steps = 3
+    g = torch.Generator().manual_seed(3)
+    batches = [
+        torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
+        for _ in range(steps)
+    ]
+    settings = InnerSettings(lr=1e-3, warmup_steps=1, total_steps=steps)
+    train = {"seq_len": seq, "batch_size": batch}
+    out: dict = {}
+    cap = int(cap_gib * 2**30)
+    try:
+        for name, limit in (("uncapped", None), ("capped", cap)):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            mb = fit_micro_batch(cfg, train, device, limit, bf16=True)
+            row = {"micro_batch": mb, "estimate": path_memory_bytes(cfg, mb, seq, bf16=True)}
+            model = new_dense_model(cfg, seed=5).to(device)
+            opt = make_optimizer(model, settings)
+            try:
+                losses = train_steps(
+                    model, opt, iter(batches), settings, steps=steps, step_offset=0,
+                    micro_batch=mb, autocast=torch.bfloat16,
+                )  # fmt: skip
+                row["loss"] = losses[-1]
+            except torch.OutOfMemoryError as e:
+                row["error"] = f"out of memory: {str(e).splitlines()[0][:120]}"
+            row["peak"] = torch.cuda.max_memory_allocated()
+            if limit is not None:
+                # Past the cap by 1 GiB from what is held now: the allocator must refuse it.
+                want = cap - torch.cuda.memory_allocated() + 2**30
+                try:
+                    extra = torch.empty(want, dtype=torch.uint8, device=device)
+                    del extra
+                    row["refused"] = False
+                except torch.OutOfMemoryError:
+                    row["refused"] = True
+            del model, opt
+            out[name] = row
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
+        torch.cuda.empty_cache()
+    return out
+
+
 def machine_smoke(gpus: str, shard: bool, folder: Path) -> dict:
     """A tiny 2x2 run (2 rounds of 10 steps) against a loopback coordinator, trained by one
     ``dipaco-peer join --gpus GPUS`` machine; what its last line said and how long it took."""
@@ -147,7 +202,13 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--agree-steps", type=int, default=50)
     ap.add_argument(
-        "--skip", nargs="*", default=[], choices=["precision", "throughput", "machine", "dipaco"]
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["precision", "throughput", "machine", "memory", "dipaco"],
+    )
+    ap.add_argument(
+        "--memory-cap-gib", type=float, default=4.0, help="the memory step's cap (GPU form)"
     )
     ap.add_argument("--out", default="runs/gpu_checklist", help="paper table's folder")
     ap.add_argument(
@@ -230,8 +291,31 @@ def main() -> int:
             args, "machine", f"--gpus {gpus} on {count} device(s), tiny 2x2: " + "; ".join(parts)
         )
 
+    if "memory" not in args.skip and gpu:
+        step(f"4. the memory cap on {name}: --memory-gb {args.memory_cap_gib:g}")
+        cfg = ModelConfig(vocab_size=8192, dim=896, n_layers=12, n_heads=16, max_seq_len=1024)
+        res = memory_cap(args.device, cfg, 16, 1024, args.memory_cap_gib)
+        parts = []
+        for way, r in res.items():
+            gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+            how = f"loss {r['loss']:.3f}" if "loss" in r else r["error"]
+            past = ""
+            if "refused" in r:
+                past = f"; 1 GiB past the cap {'refused' if r['refused'] else 'NOT refused'}"
+            line = (
+                f"{way}: micro-batch {r['micro_batch']}, estimate {gib(r['estimate'])}, "
+                f"peak {gib(r['peak'])} ({r['peak'] / r['estimate']:.2f}x), {how}{past}"
+            )
+            print(f"  {line}", flush=True)
+            parts.append(line)
+        record(
+            args,
+            "memory",
+            f"131M path, batch 16x1024 bf16, cap {args.memory_cap_gib:g} GiB: " + "; ".join(parts),
+        )
+
     if "dipaco" not in args.skip:
-        step(f"4. DiPaCo at small scale on {name}")
+        step(f"5. DiPaCo at small scale on {name}")
         cmd = [sys.executable, str(HERE / "paper_table.py"), "--device", args.device]
         cmd += ["--preset", "small" if gpu else "smoke", "--out", args.out]
         subprocess.run(cmd, check=True)

@@ -270,8 +270,10 @@ def cap_memory(device: str, memory_bytes: int | None) -> None:
     dev = torch.device(device)
     if memory_bytes is None or dev.type != "cuda" or not torch.cuda.is_available():
         return
-    _free, total = torch.cuda.mem_get_info(dev)
-    torch.cuda.set_per_process_memory_fraction(min(1.0, memory_bytes / total), dev)
+    # set_per_process_memory_fraction wants an index: "cuda" alone means the current device.
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    _free, total = torch.cuda.mem_get_info(index)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, memory_bytes / total), index)
 
 
 def _gib(n: float) -> str:

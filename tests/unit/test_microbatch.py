@@ -186,3 +186,26 @@ def test_device_memory_probe(tmp_path) -> None:
     assert device_memory_bytes("meta") is None
     if not torch.cuda.is_available():
         assert device_memory_bytes("cuda") is None
+
+
+def test_the_memory_cap_on_a_plain_cuda_device_names_its_index(monkeypatch) -> None:
+    """``--memory-gb`` on ``--device cuda`` (no index): torch's per-process fraction wants a
+    device index, and the first real GPU run (an H200, 2026-11-30) stopped with "Expected a
+    torch.device with a specified index". The cap is set on the current device, at the share
+    of its memory the cap asks for. torch's own index check stands in for the card."""
+    from torch.cuda._utils import _get_device_index
+
+    from dipaco.peer import device as dev
+
+    fractions: list[tuple[float, int]] = []
+
+    def set_fraction(fraction: float, device: object = None) -> None:
+        fractions.append((fraction, _get_device_index(device)))  # raises as torch does
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**34, 2**35))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    dev.cap_memory("cuda", 2**33)
+    dev.cap_memory("cuda:0", 2**36)  # more than the card: the whole of it
+    assert fractions == [(0.25, 0), (1.0, 0)]
