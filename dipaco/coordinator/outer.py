@@ -299,7 +299,23 @@ def apply_round(
     ``voters`` (the key of each delta) gives a robust combiner one vote per key.
     """
     info = info if info is not None else {}
-    if s.aggregation != "mean" or not deltas:
+    if not deltas:
+        # Every path of the module was skipped this round (their deltas refused for what they
+        # held: rounds.due): the module carries its parameters and momentum to the next version.
+        info["aggregation"] = "none"
+        new_params = {k: v.detach().clone().float() for k, v in params.items()}
+        new_momentum = (
+            {k: torch.zeros_like(v) for k, v in new_params.items()}
+            if momentum is None
+            else {k: v.detach().clone().float() for k, v in momentum.items()}
+        )
+        if out is not None:
+            for k in new_params:
+                out[0][k].copy_(new_params[k])
+                out[1][k].copy_(new_momentum[k])
+            return out[0], out[1], 0.0
+        return new_params, new_momentum, 0.0
+    if s.aggregation != "mean":
         grad = outer_gradient(deltas, s, info, voters)
         new_params, new_momentum = nesterov_step(params, momentum, grad, s)
         return new_params, new_momentum, grad_norm(grad)

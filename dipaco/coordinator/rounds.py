@@ -167,6 +167,11 @@ def maybe_step(core: CoordinatorBase, mid: str) -> bool:
                 log.error("outer step of %s failed: %s; retrying every second", mid, exc)
                 core.metrics({"event": "outer_step_failed", "module": mid, "error": str(exc)})
         return False
+    except Exception as exc:  # a fault in the step itself: the run ends with it, not hangs
+        log.exception("outer step of %s failed", mid)
+        core.metrics({"event": "outer_step_failed", "module": mid, "error": repr(exc)})
+        core.fail(f"the outer step of {mid} failed: {exc!r}")
+        return False
     finally:
         with core.lock:
             if result is not None:

@@ -324,6 +324,43 @@ def test_a_path_whose_deltas_are_refused_twice_is_not_waited_for_even_with_quoru
     assert sorted(tr.request(delta_for(task, "p9")).accepted) == sorted(PATH3)
 
 
+def test_a_module_whose_every_path_is_judged_out_carries_over_and_the_round_goes_on(tmp_path):
+    """L0.M1 has two paths, 2 and 3. When both are judged out in one round, the module has no
+    delta for its step: it moves to the next version unchanged (before, the step raised in
+    the ticker and the request threads, and the run hung: bench/schedules.py met it), and the
+    run goes on with every module at the next version."""
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, events=events, quorum=1.0)
+    tr = LocalTransport(co.handle)
+    full_round(tr, clock)
+    before = {k: v.clone() for k, v in co.store.params("L0.M1").items()}
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
+    for p in range(2):
+        tr.request(delta_for(tasks[p], f"p{p}"))
+    for p in (2, 3):
+        first = tasks[p]
+        assert rejected(lambda t=first, p=p: tr.request(delta_for(t, f"p{p}", scale=100.0))) == (
+            "huge-norm"
+        )
+        tr.request(m.ReleaseTask(peer_id=f"p{p}", task_id=first.task_id))
+        again = claim(tr, f"q{p}", prefer=p)
+        assert (again.path, again.round) == (p, 1)
+        assert rejected(lambda t=again, p=p: tr.request(delta_for(t, f"q{p}", scale=100.0))) == (
+            "huge-norm"
+        )
+        tr.request(m.ReleaseTask(peer_id=f"q{p}", task_id=again.task_id))  # as a peer does
+    co.tick()
+    assert co.failure is None
+    assert set(versions(co).values()) == {2}
+    after = co.store.params("L0.M1")
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    steps = {e["module"]: e for e in events if e["event"] == "outer_step" and e["version"] == 2}
+    assert steps["L0.M1"]["paths"] == [] and steps["L0.M1"]["outer_grad_norm"] == 0.0
+    assert steps["L0.M0"]["paths"] == [0, 1]
+    claimed = {(t.path, t.round) for t in (claim(tr, f"r{p}", prefer=p) for p in range(4))}
+    assert claimed == {(p, 2) for p in range(4)}  # the run goes on, every path with it
+
+
 def path3_short_of_quorum(tmp_path, clock, rounds=4, events=None):
     """quorum 0.75: round 1 closes at the deadline for the modules with 3 of 4 paths (S.embed,
     S.head) and those that missed nothing; L0.M1 and L1.M1 (1 of 2 reported) still wait for
@@ -1052,3 +1089,25 @@ def test_a_task_being_sent_behind_is_kept_when_its_round_closes_without_it(tmp_p
     co2.tick()
     tr2.request(m.ClaimTask(peer_id="p3"))
     assert not tr2.request(m.Heartbeat(peer_id="p3", task_id=dead.task_id)).lease_ok
+
+
+def test_an_outer_step_that_raises_ends_the_run_with_its_error_rather_than_hanging(
+    tmp_path, monkeypatch
+):
+    """A fault in a step's own code (not a full disk, which is retried) used to kill the
+    request thread or the ticker that ran it and leave the run waiting for ever. The run now
+    fails with the error, and the peer that delivered the last delta still gets its reply."""
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, events=events)
+    tr = LocalTransport(co.handle)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(co.store, "run_step", broken)
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
+    replies = [tr.request(delta_for(t, f"p{p}")) for p, t in enumerate(tasks)]
+    assert all(isinstance(r, m.DeltaAck) for r in replies)
+    assert co.failure is not None and "boom" in co.failure
+    assert co.finished_event.is_set()
+    assert any(e["event"] == "outer_step_failed" and "boom" in e["error"] for e in events)
