@@ -188,7 +188,7 @@ def one_run(
     try:
         coordinator = subprocess.Popen(
             [BIN / "dipaco-coordinator", "start", "--config", config, "--run-dir", root,
-             *([] if evaluate else ["--no-eval"]), "--transport", "loopback", "--linger", "2"],
+             *([] if evaluate else ["--no-eval"]), "--transport", "loopback", "--linger", "12"],
             stdout=open(logs / "coordinator.log", "w"),  # noqa: SIM115 - closed with the process
             stderr=subprocess.STDOUT,
             env=env,
@@ -228,9 +228,11 @@ def one_run(
             )
         if coordinator.wait(timeout) != 0:
             raise RuntimeError(f"the coordinator failed: {(logs / 'coordinator.log').read_text()}")
-        for p in procs[1:]:
-            if p.wait(60) != 0:
-                raise RuntimeError(f"a peer failed: see {logs}")
+        for i, p in enumerate(procs[1:]):
+            code = p.wait(60)
+            if code != 0:  # its log's end: the folder is gone once the bench cleans up
+                tail = (logs / f"peer{i}.log").read_text().splitlines()[-20:]
+                raise RuntimeError(f"peer{i} exited with {code}; its log ends:\n" + "\n".join(tail))
     finally:
         for p in procs:
             if p.poll() is None:

@@ -31,6 +31,11 @@ every acknowledged delta was applied in exactly one outer step.
 wider than the schedules differ: decide with the mean and 3 runs or more; docs/operations.md,
 "The fed schedule on a real run".)
     python bench/schedules.py --quick                  # CI's short form: 2 rounds, H = 20
+
+One part changed at a time: ``--fed-scheduler 'overlap_start = "eager"'`` (a further
+``[scheduler]`` line of the fed schedule), ``--outer 'momentum = 0.0'`` (an ``[outer]`` line of
+both) and ``--fed-outer`` (of the fed schedule alone; its run is prepared apart, the outer step
+being the run's). docs/operations.md has what each candidate did.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import json
 import math
 import shutil
 import tempfile
+import tomllib
 from pathlib import Path
 
 from _report import add_report_args, record
@@ -66,10 +72,17 @@ def schedule_config(work: Path, schedule: str, args: argparse.Namespace) -> Path
         f"quorum = {DEFAULT.quorum}\nmin_step_fraction = {DEFAULT.min_step_fraction}\n"
         f"overlap = {'true' if fed else 'false'}\n"
         + ('hedge = "last"\n' if fed else "hedge = false\n")
+        + "".join(f"{line}\n" for line in (args.fed_scheduler if fed else []))
         + f"[eval]\nevery_round = true\nmax_docs = {args.eval_docs}\n"
+        + ("[outer]\n" + "".join(f"{line}\n" for line in outer_lines(schedule, args)))
         + (f'[validation]\naggregation = "{args.aggregation}"\n' if args.aggregation else "")
     )
     return file
+
+
+def outer_lines(schedule: str, args: argparse.Namespace) -> list[str]:
+    """The [outer] lines of a schedule's config: ``--outer``'s, then the fed one's own."""
+    return [*args.outer, *(args.fed_outer if schedule == "fed" else [])]
 
 
 def curve(root: Path) -> list[dict]:
@@ -192,6 +205,27 @@ def main() -> None:
     ap.add_argument("--eval-docs", type=int, default=64, help="eval.max_docs per validation")
     ap.add_argument("--aggregation", choices=["auto", "mean", "trimmed_mean", "median"])
     ap.add_argument("--no-pipeline", action="store_true", help="fed peers without the pipelines")
+    ap.add_argument(
+        "--fed-scheduler",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help='a further [scheduler] line of the fed schedule, in TOML (overlap_start = "eager")',
+    )
+    ap.add_argument(
+        "--outer",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an [outer] line of both schedules, in TOML (momentum = 0.0)",
+    )
+    ap.add_argument(
+        "--fed-outer",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an [outer] line of the fed schedule alone (prepared apart)",
+    )
     ap.add_argument("--quick", action="store_true", help="2 rounds of H = 20 (CI's short form)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run at most")
     ap.add_argument("--out", default="runs/bench/schedules.json")
@@ -207,7 +241,20 @@ def main() -> None:
     rows: list[dict] = []
     curves: dict[str, list[list[dict]]] = {s: [] for s in SCHEDULES}
     try:
-        prepared = prepare_once(work, args.source, args.inner_steps, args.rounds)
+        # The outer step is the run's (not operational): a fed schedule with its own is
+        # prepared apart (the same data, tokenizer and start: prepare is deterministic).
+        prepared = {}
+        for schedule in SCHEDULES:
+            lines = outer_lines(schedule, args)
+            outer = tomllib.loads("\n".join(lines)) if lines else None
+            if schedule == "fed" and not args.fed_outer:
+                prepared[schedule] = prepared["sync"]
+                continue
+            folder = work if schedule == "sync" else work / "fed-outer"
+            folder.mkdir(exist_ok=True)
+            prepared[schedule] = prepare_once(
+                folder, args.source, args.inner_steps, args.rounds, outer
+            )
         step = step_seconds(work, args)
         slow = (args.slow_factor - 1) * step if args.slow_peers else 0.0
         for k in range(args.repeat):
@@ -219,7 +266,7 @@ def main() -> None:
                 )
                 fed = schedule == "fed" and not args.no_pipeline
                 row = one_run(
-                    prepared, work, schedule_config(work, schedule, args), args.peers,
+                    prepared[schedule], work, schedule_config(work, schedule, args), args.peers,
                     args.rounds, args.timeout, slow, label=f"-{schedule}-{k}",
                     peer_args=PIPELINE if fed else (), slow_peers=args.slow_peers,
                     evaluate=True,
