@@ -34,8 +34,9 @@ wider than the schedules differ: decide with the mean and 3 runs or more; docs/o
 
 One part changed at a time: ``--fed-scheduler 'overlap_start = "eager"'`` (a further
 ``[scheduler]`` line of the fed schedule), ``--outer 'momentum = 0.0'`` (an ``[outer]`` line of
-both) and ``--fed-outer`` (of the fed schedule alone; its run is prepared apart, the outer step
-being the run's). docs/operations.md has what each candidate did.
+both), ``--fed-outer`` (of the fed schedule alone; its run is prepared apart, the outer step
+being the run's) and ``--validation 'heldout_check = false'`` (a ``[validation]`` line of both).
+docs/operations.md has what each candidate did.
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ def schedule_config(work: Path, schedule: str, args: argparse.Namespace) -> Path
         + "".join(f"{line}\n" for line in (args.fed_scheduler if fed else []))
         + f"[eval]\nevery_round = true\nmax_docs = {args.eval_docs}\n"
         + ("[outer]\n" + "".join(f"{line}\n" for line in outer_lines(schedule, args)))
-        + (f'[validation]\naggregation = "{args.aggregation}"\n' if args.aggregation else "")
+        + "[validation]\n"
+        + (f'aggregation = "{args.aggregation}"\n' if args.aggregation else "")
+        + "".join(f"{line}\n" for line in args.validation)
     )
     return file
 
@@ -218,6 +221,13 @@ def main() -> None:
         default=[],
         metavar="KEY=VALUE",
         help="an [outer] line of both schedules, in TOML (momentum = 0.0)",
+    )
+    ap.add_argument(
+        "--validation",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a [validation] line of both schedules, in TOML (heldout_check = false)",
     )
     ap.add_argument(
         "--fed-outer",
