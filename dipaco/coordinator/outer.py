@@ -303,18 +303,12 @@ def apply_round(
         # Every path of the module was skipped this round (their deltas refused for what they
         # held: rounds.due): the module carries its parameters and momentum to the next version.
         info["aggregation"] = "none"
-        new_params = {k: v.detach().clone().float() for k, v in params.items()}
-        new_momentum = (
-            {k: torch.zeros_like(v) for k, v in new_params.items()}
-            if momentum is None
-            else {k: v.detach().clone().float() for k, v in momentum.items()}
-        )
-        if out is not None:
-            for k in new_params:
-                out[0][k].copy_(new_params[k])
-                out[1][k].copy_(new_momentum[k])
-            return out[0], out[1], 0.0
-        return new_params, new_momentum, 0.0
+        new_p, new_b = out or ({k: torch.empty(v.shape) for k, v in params.items()}, {})
+        for k, v in params.items():
+            new_p[k].copy_(v)
+            kept = new_b.setdefault(k, torch.empty(v.shape))
+            kept.zero_() if momentum is None else kept.copy_(momentum[k])
+        return new_p, new_b, 0.0
     if s.aggregation != "mean":
         grad = outer_gradient(deltas, s, info, voters)
         new_params, new_momentum = nesterov_step(params, momentum, grad, s)
