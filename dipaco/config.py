@@ -148,7 +148,7 @@ class ValidationSection(_Section):
     min_paths_for_robust: int = Field(3, ge=2)
     # Score the path with the proposed update on held-out documents; reject ("worse-heldout")
     # when its loss rises by more than heldout_tolerance (nats per token) over the current one,
-    # keep a usefulness score per key (validation.KeyScores: "low-score", trust weights) and
+    # keep a usefulness score per key (keyscores.KeyScores: "low-score", trust weights) and
     # weigh a delta by its gain against other keys' recent gains (a step that helps nobody
     # counts next to nothing). "auto": on when anyone may join (security.join = "open"), off on
     # an allow-list (docs/security.md, "What one key can do", has the measurements).

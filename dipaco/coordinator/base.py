@@ -23,6 +23,7 @@ from dipaco.coordinator.access import AccessPolicy
 from dipaco.coordinator.copies import AUTO_COSINE, DeltaCopies
 from dipaco.coordinator.durable import Journal
 from dipaco.coordinator.gate import Gate
+from dipaco.coordinator.keyscores import KeyScores
 from dipaco.coordinator.outer import OuterSettings, for_sharing
 from dipaco.coordinator.polls import LongPolls
 from dipaco.coordinator.records import Phase, ReportedModule
@@ -36,7 +37,7 @@ from dipaco.coordinator.steps import ModuleSteps
 from dipaco.coordinator.store import ModuleStore
 from dipaco.coordinator.store_open import PendingDelta
 from dipaco.coordinator.tickets import SchedulerKeys
-from dipaco.coordinator.validation import KeyScores, NormTracker
+from dipaco.coordinator.validation import NormTracker
 from dipaco.coordinator.verdicts import Verdicts
 from dipaco.model.topology import Topology
 from dipaco.protocols import auth

@@ -118,7 +118,7 @@ def check_heldout(
     mids: list[str],
     current: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> float:
-    """Score the delta's usefulness and its key's (validation.KeyScores); refuse or weight it.
+    """Score the delta's usefulness and its key's (keyscores.KeyScores); refuse or weight it.
 
     The path is scored as it is now and with the proposed update (current parameters minus
     the delta: for a late delta an approximation, as its base is gone). Needs every module

@@ -29,7 +29,7 @@ from dipaco.protocols.reasons import Reason
 STATE = "coordinator.json"
 # The files a standby copies, and the only names it ever writes (a reply naming any other
 # file is refused whole).
-# key_scores.json: who the scheduler trusts (validation.KeyScores), which a takeover keeps.
+# key_scores.json: who the scheduler trusts (keyscores.KeyScores), which a takeover keeps.
 FILES = (
     STATE,
     "access.json",

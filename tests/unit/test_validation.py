@@ -279,7 +279,7 @@ def test_a_modules_norm_and_its_nan_or_inf_are_found_whatever_the_dtype(dtype, s
 
 
 def test_a_run_is_diverging_when_half_its_paths_score_worse_than_at_their_start(tmp_path):
-    from dipaco.coordinator.validation import KeyScores
+    from dipaco.coordinator.keyscores import KeyScores
 
     scores = KeyScores(tmp_path / "k.json", 0.1)
     for p in range(4):
@@ -300,7 +300,7 @@ def test_a_key_whose_deltas_help_other_paths_more_than_their_own_is_weighed_then
     was below 0, an honest one's above). Once a key has sent two, half or more of its compared
     deltas, each further one is weighed 0.02 and refused once per path and round; an honest
     key with one such delta among several keeps its full weight."""
-    from dipaco.coordinator.validation import MIN_USEFUL, KeyScores
+    from dipaco.coordinator.keyscores import MIN_USEFUL, KeyScores
 
     scores = KeyScores(tmp_path / "k.json", 0.1)
     for k in range(4):  # round 0: the yardstick (other keys' gains of 0.2)
@@ -341,7 +341,7 @@ def test_key_scores_survive_a_restart_and_refuse_a_damaged_file(tmp_path):
     """What a coordinator knows of each key (its score, its relative gains, the gains of the
     rounds before that are the yardstick, each path's first and latest held-out loss) is the
     same after a restart: the next verdict is the one it would have been."""
-    from dipaco.coordinator.validation import KeyScores
+    from dipaco.coordinator.keyscores import KeyScores
 
     def fill(scores):
         for rnd in range(3):
