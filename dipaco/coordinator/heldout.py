@@ -125,12 +125,19 @@ def check_heldout(
     of the path (``current``: the scorer's, scoring.py; else this owner's, if it owns them
     all). Returns the delta's weight factor, its key's trust.
 
+    A late delta (a module of the path has moved on since its base) that would make the path
+    worse is refused all the same (applied, it would), but not held against its key: that
+    says as much about the peer's speed as its delta. It counts toward neither the key's score
+    nor its ban budget (``security.ban_after``), so a slow honest peer is not cut off.
+
     The two evaluations (forward passes over the held-out documents) run outside the
     coordinator's lock, which every other request needs. The parameters read under it stay
     valid meanwhile: while this holds them, the store does not reuse their buffers for a later
     step (store.spare_buffers). Only the key's score, shared state, is judged under the lock.
     """
     assert core.heldout_loss is not None
+    with core.lock:
+        late = any((core.version(mid) or 0) > base for mid, base in req.base_versions.items())
     current = current if current is not None else path_params(core, path)
     if current is None:
         return 1.0
@@ -148,7 +155,7 @@ def check_heldout(
     with core.lock:  # the key's score is shared state
         trained_in = min(req.base_versions.values(), default=0)
         verdict = core.key_scores.judge(
-            core.voter_of(req), before, after, trained_in, path, foreign
+            core.voter_of(req), before, after, trained_in, path, foreign, late
         )
         core.key_scores.save()
         core.metrics(
@@ -166,6 +173,7 @@ def check_heldout(
                 "useful": verdict.useful,
                 "trust": verdict.trust,
                 "refused": verdict.refuse,
+                "late": late,
             }
         )
     if verdict.refuse == "worse-heldout":
@@ -173,7 +181,9 @@ def check_heldout(
             req.peer_id,
             Reason.WORSE_HELDOUT,
             f"path {path}'s held-out loss would go from {before:.4f} to {after:.4f} "
-            f"(tolerance {core.validation.heldout_tolerance:g})",
+            f"(tolerance {core.validation.heldout_tolerance:g})"
+            + (": the delta is late, its base gone (not held against this key)" if late else ""),
+            blame=not late,
         )
     if verdict.refuse == "useless":
         core.refusals.refuse(

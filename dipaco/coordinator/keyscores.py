@@ -225,16 +225,25 @@ class KeyScores:
         round_: int = 0,
         path: int | None = None,
         foreign: float = math.nan,
+        late: bool = False,
     ) -> Verdict:
         """Count one check of ``key``'s delta for ``path``, trained in round ``round_`` (its
         base version), and say what to do with it (call ``save`` after). The path's loss now
         (``before``) is noted first: in a diverging run nothing is refused as useless (nothing
         helps there, and a refused task would come back for ever). ``foreign``: the delta's
-        gain on other paths' held-out documents, where measured (``OFF_SHARD_AFTER``)."""
+        gain on other paths' held-out documents, where measured (``OFF_SHARD_AFTER``).
+
+        ``late``: the delta's base is older than the path's modules now, so ``after`` applies
+        it to modules that moved on since. It is still refused if it would make the path worse
+        (applied, it would), but that says nothing of its key: the check counts toward no
+        score and the verdict's trust is the key's as it stands."""
         if path is not None:
             self.scored(path, before)
         gain = before - after if math.isfinite(before) and math.isfinite(after) else -math.inf
         old, n = self.scores.get(key, (0.0, 0))
+        if late:
+            worse = "worse-heldout" if not gain >= -self.tolerance else None
+            return Verdict(gain, old, n, self.trust(key), worse)
         counted = max(gain, -10.0 * max(self.tolerance, 1e-3))  # one NaN does not sink a key
         score = (1.0 - self.decay) * old + self.decay * counted
         self.scores[key] = (score, n + 1)

@@ -27,17 +27,20 @@ class Refusals:
         self.by_reason: Counter[str] = Counter()
         self.by_peer: dict[str, Counter[str]] = defaultdict(Counter)
 
-    def count(self, who: str, reason: str) -> None:
-        """Count one refusal of ``who`` (the caller holds the coordinator's lock)."""
+    def count(self, who: str, reason: str, blame: bool = True) -> None:
+        """Count one refusal of ``who`` (the caller holds the coordinator's lock); against the
+        caller's ban budget too unless ``blame`` is False (a judgement an honest peer can
+        earn: a late delta judged against modules that moved on since its base)."""
         self.by_reason[reason] += 1
         self.by_peer[who][reason] += 1
-        self._access.offence(self._caller(), reason)
+        if blame:
+            self._access.offence(self._caller(), reason)
 
-    def refuse(self, who: str, reason: str, message: str) -> NoReturn:
+    def refuse(self, who: str, reason: str, message: str, blame: bool = True) -> NoReturn:
         """Count the refusal and raise it, marked counted (the service must not count it
         again). Takes the lock itself: admission refuses outside it too."""
         with self._lock:
-            self.count(who, reason)
+            self.count(who, reason, blame)
         exc = RejectedError(message, reason=reason)
         exc.counted = True
         raise exc
