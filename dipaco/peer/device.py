@@ -235,9 +235,14 @@ def check_fits(
         return
     need = path_memory_bytes(model_cfg, 1, seq_len, bf16=bf16)
     if need > budget:
-        have = budget / headroom
+        have = _gib(budget / headroom)
+        where = (
+            f"device {device} has {have} GiB free"
+            if memory_bytes is None
+            else f"device {device} is capped at {have} GiB (--memory-gb)"
+        )
         raise ConfigError(
-            f"device {device} has {_gib(have)} GiB free, one path needs {_gib(need)} GiB even at "
+            f"{where}, one path needs {_gib(need)} GiB even at "
             f"micro-batch 1 in {'bf16' if bf16 else 'fp32'} (seq_len {seq_len}, {path_parameter_count(model_cfg):,} parameters, "
             f"keeping {headroom:.0%} of the memory for it); use a smaller model or sequence "
             "length, or a device with more memory",

@@ -138,14 +138,20 @@ def test_pick_micro_batch_shrinks_with_memory() -> None:
     assert pick_micro_batch(CFG, 12, SEQ, "cpu", memory_bytes=int(need3 / 0.8) + 1) == 3
 
 
-def test_check_fits() -> None:
+def test_check_fits(monkeypatch: pytest.MonkeyPatch) -> None:
     check_fits(CFG, SEQ, "cpu", memory_bytes=2**40)  # plenty: no error
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(ConfigError) as err:  # a --memory-gb cap too small: says it is the cap
         check_fits(CFG, SEQ, "cuda:0", memory_bytes=1024)
     message = str(err.value)
-    assert "device cuda:0 has" in message
-    assert "GiB free, one path needs" in message
+    assert "device cuda:0 is capped at" in message and "(--memory-gb), one path needs" in message
+    assert "free" not in message
     assert "even at micro-batch 1" in message
+    assert err.value.reason == "device-too-small"
+    # Without a cap, the device's own free memory (probed) is what is too small.
+    monkeypatch.setattr("dipaco.peer.device.device_memory_bytes", lambda _device: 1024)
+    with pytest.raises(ConfigError) as err:
+        check_fits(CFG, SEQ, "cuda:0")
+    assert "device cuda:0 has 9.54e-07 GiB free, one path needs" in str(err.value)
     assert err.value.reason == "device-too-small"
 
 
