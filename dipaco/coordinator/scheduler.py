@@ -5,7 +5,7 @@ round count, and the path has not yet reported for r. A lease has a deadline; he
 it, and an expired lease re-opens the path so that another peer can take the task (DiPaCo
 section 3: the queue returns a failed worker's task). Peers keep affinity to the paths they
 trained the round before, because their inner optimizer state for a path is local: a path
-leased to another peer trains with that peer's older state of it, or none (``Scheduler.pick``).
+leased to another peer trains with that peer's older state of it, or none (``pick_path``).
 
 Deadlines come from what the run has observed, not from a guessed constant: ``robust_deadline``
 is the median of the observed durations plus max(k * MAD, slack * median). Task durations
@@ -77,6 +77,21 @@ def copy_ends_first(
         return True
     takes = steps * statistics.median(mine) if mine else statistics.median(durations)
     return now + takes < ends
+
+
+def pick_path(peer_id: str, free: list[int], prefer: int | None, last: Mapping[int, str]) -> int:
+    """Of the ``free`` paths (sorted), the one to lease: one that ``peer_id`` trained the
+    round before (``last``: path -> its trainer then), its ``prefer``red one first; else
+    ``prefer``; else one that nobody trained the round before; else the lowest. A path
+    another peer trained last stays for that peer while anything else is free, so that
+    every path trains with its newest inner optimizer state wherever the schedule allows."""
+    mine = [p for p in free if last.get(p) == peer_id]
+    if mine:
+        return prefer if prefer in mine else mine[0]
+    if prefer in free:
+        return prefer
+    nobody = [p for p in free if p not in last]
+    return (nobody or free)[0]
 
 
 class Scheduler:
@@ -151,7 +166,7 @@ class Scheduler:
         last = {}
         if last_trainer is not None:
             last = {p: who for p in free if (who := last_trainer(p)) is not None}
-        path = self.pick(peer_id, free, prefer, last)
+        path = pick_path(peer_id, free, prefer, last)
         return self._issue(path, open_paths[path], peer_id, self.steps_for(peer_id, steps))
 
     def _issue(self, path: int, rnd: int, peer_id: str, steps: int, **extra: Any) -> Lease:
@@ -177,21 +192,6 @@ class Scheduler:
         self.texts.issued.mark(lease.task_id)
         self.texts.attempts.mark((path, rnd))
         return lease
-
-    @staticmethod
-    def pick(peer_id: str, free: list[int], prefer: int | None, last: Mapping[int, str]) -> int:
-        """Of the ``free`` paths (sorted), the one to lease: one that ``peer_id`` trained the
-        round before (``last``: path -> its trainer then), its ``prefer``red one first; else
-        ``prefer``; else one that nobody trained the round before; else the lowest. A path
-        another peer trained last stays for that peer while anything else is free, so that
-        every path trains with its newest inner optimizer state wherever the schedule allows."""
-        mine = [p for p in free if last.get(p) == peer_id]
-        if mine:
-            return prefer if prefer in mine else mine[0]
-        if prefer in free:
-            return prefer
-        nobody = [p for p in free if p not in last]
-        return (nobody or free)[0]
 
     def hedge(self, peer_id: str, done: Collection[tuple[int, int]]) -> Lease | None:
         """A copy of a straggler's task for ``peer_id``, which has nothing else to train: the
