@@ -128,6 +128,10 @@ class LiveLeases:
     def of_task(self, path: int, rnd: int) -> list[Lease]:
         return list(self._by_task.get((path, rnd), {}).values())
 
+    def held_tasks(self) -> KeysView[tuple[int, int]]:
+        """The (path, round) pairs with a live lease: a view."""
+        return self._by_task.keys()
+
     def paths(self) -> KeysView[int]:
         """The paths with a live lease: a view, not a copy (test membership against it)."""
         return self._by_path.keys()

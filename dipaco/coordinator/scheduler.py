@@ -303,14 +303,19 @@ class Scheduler:
         re-issued tasks so that ids are never reused; both only matter for rounds that can still
         take a delta, so a coordinator calls this as rounds complete (with the run's round minus
         its max staleness), and a long run does not keep every task it ever leased. A live lease
-        is kept whatever its round: its peer may still be heartbeating it.
+        is kept whatever its round, and so is its path-round's attempt count: its peer may still
+        be heartbeating it, and a copy of it (hedge) must not be numbered from 0 again, which
+        gave the copy the live task's own id.
         """
         self.issued = {
             t: lease
             for t, lease in self.issued.items()
             if lease.round >= first_round or t in self.leases
         }
-        self.attempts = {pr: n for pr, n in self.attempts.items() if pr[1] >= first_round}
+        held = self.live.held_tasks()
+        self.attempts = {
+            pr: n for pr, n in self.attempts.items() if pr[1] >= first_round or pr in held
+        }
         self.ended = {t: r for t, r in self.ended.items() if r >= first_round}
         self.reissues.forget_before(first_round)
         self.texts.issued.rebuilt()

@@ -70,4 +70,29 @@ def test_forget_before_keeps_live_leases():
     newer = s.claim("c", {2: 3}, None)
     s.forget_before(2)
     assert set(s.issued) == {live.task_id, newer.task_id}
-    assert set(s.attempts) == {(2, 3)}
+    # The live lease's path-round keeps its attempt count: a copy of it is numbered on.
+    assert set(s.attempts) == {(1, 0), (2, 3)}
+
+
+def test_a_task_issued_again_after_its_round_was_forgotten_gets_a_new_id():
+    """With max_staleness 0 a round is forgotten as soon as the run moves past it, while a slow
+    peer may still hold one of its tasks. A hedged copy of that task was numbered from a
+    forgotten count, took the live task's very id, and replaced it in the live leases' index
+    but not in the peer's: the path stayed leased for ever and its holder was offered the dead
+    task again and again (bench/schedules.py, fed schedule with max_staleness 0, hung)."""
+    now = [0.0]
+    s = Scheduler(lease_seconds=100.0, clock=lambda: now[0])
+    slow = s.claim("slow", {6: 6}, None)
+    for i in range(4):  # enough finished tasks to say what a typical one takes
+        s.finish(s.claim(f"f{i}", {i: 6}, None).task_id)
+    s.forget_before(7)
+    now[0] = 50.0  # the slow task has run far longer than the typical (0 s) one
+    slow.module_versions = {"S.embed": 6}
+    copy = s.hedge("fast", done=())
+    assert copy is not None and copy.hedge_of == slow.task_id
+    assert copy.task_id != slow.task_id
+    assert {x.task_id for x in s.holders(6, 6)} == {slow.task_id, copy.task_id}
+    assert s.release(copy.task_id, "fast")
+    assert [x.task_id for x in s.leases_of("slow")] == [slow.task_id]
+    assert s.release(slow.task_id, "slow")
+    assert 6 not in s.leased_paths() and not s.leases_of("slow")
