@@ -58,6 +58,8 @@ class LiveLeases:
         self._expiry: list[tuple[float, str]] = []
 
     def add(self, lease: Lease) -> None:
+        if lease.task_id in self.by_id:  # its indexes would hold both: a path leased for ever
+            raise ValueError(f"task {lease.task_id} is live already (a task id is never reused)")
         if self.by_id and next(reversed(self.by_id.values())).issued_at > lease.issued_at:
             self._add_in_order(lease)  # older than the newest (a restore, a clock set back)
             return

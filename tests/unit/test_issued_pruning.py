@@ -12,6 +12,7 @@ from _tiny import constant_delta, delta_message, tiny_coordinator
 
 from dipaco.config import SchedulerSection
 from dipaco.coordinator.core import Coordinator
+from dipaco.coordinator.leases import Lease
 from dipaco.coordinator.scheduler import Scheduler
 from dipaco.errors import RejectedError
 from dipaco.protocols import messages as m
@@ -96,3 +97,12 @@ def test_a_task_issued_again_after_its_round_was_forgotten_gets_a_new_id():
     assert [x.task_id for x in s.leases_of("slow")] == [slow.task_id]
     assert s.release(slow.task_id, "slow")
     assert 6 not in s.leased_paths() and not s.leases_of("slow")
+
+
+def test_the_live_leases_refuse_a_second_lease_with_a_live_tasks_id():
+    s = Scheduler(lease_seconds=10.0, clock=lambda: 0.0)
+    lease = s.claim("a", {0: 0}, None)
+    twin = Lease(lease.task_id, 0, 0, "b", 10.0)
+    with pytest.raises(ValueError, match="live already"):
+        s.live.add(twin)
+    assert s.leases_of("a") == [lease] and not s.leases_of("b")
