@@ -9,29 +9,15 @@ path worse counts toward both, as before.
 import pytest
 import torch
 from _tiny import delta_message
+from test_rounds import INIT, TOPO, Clock, make
 
-from dipaco.config import SchedulerSection, ValidationSection
-from dipaco.coordinator.core import Coordinator
-from dipaco.coordinator.outer import OuterSettings
+from dipaco.config import ValidationSection
 from dipaco.errors import RejectedError
-from dipaco.model.topology import Topology
-from dipaco.model.transformer import ModelConfig, new_dense_model
 from dipaco.protocols import messages as m
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
 
-CFG = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, max_seq_len=16)
-TOPO = Topology.parse("2x2", 2)
-INIT = TOPO.init_modules(new_dense_model(CFG, 0).state_dict())
 KEYS = {f"p{p}": Identity.generate() for p in range(5)}
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def loss(path, modules):
@@ -44,26 +30,8 @@ def loss(path, modules):
 
 def setup(tmp_path):
     clock, events = Clock(), []
-    co = Coordinator(
-        tmp_path,
-        TOPO,
-        rounds=4,
-        inner_steps=5,
-        step_offset=0,
-        total_steps=100,
-        seed=0,
-        outer=OuterSettings(),
-        lease_seconds=10.0,
-        run_id="late",
-        peer_config={},
-        shard_tokens=[1000, 2000, 3000, 4000],
-        metrics=events.append,
-        clock=clock,
-        policy=SchedulerSection(lease_seconds=10.0),
-        validation=ValidationSection(heldout_check=True, heldout_tolerance=0.0),
-        heldout_loss=loss,
-    )
-    co.start(INIT)
+    validation = ValidationSection(heldout_check=True, heldout_tolerance=0.0)
+    co = make(tmp_path, clock, events=events, validation=validation, heldout_loss=loss)
     trs = {peer: LocalTransport(co.handle).authenticate(key) for peer, key in KEYS.items()}
     return co, clock, events, trs
 

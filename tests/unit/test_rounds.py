@@ -46,7 +46,18 @@ class Clock:
         return self.now
 
 
-def make(root, clock=None, *, inner_steps=5, lease=LEASE, events=None, rounds=4, **policy):
+def make(
+    root,
+    clock=None,
+    *,
+    inner_steps=5,
+    lease=LEASE,
+    events=None,
+    rounds=4,
+    validation=None,
+    heldout_loss=None,
+    **policy,
+):
     co = Coordinator(
         root,
         TOPO,
@@ -65,6 +76,8 @@ def make(root, clock=None, *, inner_steps=5, lease=LEASE, events=None, rounds=4,
         policy=SchedulerSection(lease_seconds=lease, **policy),
         owner_id="a",
         identity=KEY,
+        validation=validation,
+        heldout_loss=heldout_loss,
     )
     co.start(INIT)
     return co
