@@ -8,14 +8,20 @@ from dipaco.protocols import messages as m
 from dipaco.protocols.transport import LocalTransport
 
 
-def test_an_idle_peer_copies_a_stragglers_task_and_the_first_delta_wins(tmp_path):
-    clock, events = Clock(), []
+def three_done_one_straggling(tmp_path, clock, events):
+    """Hedging on; paths 0-2 reported after a second each (the typical task); p3 trains on."""
     co = make(tmp_path, clock, events=events, hedge=True, min_observations=3)
     tr = LocalTransport(co.handle)
     tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
     clock.now = 1.0
-    for p in range(3):  # three tasks of a second each: the typical task
+    for p in range(3):
         tr.request(delta_for(tasks[p], f"p{p}"))
+    return co, tr, tasks
+
+
+def test_an_idle_peer_copies_a_stragglers_task_and_the_first_delta_wins(tmp_path):
+    clock, events = Clock(), []
+    co, tr, tasks = three_done_one_straggling(tmp_path, clock, events)
     straggler = tasks[3]
     assert isinstance(claim(tr, "p0"), m.NoTask)  # p3 has not run longer than typical yet
     clock.now = 2.5
@@ -109,12 +115,7 @@ def test_a_straggler_whose_modules_moved_on_is_not_copied(tmp_path):
     task would train from the base the modules have left: its peer would fetch them, find them
     moved and give the copy up. Nobody gets one."""
     clock, events = Clock(), []
-    co = make(tmp_path, clock, events=events, hedge=True, min_observations=3)
-    tr = LocalTransport(co.handle)
-    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
-    clock.now = 1.0
-    for p in range(3):  # three tasks of a second each: the typical task
-        tr.request(delta_for(tasks[p], f"p{p}"))
+    co, tr, tasks = three_done_one_straggling(tmp_path, clock, events)
     clock.now = 9.0
     assert tr.request(m.Heartbeat(peer_id="p3", task_id=tasks[3].task_id, step=1)).lease_ok
     clock.now = 11.0  # past the deadline (10 s, the floor): round 0 closes without path 3
