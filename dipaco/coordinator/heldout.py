@@ -136,8 +136,6 @@ def check_heldout(
     step (store.spare_buffers). Only the key's score, shared state, is judged under the lock.
     """
     assert core.heldout_loss is not None
-    with core.lock:
-        late = any((core.version(mid) or 0) > base for mid, base in req.base_versions.items())
     current = current if current is not None else path_params(core, path)
     if current is None:
         return 1.0
@@ -154,6 +152,7 @@ def check_heldout(
     del current, proposed  # the store may reuse those buffers again
     with core.lock:  # the key's score is shared state
         trained_in = min(req.base_versions.values(), default=0)
+        late = any((core.version(mid) or 0) > base for mid, base in req.base_versions.items())
         verdict = core.key_scores.judge(
             core.voter_of(req), before, after, trained_in, path, foreign, late
         )
