@@ -17,10 +17,11 @@ Everything else is the library's default (quorum 0.5 and a quarter of H at least
 peer, not the tiny preset's 1 and all H; deadlines, the outer step, the combiner), except
 ``heartbeat_seconds`` 1 and ``deadline_floor`` 0.5 s (these tasks last about a second; the
 default 10 s floor is longer than a round). The coordinator validates every round
-(``eval.max_docs`` documents of the validation split), so each run gives a curve: the round's perplexity at the wall time the round closed (from the first task issued) and
-at the tokens acknowledged by then. The two schedules are compared on those curves, interpolated
-in log perplexity: at equal wall time (over the span both runs cover, and at its end) and at
-equal tokens. Each schedule runs ``--repeat`` times (the runs alternate, so that the machine's
+(``eval.max_docs`` documents of the validation split), so each run gives a curve: the round's
+perplexity at the wall time the round closed (from the first task issued) and at the tokens
+acknowledged by then, from round 0 (the initial modules at 0 s and 0 tokens, which both schedules
+share). The two schedules are compared on those curves, interpolated in log perplexity: at equal
+wall time (over the span both runs cover, and at its end) and at equal tokens. Each schedule runs ``--repeat`` times (the runs alternate, so that the machine's
 load falls on both alike); the curves of a schedule's runs are averaged. Each run checks that
 every acknowledged delta was applied in exactly one outer step.
 
@@ -54,7 +55,9 @@ from _report import add_report_args, record
 from rich.table import Table
 from scale import TOPOLOGY, console, cores, events, one_run, prepare_once
 
-from dipaco.config import SchedulerSection
+from dipaco.config import SchedulerSection, read_run_config
+from dipaco.prepare.pipeline import prepare
+from dipaco.run.evaluate import evaluate_modules
 
 SCHEDULES = ("sync", "fed")
 DEFAULT = SchedulerSection()
@@ -88,9 +91,19 @@ def outer_lines(schedule: str, args: argparse.Namespace) -> list[str]:
     return [*args.outer, *(args.fed_outer if schedule == "fed" else [])]
 
 
-def curve(root: Path) -> list[dict]:
+def initial_ppl(root: Path) -> float:
+    """The validation perplexity of a run's initial modules (its round 0), as the coordinator
+    validates a round: the run folder's config, its documents, the routed paths."""
+    prep = prepare(root, read_run_config(root))
+    initial = prep.config.build_topology().init_modules(prep.initial_state())
+    return float(evaluate_modules(prep, initial.__getitem__)["ppl"])
+
+
+def curve(root: Path, start_ppl: float) -> list[dict]:
     """Each round's validation: the wall time its round closed (from the first task issued), the
-    tokens of the tasks acknowledged by then, and the perplexity."""
+    tokens of the tasks acknowledged by then, and the perplexity; from round 0 (the initial
+    modules, at 0 s and 0 tokens), which every schedule shares, so that any two runs' curves
+    cover a common span however late their first rounds close."""
     log = events(root)
     start = min(e["time"] for e in log if e["event"] == "task_issued")
     closed = {e["round"]: e["time"] for e in log if e["event"] == "round"}
@@ -98,7 +111,7 @@ def curve(root: Path) -> list[dict]:
     for e in log:
         if e["event"] == "delta_acked" and e["task"] not in acked:
             acked[e["task"]] = (e["time"], int(e["tokens"]))
-    points = []
+    points = [{"round": 0, "wall_s": 0.0, "tokens": 0, "ppl": start_ppl}]
     for e in log:
         if e["event"] == "eval" and e["round"] in closed:
             t = closed[e["round"]]
@@ -250,6 +263,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="dipaco-schedules-"))
     rows: list[dict] = []
     curves: dict[str, list[list[dict]]] = {s: [] for s in SCHEDULES}
+    start: dict[str, float] = {}
     try:
         # The outer step is the run's (not operational): a fed schedule with its own is
         # prepared apart (the same data, tokenizer and start: prepare is deterministic).
@@ -281,8 +295,11 @@ def main() -> None:
                     peer_args=PIPELINE if fed else (), slow_peers=args.slow_peers,
                     evaluate=True,
                 )  # fmt: skip
-                points = curve(work / f"peers{args.peers}-{schedule}-{k}")
-                if not points:
+                root = work / f"peers{args.peers}-{schedule}-{k}"
+                if schedule not in start:  # the same modules and documents every run
+                    start[schedule] = initial_ppl(root)
+                points = curve(root, start[schedule])
+                if len(points) < 2:
                     raise RuntimeError(f"{schedule} run {k + 1}: no round was validated")
                 row.update(schedule=schedule, repeat=k, curve=points)
                 rows.append(row)

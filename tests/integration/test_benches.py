@@ -94,8 +94,9 @@ def test_the_schedules_bench_compares_both_schedules_on_their_validation_curves(
     rows = json.loads((tmp_path / "schedules.json").read_text())["rows"]
     assert [r["schedule"] for r in rows] == ["sync", "fed"]
     for r in rows:
-        assert r["applied_once"] and [p["round"] for p in r["curve"]] == [1, 2], r["curve"]
-        assert all(p["ppl"] > 1 and p["tokens"] > 0 for p in r["curve"])
+        assert r["applied_once"] and [p["round"] for p in r["curve"]] == [0, 1, 2], r["curve"]
+        assert all(p["ppl"] > 1 and p["tokens"] > 0 for p in r["curve"][1:])
+        assert r["curve"][0]["tokens"] == 0 and r["curve"][0]["ppl"] > r["curve"][-1]["ppl"]
     assert rows[0]["ahead_tasks"] == 0 and rows[1]["fetched_ahead_tasks"] >= 0
     out = done.stdout
     assert "per wall-clock second: fed / sync perplexity" in out and "per token:" in out, out
