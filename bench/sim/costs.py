@@ -168,7 +168,12 @@ class Settings:
     # of an idle peer (a real one: the NoTask's retry_after, 0.5 s, longer when many poll).
     heartbeat_seconds: float = 60.0
     real_heartbeat_seconds: float = 5.0
-    poll_seconds: float = 30.0
+    # An idle peer claims again at least this long after a NoTask, or, if a change of the
+    # scheduler's work comes first, then (the long poll). 0: as often as a real peer, the
+    # NoTask's retry_after and then the claim's long poll (polls.LONG_POLL_SECONDS); what no
+    # change announces (a task that grows late enough to copy, an overdue module) is seen as
+    # soon. Up to 2026-12-01 it was 30 s, which hid such work from idle peers for up to 30 s.
+    poll_seconds: float = 0.0
     report_seconds: float = 1.0  # owners report at least this often (Reporter's interval)
     tick_seconds: float = 1.0  # each coordinator's ticker
     quorum: float = 0.5

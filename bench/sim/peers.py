@@ -6,7 +6,7 @@ their owners (only those whose version it lacks), trains for the offer's steps a
 time, heartbeats its lease meanwhile, pushes each owner its modules' int8 delta, and sends
 TaskDone to the scheduler once every owner acknowledged (held there, as the real scheduler
 holds it, until an owner's report brings a missing acknowledgement); then it claims again.
-Refused or idle (``NoTask``), it retries after the reply's ``retry_after`` (or ``Settings.poll_seconds``).
+Refused or idle (``NoTask``), it retries after the reply's ``retry_after`` and a long poll.
 With probability ``churn`` it leaves during a task, silently (its lease expires and the task is
 re-issued), and a new peer arrives after an exponential delay.
 """
@@ -21,13 +21,27 @@ from typing import Any
 
 import torch
 
-from dipaco.coordinator import rounds
+from dipaco.coordinator import polls, rounds
 from dipaco.protocols import auth, codecs
 from dipaco.protocols import messages as m
 from sim import costs
 from sim.cluster import Cluster, Node
 from sim.events import Loop, Pipe, transfer
 from sim.overlap import AHEAD_FIRST_LEAD, Ahead, Send
+
+
+def moved_past(offer: m.TaskOffer, versions: dict[str, int]) -> bool:
+    """Whether a fetch's ``versions`` leave the task untrainable, by the real peer's rule
+    (peer/modules.fetch_modules): a module at another version than the task's base, unless a
+    newer one no later than the task's round (the peer then trains from it, its new base)."""
+    moved = False
+    for mid, version in versions.items():
+        want = offer.module_versions.get(mid, version)
+        if want < version <= offer.round:
+            offer.module_versions[mid] = version
+        elif version != want:
+            moved = True
+    return moved
 
 
 @dataclass
@@ -236,9 +250,10 @@ class Peer:
         """No path for this peer now. A real one claims again after ``retry_after`` with a long
         poll (``ClaimTask.wait``) that the scheduler answers as soon as a change of its work
         opens a path: here the peer waits in the cluster's queue of claims and is woken, in
-        turn, by such a change (``Cluster.work_changed``), or claims again after
-        ``poll_seconds``. Its claims meanwhile are charged as the ones a real peer sends, one
-        per ``retry_after`` (or per long poll)."""
+        turn, by such a change (``Cluster.work_changed``), or claims again after ``retry_after``
+        and a long poll, as a real one does (or after ``poll_seconds``, if longer). Its claims
+        meanwhile are charged as the ones a real peer sends, one per ``retry_after`` and long
+        poll."""
         if self.scheduler.core.polls.generation != self.served:
             # its work changed while the NoTask travelled: the long poll would have seen it
             self.enter("claim")
@@ -248,7 +263,8 @@ class Peer:
         ticket = object()
         self.waiting = ticket
         token, since = self.token, self.loop.now
-        every = max(retry_after, 0.5)
+        # a real idle peer claims once per NoTask's wait and long poll
+        every = retry_after + polls.LONG_POLL_SECONDS
 
         def again(woken: bool) -> bool:
             if self.waiting is not ticket or not self._live(token):
@@ -260,7 +276,7 @@ class Peer:
             return True
 
         self.swarm.cluster.on_work(lambda: again(True))
-        self.loop.after(max(self.swarm.settings.poll_seconds, retry_after), again, False)
+        self.loop.after(max(self.swarm.settings.poll_seconds, every), again, False)
 
     def by_owner(self, offer: m.TaskOffer | None = None) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
@@ -289,6 +305,13 @@ class Peer:
         def got(owner: str, reply: Any) -> None:
             if not isinstance(reply, m.Modules):
                 failed(reply)
+                return
+            if moved_past(offer, reply.versions):
+                # what the real peer does (peer/modules.fetch_modules raises TaskAborted): a
+                # module moved past the task's base cannot be trained from it; hand it back
+                release = m.ReleaseTask(peer_id=self.name, task_id=offer.task_id)
+                self.send(self.scheduler, release, lambda r: None, live=lambda: True)
+                failed("moved")
                 return
             self.have.update(reply.versions)
             sent = sorted({k.partition("/")[0] for k in reply.tensors})

@@ -167,10 +167,16 @@ def test_peers_that_push_behind_and_fetch_ahead_train_while_their_transfers_go_o
     assert behind.training() >= 0.7 and behind.training() > fed.training(), behind.shares
     # Fetching ahead too (--fetch-ahead): the next task's modules come in while this one trains.
     assert both.shares["all"]["fetch"] < behind.shares["all"]["fetch"], both.shares
-    assert both.training() >= 0.8, both.shares
+    # Since the simulated peer gives up a copy whose modules moved past its base at the fetch,
+    # as the real one does, and idle peers claim as often as real ones (2026-12-01), fetching
+    # ahead no longer raises the training share at 20 peers (0.733 against push behind's 0.777
+    # at this seed; 0.675 against 0.709 over seeds 0-5: docs/operations.md), where it counted
+    # the training of copies real peers give up.
+    assert both.training() >= 0.7, both.shares
     for kind in costs.PEER_KINDS:
-        assert both.training(kind.name) >= 0.7, (kind.name, both.shares)
+        assert both.training(kind.name) >= 0.6, (kind.name, both.shares)
     # The middle round (round 1 of 0-2): every second of it booked, the peers training most.
-    middle = both.steady["all"]
-    assert abs(sum(middle[s] for s in peers.STATES) - 1.0) < 1e-6, middle
-    assert both.training(steady=True) >= 0.75 and both.training("consumer", steady=True) >= 0.9
+    for run in (behind, both):
+        middle = run.steady["all"]
+        assert abs(sum(middle[s] for s in peers.STATES) - 1.0) < 1e-6, middle
+    assert behind.training(steady=True) >= 0.8 and both.training(steady=True) >= 0.6
