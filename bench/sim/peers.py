@@ -306,19 +306,22 @@ class Peer:
             if not isinstance(reply, m.Modules):
                 failed(reply)
                 return
-            if moved_past(offer, reply.versions):
-                # what the real peer does (peer/modules.fetch_modules raises TaskAborted): a
-                # module moved past the task's base cannot be trained from it; hand it back
-                release = m.ReleaseTask(peer_id=self.name, task_id=offer.task_id)
-                self.send(self.scheduler, release, lambda r: None, live=lambda: True)
-                failed("moved")
-                return
-            self.have.update(reply.versions)
+            moved = moved_past(offer, reply.versions)
+            if not moved:
+                self.have.update(reply.versions)
             sent = sorted({k.partition("/")[0] for k in reply.tensors})
             node = self.swarm.cluster.by_name[owner]
             when = transfer(self.loop, sizes.fp32(sent), [node.egress, self.down], 0.0)
 
             def arrived() -> None:
+                if moved:
+                    # what the real peer does once the reply is in (peer/modules.fetch_modules
+                    # raises TaskAborted): a module moved past the task's base cannot be
+                    # trained from; the task is handed back
+                    release = m.ReleaseTask(peer_id=self.name, task_id=offer.task_id)
+                    self.send(self.scheduler, release, lambda r: None, live=lambda: True)
+                    failed("moved")
+                    return
                 waiting.discard(owner)
                 if not waiting:
                     fetched()

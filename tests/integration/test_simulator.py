@@ -130,7 +130,8 @@ def test_peers_are_fed_with_more_paths_than_peers_overlap_and_hedging():
         shares = run.shares["all"]
         assert abs(sum(shares[s] for s in peers.STATES) - 1.0) < 1e-6  # every second booked
     assert sync.training() < 0.4, sync.shares
-    assert fed.training() >= 0.6 and fed.training() > 1.5 * sync.training(), fed.shares
+    # (0.74 here until the simulated peer gave up copies as the real one does: 0.60 since)
+    assert fed.training() >= 0.55 and fed.training() > 1.5 * sync.training(), fed.shares
     for kind in costs.PEER_KINDS:
         assert fed.training(kind.name) >= 0.55, (kind.name, fed.shares)
     for kind in ("datacenter", "consumer"):  # the slow tail is what a synchronous round waits for
@@ -141,11 +142,11 @@ def test_peers_are_fed_with_more_paths_than_peers_overlap_and_hedging():
 def test_peers_that_push_behind_and_fetch_ahead_train_while_their_transfers_go_on():
     """Push behind (the real peer's ``--push-behind``): a task's deltas and TaskDone go out
     while the peer claims and trains its next task, so no class waits on its uplink; fetch
-    ahead (``--fetch-ahead``) claims and downloads the next task during the last steps of one.
-    With both, every class trains most of its time, over the run and in its middle round (what
-    each round of a long run looks like: no first fetch, no last round's drain); every
-    acknowledged delta is applied exactly once. (At 20 peers the datacenter class is two or
-    three peers: the shares of a class are asserted loosely, those of all peers closely.)"""
+    ahead (``--fetch-ahead``) claims and downloads the next task during the last steps of one,
+    and cuts the time spent fetching. With push behind every class trains most of its time,
+    over the run and in its middle round (what each round of a long run looks like: no first
+    fetch, no last round's drain); with both, the peers do. Every acknowledged delta is applied
+    exactly once. (At 20 peers the datacenter class is two or three peers.)"""
     base = {
         "peers": 20,
         "owners": 1,
@@ -167,16 +168,17 @@ def test_peers_that_push_behind_and_fetch_ahead_train_while_their_transfers_go_o
     assert behind.training() >= 0.7 and behind.training() > fed.training(), behind.shares
     # Fetching ahead too (--fetch-ahead): the next task's modules come in while this one trains.
     assert both.shares["all"]["fetch"] < behind.shares["all"]["fetch"], both.shares
-    # Since the simulated peer gives up a copy whose modules moved past its base at the fetch,
-    # as the real one does, and idle peers claim as often as real ones (2026-12-01), fetching
-    # ahead no longer raises the training share at 20 peers (0.733 against push behind's 0.777
-    # at this seed; 0.675 against 0.709 over seeds 0-5: docs/operations.md), where it counted
-    # the training of copies real peers give up.
-    assert both.training() >= 0.7, both.shares
+    # Since the simulated peer gives up a copy whose modules moved past its base once its fetch
+    # is in, as the real one does, and idle peers claim as often as real ones (2026-12-01),
+    # fetching ahead no longer raises the training share at 20 peers (0.651 against push
+    # behind's 0.820 at this seed; 0.662 against 0.701 over seeds 0-5: docs/operations.md); it
+    # counted the training of copies real peers give up. At 20 peers a class is a few peers, and
+    # one run's class shares move by 20 points between seeds: they are asserted with push behind.
+    assert both.training() >= 0.6, both.shares
     for kind in costs.PEER_KINDS:
-        assert both.training(kind.name) >= 0.6, (kind.name, both.shares)
+        assert behind.training(kind.name) >= 0.7, (kind.name, behind.shares)
     # The middle round (round 1 of 0-2): every second of it booked, the peers training most.
     for run in (behind, both):
         middle = run.steady["all"]
         assert abs(sum(middle[s] for s in peers.STATES) - 1.0) < 1e-6, middle
-    assert behind.training(steady=True) >= 0.8 and both.training(steady=True) >= 0.6
+    assert behind.training(steady=True) >= 0.8 and both.training(steady=True) >= 0.5
