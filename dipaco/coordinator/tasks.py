@@ -17,6 +17,7 @@ from dipaco.coordinator import rounds, tickets
 from dipaco.coordinator.base import CoordinatorBase
 from dipaco.coordinator.leased import lease_task, task_of
 from dipaco.coordinator.leases import Lease
+from dipaco.coordinator.records import Task
 from dipaco.protocols import auth
 from dipaco.protocols import messages as m
 from dipaco.protocols.reasons import Reason
@@ -140,9 +141,23 @@ def claim(core: CoordinatorBase, req: m.ClaimTask) -> m.TaskOffer | m.NoTask:
 
 
 def fetch(core: CoordinatorBase, req: m.FetchModules) -> m.Modules:
+    """The task's modules this coordinator owns. If one of them has moved past the task's base,
+    the peer gives the task up on the versions alone (peer/modules.fetch_modules: a version
+    other than the base, unless newer but no later than the task's round): the reply carries
+    the versions and no tensors, which the peer would download for nothing."""
     core.roster.seen(req.peer_id)
     task = task_of(core, req.peer_id, req.task_id, req.ticket)
-    return _releases(core, core.topology.path_modules(task.path), req.have)
+    mids = [mid for mid in core.topology.path_modules(task.path) if core.owns(mid)]
+    return _releases(core, mids, req.have, tensors=not moved_past(core, task, mids))
+
+
+def moved_past(core: CoordinatorBase, task: Task, mids: Iterable[str]) -> bool:
+    """Whether a module of ``mids`` is at a version the peer cannot train ``task`` from."""
+    for mid in mids:
+        want, now = task.versions.get(mid), core.store.modules[mid].version
+        if want is not None and now != want and not want < now <= task.round:
+            return True
+    return False
 
 
 def fetch_releases(core: CoordinatorBase, req: m.FetchReleases) -> m.Modules:
@@ -156,19 +171,22 @@ def fetch_releases(core: CoordinatorBase, req: m.FetchReleases) -> m.Modules:
     return _releases(core, dict.fromkeys(req.modules), {})
 
 
-def _releases(core: CoordinatorBase, mids: Iterable[str], have: Mapping[str, int]) -> m.Modules:
+def _releases(
+    core: CoordinatorBase, mids: Iterable[str], have: Mapping[str, int], tensors: bool = True
+) -> m.Modules:
     """The modules ``mids`` that this coordinator owns, at their latest versions, signed; the
-    tensors of those whose version is not the one the caller ``have``s."""
-    versions, hashes, tensors, signatures = {}, {}, {}, {}
+    tensors of those whose version is not the one the caller ``have``s (none without
+    ``tensors``)."""
+    versions, hashes, sent, signatures = {}, {}, {}, {}
     for mid in mids:
         if not core.owns(mid):
             continue
         record = core.store.modules[mid]
         versions[mid], hashes[mid] = record.version, record.hash
         signatures[mid] = release_signature(core, mid, record.version, record.hash)
-        if have.get(mid) != record.version:
-            tensors.update({f"{mid}/{k}": v for k, v in record.params.items()})
-    return m.Modules(versions=versions, hashes=hashes, tensors=tensors, signatures=signatures)
+        if tensors and have.get(mid) != record.version:
+            sent.update({f"{mid}/{k}": v for k, v in record.params.items()})
+    return m.Modules(versions=versions, hashes=hashes, tensors=sent, signatures=signatures)
 
 
 def release_signature(core: CoordinatorBase, mid: str, version: int, digest: str) -> str:

@@ -1104,6 +1104,30 @@ def test_a_task_being_sent_behind_is_kept_when_its_round_closes_without_it(tmp_p
     assert not tr2.request(m.Heartbeat(peer_id="p3", task_id=dead.task_id)).lease_ok
 
 
+def test_a_fetch_for_a_task_whose_module_moved_past_its_base_sends_no_tensors(tmp_path):
+    """p3's round-1 task straggled and its round closed without it where it was not needed: a
+    module of its path moved past its base, and the peer would give the task up on the versions
+    (peer/modules.fetch_modules). Its fetch says the versions and sends no tensors (a hedged
+    copy's peer downloaded the path's modules for nothing); a task on the current versions
+    still gets its modules."""
+    clock = Clock()
+    co = make(tmp_path, clock)
+    tr = LocalTransport(co.handle)
+    sent = straggling_round(co, tr, clock)
+    clock.now = 26.0
+    co.tick()
+    assert any(co.store.version(mid) == 2 for mid in PATH3), versions(co)
+    fetch = m.FetchModules(peer_id="p3", task_id=sent.task_id, ticket=sent.ticket)
+    got = tr.request(fetch)
+    assert got.versions == {mid: co.store.version(mid) for mid in PATH3} and got.tensors == {}
+    fresh = claim(tr, "p0", prefer=0)
+    assert isinstance(fresh, m.TaskOffer) and fresh.module_versions == {
+        mid: co.store.version(mid) for mid in TOPO.path_modules(fresh.path)
+    }
+    got = tr.request(m.FetchModules(peer_id="p0", task_id=fresh.task_id, ticket=fresh.ticket))
+    assert {k.partition("/")[0] for k in got.tensors} == set(TOPO.path_modules(fresh.path))
+
+
 def test_an_outer_step_that_raises_ends_the_run_with_its_error_rather_than_hanging(
     tmp_path, monkeypatch
 ):
