@@ -162,6 +162,18 @@ def straggling_round(co, tr, clock):
     return tasks[3]
 
 
+def closed_without_path3(tmp_path, clock, **kw):
+    """``straggling_round``, then the tick at 26 s (past the 15 s deadline) that closes round 1
+    without path 3 where it was not needed. Returns the coordinator, its transport and p3's
+    task."""
+    co = make(tmp_path, clock, **kw)
+    tr = LocalTransport(co.handle)
+    task3 = straggling_round(co, tr, clock)
+    clock.now = 26.0
+    co.tick()
+    return co, tr, task3
+
+
 # ---- 1. the deadline rule ---------------------------------------------------------------------
 
 
@@ -480,11 +492,7 @@ def test_a_path_skipped_by_one_module_is_not_waited_for_by_the_others(tmp_path):
 
 def test_a_delta_more_than_max_staleness_late_is_rejected_stale(tmp_path):
     clock, events = Clock(), []
-    co = make(tmp_path, clock, events=events, max_staleness=0)
-    tr = LocalTransport(co.handle)
-    task3 = straggling_round(co, tr, clock)
-    clock.now = 26.0
-    co.tick()
+    co, tr, task3 = closed_without_path3(tmp_path, clock, events=events, max_staleness=0)
     assert set(versions(co).values()) == {2}
     assert rejected(lambda: tr.request(delta_for(task3, "p3"))) == "stale"
     assert all(not r.late and not r.pending for r in co.store.modules.values())
@@ -494,11 +502,7 @@ def test_a_delta_more_than_max_staleness_late_is_rejected_stale(tmp_path):
 
 def test_a_late_delta_cannot_claim_the_current_version_as_its_base(tmp_path):
     clock = Clock()
-    co = make(tmp_path, clock)
-    tr = LocalTransport(co.handle)
-    task3 = straggling_round(co, tr, clock)
-    clock.now = 26.0
-    co.tick()
+    co, tr, task3 = closed_without_path3(tmp_path, clock)
     forged = dict.fromkeys(task3.module_versions, 2)  # pretend it trained on version 2
     assert rejected(lambda: tr.request(delta_for(task3, "p3", base_versions=forged))) == (
         "wrong-base"
@@ -516,11 +520,7 @@ def test_a_two_versions_late_delta_is_stale_with_max_staleness_one(tmp_path):
     """Round 1 closes without p3, whose lease then expires; p4 takes path 3 for round 2 and
     straggles too; round 2 closes at its deadline; p3's round-1 delta is then 2 versions late."""
     clock = Clock()
-    co = make(tmp_path, clock)
-    tr = LocalTransport(co.handle)
-    task3 = straggling_round(co, tr, clock)
-    clock.now = 26.0
-    co.tick()
+    co, tr, task3 = closed_without_path3(tmp_path, clock)
     clock.now = 41.0  # p3's lease (last heartbeat at 20 s) has expired
     tasks = [claim(tr, f"p{p}", prefer=p) for p in range(3)] + [claim(tr, "p4", prefer=3)]
     assert [(t.path, t.round) for t in tasks] == [(0, 2), (1, 2), (2, 2), (3, 2)]
@@ -917,11 +917,7 @@ def test_a_stale_rejected_task_gives_its_path_back(tmp_path):
     round again: otherwise the peer's next claim would return the same dead task, path 3 would
     never be trained for round 2 and its modules would never close round 2."""
     clock = Clock()
-    co = make(tmp_path, clock, max_staleness=0)
-    tr = LocalTransport(co.handle)
-    task3 = straggling_round(co, tr, clock)
-    clock.now = 26.0
-    co.tick()
+    co, tr, task3 = closed_without_path3(tmp_path, clock, max_staleness=0)
     assert rejected(lambda: tr.request(delta_for(task3, "p3"))) == "stale"
     offer = claim(tr, "p3", prefer=3)
     assert (offer.path, offer.round) == (3, 2), (
@@ -1081,11 +1077,7 @@ def test_a_task_being_sent_behind_is_kept_when_its_round_closes_without_it(tmp_p
     meanwhile. The task is not dropped as a restarted peer's would be: its lease lives, and its
     delta is admitted late, not refused as a task whose lease ended."""
     clock = Clock()
-    co = make(tmp_path, clock)
-    tr = LocalTransport(co.handle)
-    sent = straggling_round(co, tr, clock)
-    clock.now = 26.0
-    co.tick()
+    co, tr, sent = closed_without_path3(tmp_path, clock)
     moved = {mid for mid in PATH3 if co.store.version(mid) == 2}
     assert moved, versions(co)  # the round closed without path 3 where it was not needed
     offer = tr.request(m.ClaimTask(peer_id="p3", holding=[sent.task_id]))
@@ -1111,11 +1103,7 @@ def test_a_fetch_for_a_task_whose_module_moved_past_its_base_sends_no_tensors(tm
     copy's peer downloaded the path's modules for nothing); a task on the current versions
     still gets its modules."""
     clock = Clock()
-    co = make(tmp_path, clock)
-    tr = LocalTransport(co.handle)
-    sent = straggling_round(co, tr, clock)
-    clock.now = 26.0
-    co.tick()
+    co, tr, sent = closed_without_path3(tmp_path, clock)
     assert any(co.store.version(mid) == 2 for mid in PATH3), versions(co)
     fetch = m.FetchModules(peer_id="p3", task_id=sent.task_id, ticket=sent.ticket)
     got = tr.request(fetch)
