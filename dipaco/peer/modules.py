@@ -100,7 +100,7 @@ def fetch_modules(
             signatures.update(more_signatures)
             fresh.update(more_fresh)
             seeds.from_owner += sum(1 for mid in missing if mid in more_fresh)
-    modules = {}
+    # Every version first: an owner sends no tensors for a task one of whose modules moved.
     for mid, want in task.module_versions.items():
         version = versions.get(mid)
         if version is None:
@@ -112,6 +112,8 @@ def fetch_modules(
             task.module_versions[mid] = want = version
         if version != want:
             raise TaskAborted(f"module {mid} moved to version {version} since the task was issued")
+    modules = {}
+    for mid, version in task.module_versions.items():
         if mid in fresh:
             tensors = fresh[mid]
         elif mid in cache and cache[mid][0] == version:

@@ -23,6 +23,8 @@ from dipaco.coordinator.scheduler import robust_deadline
 from dipaco.errors import RejectedError, TransportError
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig, new_dense_model
+from dipaco.peer.links import OwnerLinks, Patience
+from dipaco.peer.modules import TaskAborted, fetch_modules
 from dipaco.protocols import messages as m
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
@@ -1100,14 +1102,26 @@ def test_a_fetch_for_a_task_whose_module_moved_past_its_base_sends_no_tensors(tm
     """p3's round-1 task straggled and its round closed without it where it was not needed: a
     module of its path moved past its base, and the peer would give the task up on the versions
     (peer/modules.fetch_modules). Its fetch says the versions and sends no tensors (a hedged
-    copy's peer downloaded the path's modules for nothing); a task on the current versions
-    still gets its modules."""
+    copy's peer downloaded the path's modules for nothing), and the peer gives the task up as
+    moved; a task on the current versions still gets its modules."""
     clock = Clock()
     co, tr, sent = closed_without_path3(tmp_path, clock)
     assert any(co.store.version(mid) == 2 for mid in PATH3), versions(co)
     fetch = m.FetchModules(peer_id="p3", task_id=sent.task_id, ticket=sent.ticket)
     got = tr.request(fetch)
     assert got.versions == {mid: co.store.version(mid) for mid in PATH3} and got.tensors == {}
+    # quorum 0.75: S.embed and S.head moved, L0.M1 and L1.M1 wait for path 3. No tensors come
+    # either, and the peer gives the task up as moved whichever module it looks at first.
+    co, tr, task3 = path3_short_of_quorum(tmp_path / "quorum", Clock())
+    got = tr.request(m.FetchModules(peer_id="p3", task_id=task3.task_id, ticket=task3.ticket))
+    assert got.versions["L0.M1"] == 1 and got.versions["S.embed"] == 2 and got.tensors == {}
+    tr.server_key = KEY.public_key  # the releases are signed with the coordinator's key
+    patience = Patience("p3", 5.0, 0.1, threading.Event(), threading.Event())
+    links = OwnerLinks(tr, Identity.generate(), patience)
+    task3.module_versions = dict(sorted(task3.module_versions.items(), key=lambda kv: "S" in kv[0]))
+    assert next(iter(task3.module_versions)) == "L0.M1"  # unmoved, and not sent
+    with pytest.raises(TaskAborted, match="S.embed moved to version 2 since the task was"):
+        fetch_modules(links, task3, "p3", "test", {})
     fresh = claim(tr, "p0", prefer=0)
     assert isinstance(fresh, m.TaskOffer) and fresh.module_versions == {
         mid: co.store.version(mid) for mid in TOPO.path_modules(fresh.path)
