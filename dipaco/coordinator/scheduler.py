@@ -193,12 +193,19 @@ class Scheduler:
         self.texts.attempts.mark((path, rnd))
         return lease
 
-    def hedge(self, peer_id: str, done: Collection[tuple[int, int]]) -> Lease | None:
+    def hedge(
+        self,
+        peer_id: str,
+        done: Collection[tuple[int, int]],
+        moved: Callable[[Lease], bool] = lambda _lease: False,
+    ) -> Lease | None:
         """A copy of a straggler's task for ``peer_id``, which has nothing else to train: the
         oldest live task of another peer that has run longer than the typical (median) task,
         trains its path's current round (not a round ahead, whose start only its peer holds),
-        is not done and has no copy yet. The copy has its base versions and steps; None if no
-        task is late, or too few have finished to say what typical is."""
+        is not done, has no copy yet and whose modules have not ``moved`` past its base (a
+        copy's peer would find them moved and give it up: a fetch for nothing). The copy has its
+        base versions and steps; None if no task is late, or too few have finished to say what
+        typical is."""
         if len(self.durations) < self.policy.min_observations or self.leases_of(peer_id):
             return None
         typical, now = statistics.median(self.durations), self.clock()
@@ -212,6 +219,7 @@ class Scheduler:
                 and (x.path, x.round) not in done
                 and x.module_versions
                 and all(v >= x.round for v in x.module_versions.values())
+                and not moved(x)
                 and copy_ends_first(
                     x, self.paces.get(x.peer_id), self.paces.get(peer_id), self.durations, now
                 )

@@ -268,7 +268,7 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
             req.holding,
         )
     if lease is None and hedging(core) and not req.holding:
-        lease = scheduler.hedge(req.peer_id, core.book.done)
+        lease = scheduler.hedge(req.peer_id, core.book.done, lambda x: moved_on(core, x))
         if lease is not None:
             core.metrics(
                 {
@@ -279,6 +279,11 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
                 }
             )
     return lease
+
+
+def moved_on(core: CoordinatorBase, lease: Lease) -> bool:
+    """Whether a module of ``lease``'s path is past the base the task trains from."""
+    return any((core.version(mid) or 0) > v for mid, v in lease.module_versions.items())
 
 
 def hedging(core: CoordinatorBase) -> bool:

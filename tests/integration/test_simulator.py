@@ -130,7 +130,7 @@ def test_peers_are_fed_with_more_paths_than_peers_overlap_and_hedging():
         shares = run.shares["all"]
         assert abs(sum(shares[s] for s in peers.STATES) - 1.0) < 1e-6  # every second booked
     assert sync.training() < 0.4, sync.shares
-    # (0.74 here until the simulated peer gave up copies as the real one does: 0.64 since)
+    # (0.74 here until the simulated peer gave up copies as the real one does: 0.68 since)
     assert fed.training() >= 0.55 and fed.training() > 1.5 * sync.training(), fed.shares
     for kind in costs.PEER_KINDS:
         assert fed.training(kind.name) >= 0.55, (kind.name, fed.shares)
@@ -165,17 +165,20 @@ def test_peers_that_push_behind_and_fetch_ahead_train_while_their_transfers_go_o
         assert run.rounds_done == 3 and run.acked == run.applied and run.acked > 0
         assert run.lost == 0 and run.duplicated == 0
     assert fed.shares["all"]["push"] > 0.02 and behind.shares["all"]["push"] < 0.01, behind.shares
-    assert behind.training() >= 0.7 and behind.training() > fed.training(), behind.shares
+    # Training less wasted: hedging wastes the slow tail's work, and more of it without push
+    # behind (a copy of a straggler is trained to the end where the straggler's delta wins).
+    useful = {id(r): r.training() - r.shares["all"]["wasted"] for r in (fed, behind)}
+    assert behind.training() >= 0.6 and useful[id(behind)] > useful[id(fed)], behind.shares
     # Fetching ahead too (--fetch-ahead): the next task's modules come in while this one trains.
     assert both.shares["all"]["fetch"] < behind.shares["all"]["fetch"], both.shares
     # Since the simulated peer gives up a copy whose modules moved past its base, as the real
-    # one does, and idle peers claim as often as real ones (2026-12-01), the shares count no
-    # training of such copies: with both flags 0.725 at this seed (0.855 before), 0.700 over
-    # seeds 0-5 (docs/operations.md). At 20 peers a class is a few peers, and one run's class
-    # shares move by 20 points between seeds: they are asserted with push behind.
+    # one does, idle peers claim as often as real ones, and no such copy is offered
+    # (2026-12-01), the shares count no training of such copies: with both flags 0.737 at this
+    # seed (0.855 before; docs/operations.md, "The simulated peer as the real one"). At 20 peers
+    # a class is a few peers, and one run's class shares move by 20 points between seeds.
     assert both.training() >= 0.6, both.shares
     for kind in costs.PEER_KINDS:
-        assert behind.training(kind.name) >= 0.7, (kind.name, behind.shares)
+        assert behind.training(kind.name) >= 0.6, (kind.name, behind.shares)
     # The middle round (round 1 of 0-2): every second of it booked, the peers training most.
     for run in (behind, both):
         middle = run.steady["all"]

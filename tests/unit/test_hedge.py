@@ -108,3 +108,25 @@ def test_hedging_in_the_last_round_only_copies_no_earlier_straggler(tmp_path):
             assert (offer.path, offer.round) == (3, 1), offer  # the last round: a copy
             assert offer.task_id != straggler.task_id
             assert offer.module_versions == straggler.module_versions
+
+
+def test_a_straggler_whose_modules_moved_on_is_not_copied(tmp_path):
+    """Round 0 closes at its deadline without path 3 while p3 still trains it. A copy of that
+    task would train from the base the modules have left: its peer would fetch them, find them
+    moved and give the copy up. Nobody gets one."""
+    clock, events = Clock(), []
+    co = make(tmp_path, clock, events=events, hedge=True, min_observations=3)
+    tr = LocalTransport(co.handle)
+    tasks = [claim(tr, f"p{p}", prefer=p) for p in range(4)]
+    clock.now = 1.0
+    for p in range(3):  # three tasks of a second each: the typical task
+        tr.request(delta_for(tasks[p], f"p{p}"))
+    clock.now = 9.0
+    assert tr.request(m.Heartbeat(peer_id="p3", task_id=tasks[3].task_id, step=1)).lease_ok
+    clock.now = 11.0  # past the deadline (10 s, the floor): round 0 closes without path 3
+    co.tick()
+    assert set(versions(co).values()) == {1}
+    others = [claim(tr, f"p{p}", prefer=p) for p in range(3)]
+    assert [(t.path, t.round) for t in others] == [(0, 1), (1, 1), (2, 1)]
+    assert isinstance(claim(tr, "p9"), m.NoTask)  # path 3 is p3's; its round 0 is not copied
+    assert not [e for e in events if e["event"] == "task_hedged"]
