@@ -40,7 +40,8 @@ def test_a_peer_says_once_that_the_coordinator_is_lost_and_once_that_it_is_back(
                 proc.kill_group()
 
     lines = peer.output.splitlines()
-    outage = [line for line in lines if "the coordinator" in line]
+    # (not the clock line at Hello, "... from the coordinator's (measured at Hello)")
+    outage = [line for line in lines if "the coordinator " in line and "clock:" not in line]
     lost = [line for line in outage if "lost the coordinator" in line]
     back = [line for line in outage if "is back after" in line]
     assert len(lost) == 1 and len(back) == 1, peer.output

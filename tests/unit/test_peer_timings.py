@@ -19,9 +19,12 @@ def test_a_peer_times_each_part_of_its_tasks_and_counts_its_tokens(run_copy, tin
     assert all(seconds > 0 for seconds in peer.timings.values()), peer.timings
     line = time_summary(peer.timings)
     assert line.startswith("time: train ") and "waiting for work" in line
-    # In-process transfers are quick next to training: the link line says so, with no advice.
+    # In-process transfers are never blamed on a link: "fine", or, on a loaded machine where
+    # their fixed cost (connections, hashes, saves) weighs against 0.3 s tasks, said to be that
+    # (39% of one CI run's time), never "a thin link".
     link = link_line(peer.timings)
-    assert link.startswith("link: transfers took ") and link.endswith("fine"), link
+    assert link.startswith("link: transfers took ") and "thin link" not in link, link
+    assert link.endswith("fine") or "not the link" in link, link
 
 
 def test_a_thin_link_is_named_with_what_to_change():
