@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from dipaco.coordinator import rotation, tickets
 from dipaco.coordinator.core import Coordinator
@@ -31,6 +32,7 @@ from dipaco.protocols.reasons import Reason
 from dipaco.protocols.transport import Transport
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HAND_OVER_PATIENCE = 60.0  # seconds take_over keeps sending a request whose reply was lost
 
@@ -73,7 +75,7 @@ def take_over(
     return wanted
 
 
-def resending(call: Callable[[], m.Message], patience: float) -> m.Message:
+def resending(call: Callable[[], T], patience: float) -> T:
     """``call``, made again after a transport error (a reply lost or cut short on the way) for
     up to ``patience`` seconds; a refusal is raised at once."""
     began = time.monotonic()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dipaco.coordinator.core import Coordinator
+from dipaco.coordinator.owner import HAND_OVER_PATIENCE, resending
 from dipaco.errors import TransportError
 from dipaco.peer.download import RunFiles
 from dipaco.peer.identity import FollowingLink
@@ -193,7 +194,10 @@ def contact_scheduler(
     run_id, entry, manifest = discovery.find_run(node, run)
     scheduler = SchedulerLink(node, run_id, entry, node.transport)
     scheduler.authenticate(me, scheduler_key)
-    welcome = scheduler.request(m.Hello(peer_id=node.peer_id, device="coordinator"))
+    hello = m.Hello(peer_id=node.peer_id, device="coordinator")
+    # A first stream can end without a reply (a CI run saw it through a relay a second after
+    # joining): sent again, as every later request of the owner's is (owner.resending).
+    welcome = resending(lambda: scheduler.request(hello), HAND_OVER_PATIENCE)
     check_manifest(welcome, scheduler.server_key, entry["manifest"])  # as every peer checks it
     return run_id, manifest, scheduler
 

@@ -20,11 +20,13 @@ from dipaco.coordinator.core import Coordinator
 from dipaco.coordinator.outer import OuterSettings
 from dipaco.coordinator.owner import take_over
 from dipaco.coordinator.scheduler import robust_deadline
-from dipaco.errors import RejectedError, TransportError
+from dipaco.errors import DipacoError, RejectedError, TransportError
 from dipaco.model.topology import Topology
 from dipaco.model.transformer import ModelConfig, new_dense_model
+from dipaco.net import hivemind
 from dipaco.peer.links import OwnerLinks, Patience
 from dipaco.peer.modules import TaskAborted, fetch_modules
+from dipaco.protocols import discovery
 from dipaco.protocols import messages as m
 from dipaco.protocols.auth import Identity
 from dipaco.protocols.transport import LocalTransport
@@ -58,6 +60,7 @@ def make(
     rounds=4,
     validation=None,
     heldout_loss=None,
+    peer_config=None,
     **policy,
 ):
     co = Coordinator(
@@ -71,7 +74,7 @@ def make(
         outer=OuterSettings(),
         lease_seconds=lease,
         run_id="test",
-        peer_config={},
+        peer_config=peer_config or {},
         shard_tokens=SHARDS,
         metrics=events.append if events is not None else None,
         clock=clock or Clock(),
@@ -847,6 +850,52 @@ def test_a_hand_over_whose_replies_are_lost_is_sent_again_and_moves_the_module_o
     with pytest.raises(RejectedError) as err:
         take_over(third, LocalTransport(primary.handle), ["L1.M0"])
     assert err.value.reason == "not-owner"
+
+
+class ClosesFirstStream(LocalTransport):
+    """A link whose first stream ends without a reply (seen once in CI: an owner joined through
+    the scheduler's relay, and its Hello's stream closed a second after it joined the DHT)."""
+
+    closed = 0
+
+    def _roundtrip(self, data):
+        if not self.closed:
+            self.closed += 1
+            raise TransportError("QmScheduler closed the stream without a reply")
+        return super()._roundtrip(data)
+
+
+class OneRunDHT:  # the DHT's run record and manifest; the real DHT is in tests/integration
+    def __init__(self, entry, manifest):
+        self.records = {"dipaco.runs": {"test": entry}, discovery.key("test", "manifest"): manifest}
+        self.links = []
+
+    def get(self, key):
+        return self.records.get(key)
+
+    def transport(self, target, addresses):
+        self.links.append(target)
+        return self.link
+
+
+def test_an_owner_whose_first_hello_gets_no_reply_says_it_again(tmp_path):
+    """An owner's first request to the scheduler is sent again after a transport error, as
+    every later one of its start is (take_over), instead of ending the owner with it."""
+    primary = make(tmp_path / "a", peer_config={"run_id": "test"})
+    manifest = primary.peer_config  # with the scheduler's key and its owner id
+    entry = {"scheduler": "QmScheduler", "manifest": discovery.manifest_sha256(manifest)}
+    node = OneRunDHT(entry, manifest)
+    node.peer_id = "b"
+    node.link = ClosesFirstStream(primary.handle)
+    run_id, got, scheduler = hivemind.contact_scheduler(node, KEY, None, KEY.public_key)
+    assert (run_id, got, node.link.closed) == ("test", manifest, 1)
+    assert isinstance(scheduler.request(m.GetOwners()), m.Owners)  # the link stays usable
+    # A refusal is not a lost reply: raised at once (here the owner's own: the reply to the
+    # Hello sent again is signed by another key than the one it pinned for the scheduler).
+    node.link = ClosesFirstStream(primary.handle)
+    with pytest.raises(DipacoError, match="reply refused: signed by"):
+        hivemind.contact_scheduler(node, KEY, None, Identity.generate().public_key)
+    assert node.link.closed == 1
 
 
 def test_a_restarted_new_owner_keeps_the_handed_over_pending_delta(tmp_path):
