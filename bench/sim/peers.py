@@ -36,11 +36,13 @@ def moved_past(offer: m.TaskOffer, versions: dict[str, int]) -> bool:
     newer one no later than the task's round (the peer then trains from it, its new base)."""
     moved = False
     for mid, version in versions.items():
-        want = offer.module_versions.get(mid, version)
-        if want < version <= offer.round:
-            offer.module_versions[mid] = version
-        elif version != want:
+        if mid not in offer.module_versions:
+            continue
+        base = m.trains_from(offer.module_versions[mid], offer.round, version)
+        if base is None:
             moved = True
+        else:
+            offer.module_versions[mid] = base
     return moved
 
 

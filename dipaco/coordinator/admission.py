@@ -178,9 +178,14 @@ def check_state(core: CoordinatorBase, req: m.SubmitDelta, task, mids: list[str]
         record = core.store.modules[mid]
         issued, base = task.versions.get(mid), req.base_versions.get(mid)
         # The task's base; or, for an ahead task (overlap) whose module reached the task's
-        # round before the peer fetched it, that newer version.
+        # round before the peer fetched it, that newer version (messages.trains_from).
         newer = type(base) is int and issued is not None and issued < base <= task.round
-        if issued is None or base is None or not (base == issued or newer) or base > record.version:
+        if (
+            issued is None
+            or type(base) is not int
+            or m.trains_from(issued, task.round, base) is None
+            or base > record.version
+        ):
             core.refusals.refuse(
                 req.peer_id,
                 Reason.WRONG_BASE,

@@ -155,7 +155,7 @@ def moved_past(core: CoordinatorBase, task: Task, mids: Iterable[str]) -> bool:
     """Whether a module of ``mids`` is at a version the peer cannot train ``task`` from."""
     for mid in mids:
         want, now = task.versions.get(mid), core.store.modules[mid].version
-        if want is not None and now != want and not want < now <= task.round:
+        if want is not None and m.trains_from(want, task.round, now) is None:
             return True
     return False
 
@@ -282,8 +282,11 @@ def lease_open_or_ahead(core: CoordinatorBase, req: m.ClaimTask) -> Lease | None
 
 
 def moved_on(core: CoordinatorBase, lease: Lease) -> bool:
-    """Whether a module of ``lease``'s path is past the base the task trains from."""
-    return any((core.version(mid) or 0) > v for mid, v in lease.module_versions.items())
+    """Whether a module of ``lease``'s path moved past the base a copy would train from."""
+    return any(
+        m.trains_from(v, lease.round, core.version(mid) or 0) is None
+        for mid, v in lease.module_versions.items()
+    )
 
 
 def hedging(core: CoordinatorBase) -> bool:

@@ -106,12 +106,12 @@ def fetch_modules(
         if version is None:
             links.refresh()
             raise TaskAborted(f"no owner served module {mid}; owners refreshed")
-        if want < version <= task.round:
-            # An ahead task (overlap) whose module reached the task's round meanwhile: train
-            # from the newer version, and say so as the delta's base (the coordinator allows it).
-            task.module_versions[mid] = want = version
-        if version != want:
+        # An ahead task (overlap) whose module reached the task's round meanwhile trains from
+        # the newer version, and says so as the delta's base (the coordinator allows it).
+        base = m.trains_from(want, task.round, version)
+        if base is None:
             raise TaskAborted(f"module {mid} moved to version {version} since the task was issued")
+        task.module_versions[mid] = base
     modules = {}
     for mid, version in task.module_versions.items():
         if mid in fresh:

@@ -275,6 +275,17 @@ class TaskOffer:
     score_first: bool = field(default=False, metadata={"omit_empty": True})
 
 
+def trains_from(issued: int, task_round: int, version: int) -> int | None:
+    """The base a task issued against a module's version ``issued``, for round ``task_round``,
+    trains from when the module is at ``version``: ``issued`` itself, or a newer version no
+    later than the task's round (an ahead task, overlap, whose module reached its round before
+    the peer fetched it); None when the module moved past it, and the peer gives the task up.
+    The one rule the peer's fetch, the owner's fetch reply, admission and hedging apply."""
+    if version == issued or issued < version <= task_round:
+        return version
+    return None
+
+
 @message
 class NoTask:
     reason: str

@@ -28,3 +28,13 @@ def test_a_newer_version_no_later_than_the_round_becomes_the_base():
 def test_the_versions_asked_for_train():
     task = offer(1, {"L0.M0": 1})
     assert not moved_past(task, {"L0.M0": 1}) and task.module_versions == {"L0.M0": 1}
+
+
+def test_the_rule_every_side_applies():
+    """messages.trains_from: the peer's fetch, the owner's fetch reply, admission, hedging and
+    this simulator all judge a module's version by it."""
+    assert m.trains_from(3, 3, 3) == 3  # at the base
+    assert m.trains_from(3, 4, 4) == 4  # an ahead task's module reached its round
+    assert m.trains_from(3, 4, 5) is None  # past the round
+    assert m.trains_from(3, 3, 4) is None  # a task on time, its module stepped without it
+    assert m.trains_from(3, 4, 2) is None  # older than the base: never served for the task
