@@ -38,6 +38,10 @@ One part changed at a time: ``--fed-scheduler 'overlap_start = "eager"'`` (a fur
 both), ``--fed-outer`` (of the fed schedule alone; its run is prepared apart, the outer step
 being the run's) and ``--validation 'heldout_check = false'`` (a ``[validation]`` line of both).
 docs/operations.md has what each candidate did.
+
+Each comparison is followed by the same ratio for each path's validation documents alone, and
+their geometric mean over paths: the run's perplexity is a mean over all validation tokens, and
+one path a slow peer keeps can swing it by more than every other path together.
 """
 
 from __future__ import annotations
@@ -91,49 +95,60 @@ def outer_lines(schedule: str, args: argparse.Namespace) -> list[str]:
     return [*args.outer, *(args.fed_outer if schedule == "fed" else [])]
 
 
-def initial_ppl(root: Path) -> float:
+def initial_ppl(root: Path) -> dict:
     """The validation perplexity of a run's initial modules (its round 0), as the coordinator
-    validates a round: the run folder's config, its documents, the routed paths."""
+    validates a round: the run folder's config, its documents, the routed paths; ``ppl`` and
+    ``per_path`` (path -> perplexity, the paths with validation documents)."""
     prep = prepare(root, read_run_config(root))
     initial = prep.config.build_topology().init_modules(prep.initial_state())
-    return float(evaluate_modules(prep, initial.__getitem__)["ppl"])
+    result = evaluate_modules(prep, initial.__getitem__)
+    paths = {str(p): float(v["ppl"]) for p, v in result["per_path"].items()}
+    return {"ppl": float(result["ppl"]), "per_path": paths}
 
 
-def curve(root: Path, start_ppl: float) -> list[dict]:
+def curve(root: Path, start: dict) -> list[dict]:
     """Each round's validation: the wall time its round closed (from the first task issued), the
     tokens of the tasks acknowledged by then, and the perplexity; from round 0 (the initial
     modules, at 0 s and 0 tokens), which every schedule shares, so that any two runs' curves
     cover a common span however late their first rounds close."""
     log = events(root)
-    start = min(e["time"] for e in log if e["event"] == "task_issued")
+    began = min(e["time"] for e in log if e["event"] == "task_issued")
     closed = {e["round"]: e["time"] for e in log if e["event"] == "round"}
     acked: dict[str, tuple[float, int]] = {}
     for e in log:
         if e["event"] == "delta_acked" and e["task"] not in acked:
             acked[e["task"]] = (e["time"], int(e["tokens"]))
-    points = [{"round": 0, "wall_s": 0.0, "tokens": 0, "ppl": start_ppl}]
+    points = [{"round": 0, "wall_s": 0.0, "tokens": 0, **start}]
     for e in log:
         if e["event"] == "eval" and e["round"] in closed:
             t = closed[e["round"]]
             tokens = sum(n for when, n in acked.values() if when <= t)
-            points.append({"round": e["round"], "wall_s": t - start, "tokens": tokens,
-                           "ppl": e["ppl"]})  # fmt: skip
+            points.append({"round": e["round"], "wall_s": t - began, "tokens": tokens,
+                           "ppl": e["ppl"], "per_path": e.get("per_path", {})})  # fmt: skip
     return sorted(points, key=lambda p: p["round"])
 
 
-def at(points: list[dict], key: str, x: float) -> float | None:
-    """The log perplexity at ``x`` of ``key`` (wall_s or tokens), linear between rounds; None
-    outside the curve."""
+def at(points: list[dict], key: str, x: float, path: str | None = None) -> float | None:
+    """The log perplexity (of ``path``'s documents alone, if given) at ``x`` of ``key``
+    (wall_s or tokens), linear between rounds; None outside the curve or where a round did
+    not validate the path."""
+
+    def ppl(point: dict) -> float | None:
+        return point["ppl"] if path is None else point.get("per_path", {}).get(path)
+
     for a, b in itertools.pairwise(points):
         if a[key] <= x <= b[key]:
+            pa, pb = ppl(a), ppl(b)
+            if pa is None or pb is None:
+                return None
             span = b[key] - a[key]
             w = 0.0 if span == 0 else (x - a[key]) / span
-            return (1 - w) * math.log(a["ppl"]) + w * math.log(b["ppl"])
+            return (1 - w) * math.log(pa) + w * math.log(pb)
     return None
 
 
-def mean_at(runs: list[list[dict]], key: str, x: float) -> float | None:
-    values = [at(points, key, x) for points in runs]
+def mean_at(runs: list[list[dict]], key: str, x: float, path: str | None = None) -> float | None:
+    values = [at(points, key, x, path) for points in runs]
     if any(v is None for v in values):
         return None
     return sum(values) / len(values)  # type: ignore[arg-type]
@@ -160,6 +175,24 @@ def compare(curves: dict[str, list[list[dict]]], key: str) -> dict:
         "sync_end_ppl": math.exp(mean_at(curves["sync"], key, hi) or 0.0),
         "fed_end_ppl": math.exp(mean_at(curves["fed"], key, hi) or 0.0),
     }
+
+
+def per_path(curves: dict[str, list[list[dict]]], key: str) -> dict[str, float]:
+    """fed / sync perplexity of each path's documents at the end of the span every run covers
+    (``key``: wall_s or tokens). The run's perplexity is a mean over all validation tokens, so
+    one path whose perplexity swings by orders of magnitude (a path a slow peer keeps) moves it
+    more than every other path together (docs/operations.md); this says which paths differ."""
+    hi = min(points[-1][key] for runs in curves.values() for points in runs)
+    paths = sorted(
+        {p for runs in curves.values() for pts in runs for p in pts[-1].get("per_path", {})},
+        key=int,
+    )
+    ratios = {}
+    for p in paths:
+        sync, fed = mean_at(curves["sync"], key, hi, p), mean_at(curves["fed"], key, hi, p)
+        if sync is not None and fed is not None:
+            ratios[p] = math.exp(fed - sync)
+    return ratios
 
 
 def plot(curves: dict[str, list[list[dict]]], file: Path, title: str) -> Path | None:
@@ -359,6 +392,16 @@ def report(
             )
         console.print(line)
         lines.append(line)
+        paths = per_path(curves, "wall_s" if unit else "tokens")
+        if paths:
+            geo = math.exp(sum(math.log(r) for r in paths.values()) / len(paths))
+            console.print(
+                "  each path's documents at the end: "
+                + ", ".join(f"P{p} {r:.3f}" for p, r in paths.items())
+                + f"; geometric mean over paths {geo:.3f}",
+                soft_wrap=True,
+            )
+            lines.append(f"paths' geometric mean {geo:.3f}")
     once = all(r["applied_once"] for r in rows)
     console.print(f"every acknowledged delta applied in exactly one outer step: {once}")
     out = Path(args.out)

@@ -100,10 +100,14 @@ def test_the_schedules_bench_compares_both_schedules_on_their_validation_curves(
         # end above them: 217.8 against 157.0 in one CI run)
         start = r["curve"][0]
         assert start["tokens"] == 0 and start["wall_s"] == 0 and start["ppl"] > 1, start
+        # each round's perplexity per path, for the same paths as round 0's
+        assert start["per_path"] and all(v > 1 for v in start["per_path"].values()), start
+        assert all(p["per_path"].keys() == start["per_path"].keys() for p in r["curve"])
     assert rows[0]["ahead_tasks"] == 0 and rows[1]["fetched_ahead_tasks"] >= 0
     out = done.stdout
     assert "per wall-clock second: fed / sync perplexity" in out and "per token:" in out, out
     assert "every acknowledged delta applied in exactly one outer step: True" in out
+    assert out.count("geometric mean over paths") == 2, out
     assert (tmp_path / "schedules.html").exists() and "| schedules | per wall" in doc.read_text()
 
 
